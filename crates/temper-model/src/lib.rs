@@ -1,0 +1,89 @@
+//! Llama / Qwen2 / Qwen3 decoders with LoRA on candle — one forward path for
+//! sampling and training.
+//!
+//! - [`Pretrained::load`] reads a Hugging Face model directory: `config.json`,
+//!   `model.safetensors` or a sharded index (memory-mapped), `tokenizer.json`,
+//!   `tokenizer_config.json`, `chat_template.jinja`, `generation_config.json`.
+//! - [`Model::forward_hidden`] is the only forward. Training
+//!   ([`Model::score`]: per-token logprobs and entropy of target tokens),
+//!   prefill and KV-cached decode ([`Sampler`]) all go through it, and it is
+//!   built from differentiable candle primitives only.
+//! - [`LoraAdapter`] holds trainable low-rank updates for a frozen base and
+//!   saves/loads the PEFT layout; [`Model::make_trainable`] switches to
+//!   full-parameter training instead.
+//! - [`ChatTemplate`] renders the model's Jinja chat template exactly as
+//!   transformers' `apply_chat_template` does.
+//!
+//! **Zero train–inference mismatch.** The logprobs a [`Sampler`] reports are
+//! computed by [`Model::score`] on the finished sequence — the trainer's own
+//! function, on the same shapes — so they are bit-identical to what the
+//! trainer computes for the same tokens and weights. See [`scoring`].
+//!
+//! ```no_run
+//! use temper_model::{GenerationRequest, LoadOptions, Pretrained, Sampler, SamplingParams};
+//! let p = Pretrained::load("path/to/Qwen3-0.6B".as_ref(), &LoadOptions::default())?;
+//! let prompt = p.tokenizer.encode("The capital of France is", true)?;
+//! let sampler = Sampler::new(&p.model, &p.tokenizer, p.generation.eos_token_ids.clone());
+//! let params = SamplingParams { max_tokens: 8, temperature: 0.0, ..Default::default() };
+//! let out = sampler.generate(&[GenerationRequest { prompt, n: 1, params }], None)?;
+//! println!("{}", out[0][0].text);
+//! # Ok::<(), temper_model::ModelError>(())
+//! ```
+#![deny(missing_docs)]
+
+mod chat;
+mod config;
+mod error;
+mod lora;
+mod model;
+mod pretrained;
+mod rope;
+pub mod sampling;
+pub mod scoring;
+mod tokenizer;
+mod weights;
+
+pub use chat::ChatTemplate;
+pub use config::{Family, HfConfig, ModelConfig, RopeScaling};
+pub use error::{ModelError, Result};
+pub use lora::{LoraAdapter, LoraConfig, LoraPair, Target};
+pub use model::{KvCache, Model, Segment};
+pub use pretrained::{GenerationDefaults, LoadOptions, Pretrained};
+pub use rope::{inv_freq, Rope};
+pub use sampling::{Completion, FinishReason, GenerationRequest, Sampler, SamplingParams};
+pub use scoring::{ScoreInput, TokenScores};
+pub use tokenizer::{load_chat_template, Tokenizer};
+pub use weights::Checkpoint;
+
+/// Re-exported so callers can name devices, dtypes and tensors.
+pub use candle_core;
+
+/// Set the number of CPU threads the tensor kernels use. Call it before the
+/// first tensor operation (it sets `RAYON_NUM_THREADS`, which candle and its
+/// matmul read).
+pub fn set_num_threads(n: usize) {
+    if n > 0 {
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
+/// The compute device: CUDA device 0 when built with the `cuda` feature and a
+/// GPU is present, else the CPU.
+pub fn default_device() -> Result<candle_core::Device> {
+    #[cfg(feature = "cuda")]
+    {
+        if let Ok(d) = candle_core::Device::new_cuda(0) {
+            return Ok(d);
+        }
+    }
+    Ok(candle_core::Device::Cpu)
+}
+
+/// f32 on CPU, bf16 on CUDA.
+pub fn default_dtype(device: &candle_core::Device) -> candle_core::DType {
+    if device.is_cuda() {
+        candle_core::DType::BF16
+    } else {
+        candle_core::DType::F32
+    }
+}

@@ -1,0 +1,482 @@
+//! The decoder: Llama, Qwen2 and Qwen3 in one file, because they differ only
+//! by the flags of [`ModelConfig`] (q/k/v bias, per-head q/k RMSNorm, rope
+//! scaling, tied embeddings).
+//!
+//! One forward, [`Model::forward_hidden`], serves training, prefill and
+//! decode. It takes the tokens of several sequences packed into one row
+//! dimension: linear layers run over all of them at once and attention runs
+//! per sequence, each against its own KV cache (or none, for training). Every
+//! op is differentiable — no fused inference-only kernel — so the same code
+//! that samples can be trained through.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::lora::{LoraAdapter, LoraPair, Target};
+use crate::rope::Rope;
+use crate::weights::Checkpoint;
+
+/// A linear layer `y = x·Wᵀ + b` with an optional LoRA update.
+#[derive(Debug, Clone)]
+struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn load(ck: &Checkpoint, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
+        let weight = ck.get(&format!("{name}.weight"), &[out, inp])?;
+        let bias = if bias {
+            Some(ck.get(&format!("{name}.bias"), &[out])?)
+        } else {
+            None
+        };
+        Ok(Self { weight, bias })
+    }
+
+    /// `x`: `[n, in]` → `[n, out]`.
+    fn forward(&self, x: &Tensor, lora: Option<(&LoraPair, f64)>) -> Result<Tensor> {
+        let mut y = x.matmul(&self.weight.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        if let Some((p, scale)) = lora {
+            let down = x.matmul(&p.a.as_tensor().t()?)?;
+            let up = down.matmul(&p.b.as_tensor().t()?)?;
+            y = (y + up.affine(scale, 0.0)?)?;
+        }
+        Ok(y)
+    }
+}
+
+/// RMSNorm from differentiable primitives (candle's fused `rms_norm` has no
+/// backward). Normalises over the last dimension.
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let var = x.sqr()?.mean_keepdim(D::Minus1)?;
+    let denom = (var + eps)?.sqrt()?;
+    Ok(x.broadcast_div(&denom)?.broadcast_mul(weight)?)
+}
+
+/// Softmax over the last dimension from differentiable primitives.
+pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// Log-softmax over the last dimension from differentiable primitives.
+pub(crate) fn log_softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let shifted = x.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    Ok(shifted.broadcast_sub(&lse)?)
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    input_norm: Tensor,
+    attn: Attention,
+    post_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// Keys and values of one sequence, per layer: `[kv_heads, len, head_dim]`.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for a model with `num_layers` layers.
+    pub fn new(num_layers: usize) -> Self {
+        Self {
+            layers: vec![None; num_layers],
+            len: 0,
+        }
+    }
+
+    /// Tokens cached so far (= the position of the next token).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// One sequence's slice of a packed forward: `len` new tokens, appended to
+/// `cache` when given (positions continue from `cache.len()`); without a
+/// cache the tokens are a whole sequence starting at position 0.
+pub struct Segment<'a> {
+    /// New tokens of this sequence in the packed input.
+    pub len: usize,
+    /// The sequence's KV cache, if it is being decoded.
+    pub cache: Option<&'a mut KvCache>,
+}
+
+/// A Llama / Qwen2 / Qwen3 decoder with frozen (or fully trainable) weights.
+#[derive(Debug, Clone)]
+pub struct Model {
+    cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    /// `None` when tied to `embed`.
+    lm_head: Option<Tensor>,
+    rope: Rope,
+    device: Device,
+    dtype: DType,
+}
+
+impl Model {
+    /// Build the model from a checkpoint, checking every tensor's shape.
+    pub fn load(cfg: &ModelConfig, ck: &Checkpoint, dtype: DType, device: &Device) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let embed = ck.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let lin = |t: Target, bias: bool| {
+                let (out, inp) = t.shape(cfg);
+                Linear::load(ck, &format!("{p}.{}", t.path()), out, inp, bias)
+            };
+            let attn = Attention {
+                q: lin(Target::Q, cfg.qkv_bias)?,
+                k: lin(Target::K, cfg.qkv_bias)?,
+                v: lin(Target::V, cfg.qkv_bias)?,
+                o: lin(Target::O, cfg.o_bias)?,
+                q_norm: if cfg.qk_norm {
+                    Some(ck.get(&format!("{p}.self_attn.q_norm.weight"), &[cfg.head_dim])?)
+                } else {
+                    None
+                },
+                k_norm: if cfg.qk_norm {
+                    Some(ck.get(&format!("{p}.self_attn.k_norm.weight"), &[cfg.head_dim])?)
+                } else {
+                    None
+                },
+            };
+            let mlp = Mlp {
+                gate: lin(Target::Gate, cfg.mlp_bias)?,
+                up: lin(Target::Up, cfg.mlp_bias)?,
+                down: lin(Target::Down, cfg.mlp_bias)?,
+            };
+            layers.push(Layer {
+                input_norm: ck.get(&format!("{p}.input_layernorm.weight"), &[h])?,
+                attn,
+                post_norm: ck.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                mlp,
+            });
+        }
+        let norm = ck.get("model.norm.weight", &[h])?;
+        let lm_head = if cfg.tie_word_embeddings && !ck.contains("lm_head.weight") {
+            None
+        } else {
+            Some(ck.get("lm_head.weight", &[cfg.vocab_size, h])?)
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope: Rope::new(cfg, dtype, device)?,
+            device: device.clone(),
+            dtype,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Where the weights live.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Turn every base weight into a trainable variable (full-parameter
+    /// training) and return them with their checkpoint names.
+    pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
+        let mut vars = Vec::new();
+        let mut var = |name: String, t: &mut Tensor| -> Result<()> {
+            let v = Var::from_tensor(t)?;
+            *t = v.as_tensor().clone();
+            vars.push((name, v));
+            Ok(())
+        };
+        var("model.embed_tokens.weight".into(), &mut self.embed)?;
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            var(format!("{p}.input_layernorm.weight"), &mut l.input_norm)?;
+            var(
+                format!("{p}.post_attention_layernorm.weight"),
+                &mut l.post_norm,
+            )?;
+            for (t, lin) in [
+                (Target::Q, &mut l.attn.q),
+                (Target::K, &mut l.attn.k),
+                (Target::V, &mut l.attn.v),
+                (Target::O, &mut l.attn.o),
+                (Target::Gate, &mut l.mlp.gate),
+                (Target::Up, &mut l.mlp.up),
+                (Target::Down, &mut l.mlp.down),
+            ] {
+                var(format!("{p}.{}.weight", t.path()), &mut lin.weight)?;
+                if let Some(b) = lin.bias.as_mut() {
+                    var(format!("{p}.{}.bias", t.path()), b)?;
+                }
+            }
+            if let Some(n) = l.attn.q_norm.as_mut() {
+                var(format!("{p}.self_attn.q_norm.weight"), n)?;
+            }
+            if let Some(n) = l.attn.k_norm.as_mut() {
+                var(format!("{p}.self_attn.k_norm.weight"), n)?;
+            }
+        }
+        var("model.norm.weight".into(), &mut self.norm)?;
+        if let Some(h) = self.lm_head.as_mut() {
+            var("lm_head.weight".into(), h)?;
+        }
+        Ok(vars)
+    }
+
+    /// The base weights with `adapter` merged in (`W + scale·B·A`): a plain
+    /// model that needs no adapter at run time, e.g. for export.
+    pub fn merge_lora(&self, adapter: &LoraAdapter) -> Result<Model> {
+        let mut merged = self.clone();
+        let scale = adapter.scale();
+        for (i, l) in merged.layers.iter_mut().enumerate() {
+            for (t, lin) in [
+                (Target::Q, &mut l.attn.q),
+                (Target::K, &mut l.attn.k),
+                (Target::V, &mut l.attn.v),
+                (Target::O, &mut l.attn.o),
+                (Target::Gate, &mut l.mlp.gate),
+                (Target::Up, &mut l.mlp.up),
+                (Target::Down, &mut l.mlp.down),
+            ] {
+                if let Some(p) = adapter.get(i, t) {
+                    let delta =
+                        p.b.as_tensor()
+                            .matmul(p.a.as_tensor())?
+                            .affine(scale, 0.0)?;
+                    lin.weight = (lin.weight.detach() + delta.detach())?;
+                }
+            }
+        }
+        Ok(merged)
+    }
+
+    /// Every weight under its Hugging Face checkpoint name (tied `lm_head`
+    /// omitted), for saving.
+    pub fn named_weights(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed.detach())];
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            out.push((format!("{p}.input_layernorm.weight"), l.input_norm.detach()));
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                l.post_norm.detach(),
+            ));
+            for (t, lin) in [
+                (Target::Q, &l.attn.q),
+                (Target::K, &l.attn.k),
+                (Target::V, &l.attn.v),
+                (Target::O, &l.attn.o),
+                (Target::Gate, &l.mlp.gate),
+                (Target::Up, &l.mlp.up),
+                (Target::Down, &l.mlp.down),
+            ] {
+                out.push((format!("{p}.{}.weight", t.path()), lin.weight.detach()));
+                if let Some(b) = &lin.bias {
+                    out.push((format!("{p}.{}.bias", t.path()), b.detach()));
+                }
+            }
+            if let Some(n) = &l.attn.q_norm {
+                out.push((format!("{p}.self_attn.q_norm.weight"), n.detach()));
+            }
+            if let Some(n) = &l.attn.k_norm {
+                out.push((format!("{p}.self_attn.k_norm.weight"), n.detach()));
+            }
+        }
+        out.push(("model.norm.weight".into(), self.norm.detach()));
+        if let Some(h) = &self.lm_head {
+            out.push(("lm_head.weight".into(), h.detach()));
+        }
+        out
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::InvalidInput(format!(
+                "token id {bad} is out of range for vocabulary size {}",
+                self.cfg.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// The one forward. `ids` holds the new tokens of all `segments`
+    /// back to back; returns the final-norm hidden states `[ids.len(), hidden]`.
+    /// Caches in `segments` are extended with the new keys and values.
+    pub fn forward_hidden(
+        &self,
+        ids: &[u32],
+        segments: &mut [Segment<'_>],
+        lora: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        let total: usize = segments.iter().map(|s| s.len).sum();
+        if total != ids.len() || ids.is_empty() || segments.iter().any(|s| s.len == 0) {
+            return Err(ModelError::InvalidInput(format!(
+                "packed forward: {} ids for segments {:?}",
+                ids.len(),
+                segments.iter().map(|s| s.len).collect::<Vec<_>>()
+            )));
+        }
+        self.check_ids(ids)?;
+        let idx = Tensor::new(ids, &self.device)?;
+        let mut x = self.embed.index_select(&idx, 0)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps)?;
+            let a = self.attention(li, &layer.attn, &h, segments, lora)?;
+            x = (x + a)?;
+            let h = rms_norm(&x, &layer.post_norm, self.cfg.rms_norm_eps)?;
+            let m = self.mlp(li, &layer.mlp, &h, lora)?;
+            x = (x + m)?;
+        }
+        for s in segments.iter_mut() {
+            if let Some(c) = s.cache.as_deref_mut() {
+                c.len += s.len;
+            }
+        }
+        rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
+    }
+
+    /// Logits `[n, vocab]` for hidden states `[n, hidden]`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let w = self.lm_head.as_ref().unwrap_or(&self.embed);
+        Ok(hidden.matmul(&w.t()?)?)
+    }
+
+    fn lora_of<'a>(
+        lora: Option<&'a LoraAdapter>,
+        layer: usize,
+        t: Target,
+    ) -> Option<(&'a LoraPair, f64)> {
+        lora.and_then(|a| a.get(layer, t).map(|p| (p, a.scale())))
+    }
+
+    fn mlp(&self, li: usize, m: &Mlp, x: &Tensor, lora: Option<&LoraAdapter>) -> Result<Tensor> {
+        let gate = m.gate.forward(x, Self::lora_of(lora, li, Target::Gate))?;
+        let up = m.up.forward(x, Self::lora_of(lora, li, Target::Up))?;
+        let act = (gate.silu()? * up)?;
+        m.down.forward(&act, Self::lora_of(lora, li, Target::Down))
+    }
+
+    fn attention(
+        &self,
+        li: usize,
+        at: &Attention,
+        x: &Tensor,
+        segments: &mut [Segment<'_>],
+        lora: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        let groups = nh / nkv;
+        let q = at.q.forward(x, Self::lora_of(lora, li, Target::Q))?;
+        let k = at.k.forward(x, Self::lora_of(lora, li, Target::K))?;
+        let v = at.v.forward(x, Self::lora_of(lora, li, Target::V))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut outs = Vec::with_capacity(segments.len());
+        let mut start = 0;
+        for seg in segments.iter_mut() {
+            let len = seg.len;
+            let pos = seg.cache.as_deref().map_or(0, |c| c.len);
+            // [len, heads, hd]
+            let mut qs = q.narrow(0, start, len)?.reshape((len, nh, hd))?;
+            let mut ks = k.narrow(0, start, len)?.reshape((len, nkv, hd))?;
+            let vs = v.narrow(0, start, len)?.reshape((len, nkv, hd))?;
+            if let (Some(qn), Some(kn)) = (&at.q_norm, &at.k_norm) {
+                qs = rms_norm(&qs, qn, self.cfg.rms_norm_eps)?;
+                ks = rms_norm(&ks, kn, self.cfg.rms_norm_eps)?;
+            }
+            // [heads, len, hd]
+            let qs = self.rope.apply(&qs.transpose(0, 1)?.contiguous()?, pos)?;
+            let mut ks = self.rope.apply(&ks.transpose(0, 1)?.contiguous()?, pos)?;
+            let mut vs = vs.transpose(0, 1)?.contiguous()?;
+            if let Some(cache) = seg.cache.as_deref_mut() {
+                if let Some((pk, pv)) = &cache.layers[li] {
+                    ks = Tensor::cat(&[pk, &ks], 1)?;
+                    vs = Tensor::cat(&[pv, &vs], 1)?;
+                }
+                cache.layers[li] = Some((ks.clone(), vs.clone()));
+            }
+            let kv_len = pos + len;
+            // Query head h uses kv head h / groups (transformers' repeat_kv),
+            // so [nh, len, hd] regroups as [nkv, groups·len, hd] without copying K/V.
+            let qg = qs.reshape((nkv, groups * len, hd))?;
+            let scores = qg.matmul(&ks.t()?)?.affine(scale, 0.0)?;
+            let scores = if len > 1 {
+                let mask = causal_mask(len, pos, &self.device, scores.dtype())?;
+                scores
+                    .reshape((nkv, groups, len, kv_len))?
+                    .broadcast_add(&mask)?
+                    .reshape((nkv, groups * len, kv_len))?
+            } else {
+                scores
+            };
+            let probs = softmax_last(&scores)?;
+            let o = probs.matmul(&vs)?; // [nkv, groups·len, hd]
+            let o = o
+                .reshape((nh, len, hd))?
+                .transpose(0, 1)?
+                .reshape((len, nh * hd))?;
+            outs.push(o);
+            start += len;
+        }
+        let o = if outs.len() == 1 {
+            outs.pop()
+                .ok_or_else(|| ModelError::InvalidInput("no segments".into()))?
+        } else {
+            Tensor::cat(&outs, 0)?
+        };
+        at.o.forward(&o, Self::lora_of(lora, li, Target::O))
+    }
+}
+
+/// `[len, pos+len]` additive mask: query i (at position pos+i) sees keys 0..=pos+i.
+fn causal_mask(len: usize, pos: usize, device: &Device, dtype: DType) -> Result<Tensor> {
+    let kv = pos + len;
+    let mask: Vec<f32> = (0..len)
+        .flat_map(|i| (0..kv).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Tensor::from_vec(mask, (len, kv), device)?.to_dtype(dtype)?)
+}

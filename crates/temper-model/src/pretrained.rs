@@ -1,0 +1,123 @@
+//! A whole Hugging Face model directory: weights, tokenizer, chat template
+//! and generation defaults, loaded together.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+
+use crate::chat::ChatTemplate;
+use crate::config::{ids_of, HfConfig, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::model::Model;
+use crate::tokenizer::{load_chat_template, Tokenizer};
+use crate::weights::Checkpoint;
+
+/// Sampling defaults from `generation_config.json`.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationDefaults {
+    /// Token ids that end generation (union of config.json,
+    /// generation_config.json and the tokenizer's EOS token).
+    pub eos_token_ids: Vec<u32>,
+    /// Suggested temperature.
+    pub temperature: Option<f64>,
+    /// Suggested nucleus mass.
+    pub top_p: Option<f64>,
+    /// Suggested top-k.
+    pub top_k: Option<usize>,
+}
+
+/// A loaded model directory.
+pub struct Pretrained {
+    /// Where it was loaded from.
+    pub dir: PathBuf,
+    /// The checked config.
+    pub config: ModelConfig,
+    /// The network.
+    pub model: Model,
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The chat template, if the model has one.
+    pub chat_template: Option<ChatTemplate>,
+    /// Generation defaults.
+    pub generation: GenerationDefaults,
+}
+
+/// Where and in which precision to load.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Compute device.
+    pub device: Device,
+    /// Compute dtype: f32 on CPU; bf16 on CUDA.
+    pub dtype: DType,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            dtype: DType::F32,
+        }
+    }
+}
+
+impl Pretrained {
+    /// Load `dir` (config.json, safetensors, tokenizer.json, and optionally
+    /// tokenizer_config.json, chat_template.jinja, generation_config.json).
+    pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(ModelError::MissingFile {
+                path: dir.to_path_buf(),
+                hint: "not a directory; pass a Hugging Face model directory".into(),
+            });
+        }
+        let hf = HfConfig::from_file(&dir.join("config.json"))?;
+        let config = hf.validate()?;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let ck = Checkpoint::open(dir, opts.dtype, &opts.device)?;
+        let model = Model::load(&config, &ck, opts.dtype, &opts.device)?;
+        let chat_template = load_chat_template(dir, &tokenizer)?;
+        let mut generation = read_generation_config(dir)?;
+        for id in config
+            .eos_token_ids
+            .iter()
+            .copied()
+            .chain(tokenizer.eos_token().and_then(|t| tokenizer.token_id(t)))
+        {
+            if !generation.eos_token_ids.contains(&id) {
+                generation.eos_token_ids.push(id);
+            }
+        }
+        tracing::info!(
+            dir = %dir.display(),
+            family = config.family.model_type(),
+            layers = config.num_layers,
+            hidden = config.hidden_size,
+            vocab = config.vocab_size,
+            "loaded model"
+        );
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            model,
+            tokenizer,
+            chat_template,
+            generation,
+        })
+    }
+}
+
+fn read_generation_config(dir: &Path) -> Result<GenerationDefaults> {
+    let path = dir.join("generation_config.json");
+    if !path.exists() {
+        return Ok(GenerationDefaults::default());
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::bad(&path, e))?;
+    Ok(GenerationDefaults {
+        eos_token_ids: ids_of(v.get("eos_token_id")),
+        temperature: v.get("temperature").and_then(|x| x.as_f64()),
+        top_p: v.get("top_p").and_then(|x| x.as_f64()),
+        top_k: v.get("top_k").and_then(|x| x.as_u64()).map(|x| x as usize),
+    })
+}

@@ -1,0 +1,98 @@
+//! The training forward: per-token logprobs of target tokens (and entropy)
+//! for a batch of sequences, differentiable w.r.t. LoRA or all weights.
+//!
+//! # Why sampler and trainer agree exactly
+//! CPU matmul kernels give results that depend (by ~1e-6) on how many rows a
+//! call has and where a row sits in it, so a token scored inside a batch of 8
+//! differs from the same token scored alone. We therefore make one
+//! computation canonical: a sequence is always scored on its own, as one
+//! segment of [`Model::forward_hidden`] with input `tokens[..n-1]` and targets
+//! `tokens[1..]`, whatever else is in the batch. The trainer calls
+//! [`Model::score`] for every datum and the sampler calls the same function on
+//! each finished sequence to report its logprobs, so both see bit-identical
+//! numbers (same code, same shapes, same kernels, deterministic reductions).
+
+use candle_core::{DType, Tensor, D};
+
+use crate::error::{ModelError, Result};
+use crate::lora::LoraAdapter;
+use crate::model::{log_softmax_last, Model, Segment};
+
+/// Per-position outputs of the training forward.
+#[derive(Debug, Clone)]
+pub struct TokenScores {
+    /// `[len]` f32: `log softmax(logits / temperature)[target]`; part of the graph.
+    pub logprobs: Tensor,
+    /// `[len]` f32: entropy of `softmax(logits / temperature)`; part of the graph.
+    pub entropy: Tensor,
+}
+
+/// One sequence to score: `targets[i]` is the token that follows `input[..=i]`.
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreInput<'a> {
+    /// Model input tokens.
+    pub input: &'a [u32],
+    /// Target tokens, same length as `input`.
+    pub targets: &'a [u32],
+}
+
+impl Model {
+    /// Logprobs and entropy of `targets` after each prefix of `input`
+    /// (temperature-scaled: logits are divided by `temperature` first; pass
+    /// 1.0 for the plain model distribution).
+    pub fn score(
+        &self,
+        input: &[u32],
+        targets: &[u32],
+        lora: Option<&LoraAdapter>,
+        temperature: f64,
+    ) -> Result<TokenScores> {
+        if input.len() != targets.len() || input.is_empty() {
+            return Err(ModelError::InvalidInput(format!(
+                "score: {} input tokens and {} targets (must be equal and non-zero)",
+                input.len(),
+                targets.len()
+            )));
+        }
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            return Err(ModelError::InvalidInput(format!(
+                "score: temperature must be > 0, got {temperature}"
+            )));
+        }
+        let vocab = self.config().vocab_size;
+        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::InvalidInput(format!(
+                "target token {bad} out of range for vocabulary size {vocab}"
+            )));
+        }
+        let mut segs = [Segment {
+            len: input.len(),
+            cache: None,
+        }];
+        let hidden = self.forward_hidden(input, &mut segs, lora)?;
+        let mut logits = self.logits(&hidden)?.to_dtype(DType::F32)?;
+        if temperature != 1.0 {
+            logits = logits.affine(1.0 / temperature, 0.0)?;
+        }
+        let lp = log_softmax_last(&logits)?;
+        let idx = Tensor::new(targets, self.device())?.unsqueeze(1)?;
+        let logprobs = lp.gather(&idx, 1)?.squeeze(1)?;
+        let entropy = (lp.exp()? * &lp)?.sum(D::Minus1)?.neg()?;
+        Ok(TokenScores { logprobs, entropy })
+    }
+
+    /// [`Model::score`] for every sequence of a batch. Each is computed on
+    /// its own (see the module docs), so a sequence's numbers do not depend
+    /// on what else is in the batch.
+    pub fn score_batch(
+        &self,
+        batch: &[ScoreInput<'_>],
+        lora: Option<&LoraAdapter>,
+        temperature: f64,
+    ) -> Result<Vec<TokenScores>> {
+        batch
+            .iter()
+            .map(|s| self.score(s.input, s.targets, lora, temperature))
+            .collect()
+    }
+}

@@ -1,0 +1,101 @@
+//! Checkpoint tensors from `model.safetensors` or a sharded
+//! `model.safetensors.index.json`, memory-mapped, with shape checks.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{ModelError, Result};
+
+/// The safetensors files of one checkpoint.
+pub struct Checkpoint {
+    files: MmapedSafetensors,
+    desc: String,
+    dtype: DType,
+    device: Device,
+}
+
+impl Checkpoint {
+    /// Open the weights of a Hugging Face model directory. Tensors are cast to
+    /// `dtype` on `device` as they are read.
+    pub fn open(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let paths = shard_paths(dir)?;
+        let desc = paths
+            .iter()
+            .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        // SAFETY: the files are mapped read-only; like every safetensors
+        // reader we assume nobody truncates them while the model is loaded.
+        let files = unsafe { MmapedSafetensors::multi(&paths) }
+            .map_err(|e| ModelError::bad(dir, format!("safetensors: {e}")))?;
+        Ok(Self {
+            files,
+            desc,
+            dtype,
+            device: device.clone(),
+        })
+    }
+
+    /// Whether the checkpoint has a tensor called `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.files.get(name).is_ok()
+    }
+
+    /// Load `name`, checking it has shape `expected`.
+    pub fn get(&self, name: &str, expected: &[usize]) -> Result<Tensor> {
+        let view = self
+            .files
+            .get(name)
+            .map_err(|_| ModelError::MissingTensor {
+                name: name.to_string(),
+                source_desc: self.desc.clone(),
+            })?;
+        if view.shape() != expected {
+            return Err(ModelError::ShapeMismatch {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                actual: view.shape().to_vec(),
+            });
+        }
+        let t = self.files.load(name, &self.device)?;
+        Ok(t.to_dtype(self.dtype)?)
+    }
+}
+
+/// The files to map: the shards named by the index, or the single file.
+fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ModelError::bad(&index, e))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| ModelError::bad(&index, "no weight_map object"))?;
+        let names: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+        let mut paths = Vec::new();
+        for n in names {
+            let p = dir.join(n);
+            if !p.exists() {
+                return Err(ModelError::MissingFile {
+                    path: p,
+                    hint: "listed in model.safetensors.index.json".into(),
+                });
+            }
+            paths.push(p);
+        }
+        return Ok(paths);
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(ModelError::MissingFile {
+        path: single,
+        hint: "expected model.safetensors or model.safetensors.index.json (PyTorch .bin checkpoints are not supported; convert them with save_pretrained(safe_serialization=True))".into(),
+    })
+}
