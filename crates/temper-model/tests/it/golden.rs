@@ -3,80 +3,9 @@
 //! rendered chat templates) are made by `scripts/make_fixtures.py`; see
 //! `fixtures/README.md`.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
-
-use temper_model::candle_core::{Device, Tensor};
-use temper_model::{
-    GenerationRequest, LoadOptions, LoraAdapter, Pretrained, Sampler, SamplingParams,
-};
-
-const FAMILIES: [&str; 3] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"];
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
-}
-
-fn load(name: &str) -> Pretrained {
-    Pretrained::load(&root().join("models").join(name), &LoadOptions::default())
-        .unwrap_or_else(|e| panic!("loading {name}: {e}"))
-}
-
-fn golden(name: &str) -> (serde_json::Value, HashMap<String, Tensor>) {
-    let dir = root().join("golden");
-    let json: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join(format!("{name}.json"))).expect("golden json"),
-    )
-    .expect("valid json");
-    let tensors = temper_model::candle_core::safetensors::load(
-        dir.join(format!("{name}.safetensors")),
-        &Device::Cpu,
-    )
-    .expect("golden tensors");
-    (json, tensors)
-}
-
-fn adapter(p: &Pretrained, name: &str) -> LoraAdapter {
-    LoraAdapter::load_peft(
-        &root().join("adapters").join(format!("{name}-lora")),
-        &p.config,
-        p.model.dtype(),
-        p.model.device(),
-    )
-    .expect("adapter loads")
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
-fn logits_of(p: &Pretrained, input: &[u32], lora: Option<&LoraAdapter>) -> Tensor {
-    let mut segs = [temper_model::Segment {
-        len: input.len(),
-        cache: None,
-    }];
-    let h = p
-        .model
-        .forward_hidden(input, &mut segs, lora)
-        .expect("forward");
-    p.model.logits(&h).expect("logits")
-}
-
-/// max |a - b| / max |b|
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
-    let diff = (a - b)
-        .expect("same shape")
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap();
-    let scale = b.abs().unwrap().max_all().unwrap();
-    diff.to_scalar::<f32>().unwrap() / scale.to_scalar::<f32>().unwrap()
-}
+use crate::common::*;
+use temper_model::candle_core::Tensor;
+use temper_model::{GenerationRequest, Sampler, SamplingParams};
 
 #[test]
 fn logits_match_transformers() {

@@ -1,0 +1,254 @@
+//! The training forward: zero mismatch with the sampler, gradients that reach
+//! every trainable tensor and agree with finite differences.
+
+use temper_model::candle_core::{DType, Tensor, Var};
+use temper_model::{
+    GenerationRequest, LoraAdapter, LoraConfig, Sampler, SamplingParams, ScoreInput,
+};
+
+use crate::common::*;
+
+/// Loss used by the gradient tests: −Σ logprob of the targets.
+fn nll(p: &temper_model::Pretrained, seq: &[u32], lora: Option<&LoraAdapter>) -> Tensor {
+    let s = p
+        .model
+        .score(&seq[..seq.len() - 1], &seq[1..], lora, 1.0)
+        .expect("score");
+    s.logprobs.sum_all().expect("sum").neg().expect("neg")
+}
+
+fn norm(t: &Tensor) -> f64 {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+        .sqrt()
+}
+
+#[test]
+fn sampler_logprobs_equal_training_forward_for_batches_1_to_8() {
+    for name in FAMILIES {
+        let p = load(name);
+        let a = adapter(&p, name);
+        let (g, _) = golden(name);
+        let base_prompts: Vec<Vec<u32>> = g["inputs"].as_array().unwrap().iter().map(ids).collect();
+        let sampler = Sampler::new(&p.model, &p.tokenizer, p.generation.eos_token_ids.clone());
+        let mut worst = 0f32;
+        let mut compared = 0usize;
+        for batch in 1..=8usize {
+            for lora in [None, Some(&a)] {
+                // Mixed prompt lengths: cut the fixture inputs to different lengths.
+                let reqs: Vec<GenerationRequest> = (0..batch)
+                    .map(|i| {
+                        let src = &base_prompts[i % base_prompts.len()];
+                        let len = 1 + (i * 5 + batch) % src.len();
+                        GenerationRequest {
+                            prompt: src[..len].to_vec(),
+                            n: 1,
+                            params: SamplingParams {
+                                max_tokens: 6 + i,
+                                temperature: if i % 2 == 0 { 1.0 } else { 0.7 },
+                                seed: Some((batch * 100 + i) as u64),
+                                ignore_eos: true,
+                                ..Default::default()
+                            },
+                        }
+                    })
+                    .collect();
+                let out = sampler.generate(&reqs, lora).expect("generate");
+                // The trainer sees all sequences of this batch as one batch of datums.
+                let fulls: Vec<Vec<u32>> = reqs
+                    .iter()
+                    .zip(&out)
+                    .map(|(r, o)| r.prompt.iter().chain(&o[0].tokens).copied().collect())
+                    .collect();
+                for temp in [1.0, 0.7] {
+                    let batch_in: Vec<ScoreInput> = fulls
+                        .iter()
+                        .map(|f| ScoreInput {
+                            input: &f[..f.len() - 1],
+                            targets: &f[1..],
+                        })
+                        .collect();
+                    let scores = p.model.score_batch(&batch_in, lora, temp).expect("score");
+                    for ((r, o), s) in reqs.iter().zip(&out).zip(scores) {
+                        if r.params.temperature != temp {
+                            continue;
+                        }
+                        let all: Vec<f32> = s.logprobs.to_vec1().unwrap();
+                        let n = o[0].tokens.len();
+                        let sampled = o[0].logprobs.as_ref().expect("logprobs requested");
+                        for (x, y) in all[all.len() - n..].iter().zip(sampled) {
+                            worst = worst.max((x - y).abs());
+                            compared += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(compared > 200, "{name}: compared only {compared} tokens");
+        assert!(
+            worst <= 1e-6,
+            "{name}: sampler/trainer logprob mismatch {worst}"
+        );
+    }
+}
+
+#[test]
+fn every_lora_tensor_gets_a_gradient() {
+    for name in FAMILIES {
+        let p = load(name);
+        let (g, _) = golden(name);
+        let seq = ids(&g["inputs"][2]);
+        // The fixture adapter has non-zero B, so A and B both get gradients.
+        let a = adapter(&p, name);
+        let grads = nll(&p, &seq, Some(&a)).backward().expect("backward");
+        for (n, v) in a.named_vars() {
+            let gr = grads
+                .get(v.as_tensor())
+                .unwrap_or_else(|| panic!("{name}: no grad for {n}"));
+            assert!(norm(gr) > 0.0, "{name}: zero grad for {n}");
+        }
+        // A fresh adapter (B = 0): B gets a gradient, A's is exactly zero until B moves.
+        let fresh = LoraAdapter::new(
+            &p.config,
+            LoraConfig::default(),
+            3,
+            DType::F32,
+            p.model.device(),
+        )
+        .expect("new adapter");
+        let grads = nll(&p, &seq, Some(&fresh)).backward().expect("backward");
+        for (n, v) in fresh.named_vars() {
+            let gn = grads.get(v.as_tensor()).map(norm).unwrap_or(0.0);
+            if n.contains("lora_B") {
+                assert!(gn > 0.0, "{name}: zero grad for {n}");
+            } else {
+                assert_eq!(gn, 0.0, "{name}: {n}");
+            }
+        }
+        // Frozen base: no gradient reaches base weights under LoRA training.
+        for (n, w) in p.model.named_weights() {
+            assert!(
+                grads.get(&w).is_none(),
+                "{name}: base weight {n} got a gradient"
+            );
+        }
+    }
+}
+
+#[test]
+fn full_parameter_training_reaches_every_weight() {
+    let mut p = load("tiny-qwen3");
+    let (g, _) = golden("tiny-qwen3");
+    let seq = ids(&g["inputs"][2]);
+    let vars = p.model.make_trainable().expect("trainable");
+    let grads = nll(&p, &seq, None).backward().expect("backward");
+    for (n, v) in &vars {
+        let gr = grads
+            .get(v.as_tensor())
+            .unwrap_or_else(|| panic!("no grad for {n}"));
+        assert!(norm(gr) > 0.0, "zero grad for {n}");
+    }
+}
+
+/// Central differences along the gradient direction of each tensor:
+/// (L(θ+εd) − L(θ−εd)) / 2ε must equal ∇L·d = |∇L| for d = ∇L/|∇L|.
+#[test]
+fn lora_gradients_match_finite_differences() {
+    for name in FAMILIES {
+        let p = load(name);
+        let (g, _) = golden(name);
+        let seq = ids(&g["inputs"][1]);
+        let a = adapter(&p, name);
+        let grads = nll(&p, &seq, Some(&a)).backward().expect("backward");
+        let eps = 1e-2;
+        for (n, v) in a.named_vars() {
+            let gr = grads.get(v.as_tensor()).expect("grad").clone();
+            let gn = norm(&gr);
+            let d = (&gr / gn).expect("direction");
+            let orig = v.as_tensor().copy().expect("copy");
+            let eval = |sign: f64| -> f64 {
+                let moved = (&orig + (&d * (sign * eps)).expect("scale")).expect("add");
+                v.set(&moved).expect("set");
+                let l = nll(&p, &seq, Some(&a)).to_scalar::<f32>().expect("scalar") as f64;
+                l
+            };
+            let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps);
+            v.set(&orig).expect("restore");
+            let rel = (fd - gn).abs() / gn.abs().max(1e-6);
+            assert!(
+                rel <= 1e-2,
+                "{name} {n}: analytic {gn} vs finite difference {fd} (rel {rel})"
+            );
+        }
+    }
+}
+
+#[test]
+fn entropy_is_that_of_the_scaled_distribution() {
+    let p = load("tiny-llama");
+    let (g, t) = golden("tiny-llama");
+    let seq = ids(&g["inputs"][0]);
+    let s = p
+        .model
+        .score(&seq[..seq.len() - 1], &seq[1..], None, 0.5)
+        .expect("score");
+    let logits = t["logits.0"].to_vec2::<f32>().unwrap();
+    let ent: Vec<f32> = s.entropy.to_vec1().unwrap();
+    let lps: Vec<f32> = s.logprobs.to_vec1().unwrap();
+    for (i, row) in logits.iter().take(seq.len() - 1).enumerate() {
+        let z: Vec<f64> = row.iter().map(|&x| x as f64 / 0.5).collect();
+        let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + z.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+        let h: f64 = -z.iter().map(|x| (x - lse).exp() * (x - lse)).sum::<f64>();
+        assert!(
+            (h - ent[i] as f64).abs() < 1e-3,
+            "entropy {i}: {h} vs {}",
+            ent[i]
+        );
+        let lp = z[seq[i + 1] as usize] - lse;
+        assert!(
+            (lp - lps[i] as f64).abs() < 1e-3,
+            "logprob {i}: {lp} vs {}",
+            lps[i]
+        );
+    }
+}
+
+#[test]
+fn saved_adapter_loads_back_bit_exact() {
+    let p = load("tiny-qwen2");
+    let a = adapter(&p, "tiny-qwen2");
+    let dir = tempfile::tempdir().expect("tempdir");
+    a.save_peft(dir.path(), "fixtures/models/tiny-qwen2")
+        .expect("save");
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["peft_type"], "LORA");
+    assert_eq!(cfg["r"], 4);
+    assert_eq!(cfg["lora_alpha"], 8.0);
+    let back = LoraAdapter::load_peft(dir.path(), &p.config, DType::F32, p.model.device())
+        .expect("load back");
+    let before = a.named_vars();
+    let after = back.named_vars();
+    assert_eq!(before.len(), after.len());
+    for ((n1, v1), (n2, v2)) in before.iter().zip(&after) {
+        assert_eq!(n1, n2);
+        let x: Vec<f32> = v1.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let y: Vec<f32> = v2.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        assert!(
+            x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{n1}"
+        );
+    }
+    // PEFT's own tensor names, so PEFT and vLLM find them.
+    assert!(before[0].0.starts_with("base_model.model.model.layers.0."));
+    let _: Var = after[0].1.clone();
+}

@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+"""Compare ``temper bench model`` with PyTorch / transformers on the same shapes.
+
+Run from the repository root after ``cargo build --release -p temper``:
+
+    /opt/pyref/bin/python scripts/bench_torch.py [--threads N] [--iters K] [--json-out FILE]
+
+(any Python with torch, transformers and peft works; see
+``scripts/requirements-fixtures.txt``). The fixed tiny config is a randomly
+initialised f32 Llama (hidden 256, intermediate 768, 4 layers, 4 heads, 2 KV
+heads, vocab 512, untied embeddings) on the CPU:
+
+* train: one forward + backward of a PEFT LoRA model (rank 16, alpha 32 on
+  q,k,v,o,gate,up,down; base frozen) with a summed token cross-entropy over a
+  batch of 8 x 128 tokens, no optimizer step. Median of K steps after warm-up;
+  tokens/s = 8 * 128 / step time.
+* sample: ``model.generate`` on the plain model (no LoRA), 8 prompts of 16
+  tokens, exactly 128 new tokens each, temperature 1.0 with no top-k / top-p
+  truncation, KV cache. Median of a few runs after a warm-up; tokens/s =
+  8 * 128 / wall time.
+
+Attention uses transformers' default "sdpa" implementation (what a user gets).
+The temper binary is run first as ``temper bench model --json --threads N
+--iters K``, then the PyTorch half in this process (so torch's worker threads
+cannot steal cores from temper). Prints a table with the ratio temper / peer
+(higher = temper faster). ``--skip-temper`` runs only the PyTorch half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Must match `temper bench model` (its JSON echoes its config; we check it).
+CONFIG = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "vocab_size": 512,
+    "lora_rank": 16,
+    "batch": 8,
+    "seq_len": 128,
+    "prompt_len": 16,
+    "new_tokens": 128,
+}
+LORA_ALPHA = 32
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTN_IMPLEMENTATION = "sdpa"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for both sides (default: all cores)")
+    p.add_argument("--iters", type=int, default=10, help="timed training steps (also passed to temper; default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed training steps before timing (default 3)")
+    p.add_argument("--sample-runs", type=int, default=3, help="timed generate() calls after one warm-up (default 3)")
+    p.add_argument("--temper", type=Path, default=ROOT / "target" / "release" / "temper", help="temper binary (default: target/release/temper)")
+    p.add_argument("--temper-timeout", type=float, default=1800.0, help="seconds before the temper run is abandoned")
+    p.add_argument("--skip-temper", action="store_true", help="only run the PyTorch half")
+    p.add_argument("--json-out", type=Path, help="also write all numbers to this JSON file")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    for name in ("threads", "iters", "sample_runs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    return args
+
+
+# ----------------------------------------------------------------------------- temper
+
+
+def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
+    """Run ``temper bench model --json``; return (parsed JSON, None) or (None, error message)."""
+    exe = args.temper
+    if not exe.is_file():
+        return None, f"temper binary not found at {exe}; build it first with `cargo build --release -p temper` (or pass --temper PATH)"
+    cmd = [str(exe), "bench", "model", "--json", "--threads", str(args.threads), "--iters", str(args.iters)]
+    print("running:", " ".join(cmd), file=sys.stderr, flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.temper_timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"temper did not finish within {args.temper_timeout:.0f} s"
+    except OSError as e:
+        return None, f"could not run {exe}: {e}"
+    if proc.returncode != 0:
+        return None, f"temper exited with status {proc.returncode}:\n{proc.stderr.strip()}"
+    out = proc.stdout.strip()
+    try:
+        result = json.loads(out)
+    except json.JSONDecodeError:
+        # Tolerate stray lines around the object: take the last line that parses.
+        result = None
+        for line in reversed(out.splitlines()):
+            try:
+                result = json.loads(line)
+                break
+            except json.JSONDecodeError:
+                continue
+        if not isinstance(result, dict):
+            return None, f"could not parse temper's output as JSON:\n{out[:2000]}"
+    missing = [k for k in ("train_tokens_per_s", "sample_tokens_per_s") if k not in result]
+    if missing:
+        return None, f"temper's JSON lacks {missing}: {out[:2000]}"
+    # Warn (do not fail) if temper benchmarked different shapes.
+    theirs = result.get("config", {})
+    diff = {k: (v, theirs.get(k)) for k, v in CONFIG.items() if k in theirs and theirs[k] != v}
+    if theirs.get("threads") not in (None, args.threads):
+        diff["threads"] = (args.threads, theirs["threads"])
+    if diff:
+        print(f"warning: temper's config differs (ours, temper's): {diff}", file=sys.stderr)
+    return result, None
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def build_model(torch, transformers):
+    cfg = transformers.LlamaConfig(
+        vocab_size=CONFIG["vocab_size"],
+        hidden_size=CONFIG["hidden_size"],
+        intermediate_size=CONFIG["intermediate_size"],
+        num_hidden_layers=CONFIG["num_layers"],
+        num_attention_heads=CONFIG["num_heads"],
+        num_key_value_heads=CONFIG["num_kv_heads"],
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation=ATTN_IMPLEMENTATION,
+    )
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION, model.config._attn_implementation
+    return model
+
+
+def bench_train(torch, peft, base, args) -> dict:
+    """Median time of one LoRA forward+backward over batch x seq_len tokens."""
+    import copy
+
+    lora_cfg = peft.LoraConfig(
+        r=CONFIG["lora_rank"],
+        lora_alpha=LORA_ALPHA,
+        target_modules=LORA_TARGETS,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = peft.get_peft_model(copy.deepcopy(base), lora_cfg)
+    model.train()
+    # PEFT zero-initialises lora_B; give it small values so the adapter path is "live" (cost is the same).
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "lora_B" in name:
+                prm.normal_(0.0, 0.02)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    b, t = CONFIG["batch"], CONFIG["seq_len"]
+    ids = torch.randint(0, CONFIG["vocab_size"], (b, t))
+
+    def step() -> float:
+        logits = model(input_ids=ids).logits  # [b, t, vocab]
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        loss = -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).sum()
+        loss.backward()
+        return loss.item()
+
+    for _ in range(args.warmup):
+        model.zero_grad(set_to_none=True)
+        step()
+    times = []
+    for _ in range(args.iters):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {
+        "train_tokens_per_s": b * t / med,
+        "train_step_ms": med * 1e3,
+        "train_step_ms_all": [x * 1e3 for x in times],
+        "lora_trainable_params": n_trainable,
+    }
+
+
+def bench_sample(torch, transformers, model, args) -> dict:
+    """Median wall time of generate() for batch prompts x new_tokens sampled tokens."""
+    model.eval()
+    b, p, n = CONFIG["batch"], CONFIG["prompt_len"], CONFIG["new_tokens"]
+    prompts = torch.randint(0, CONFIG["vocab_size"], (b, p))
+    gen_cfg = transformers.GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,  # transformers defaults to top_k=50; temper's plain sampling has no truncation
+        top_p=1.0,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        eos_token_id=None,  # random model: never stop early
+        pad_token_id=0,
+        use_cache=True,
+    )
+
+    def run() -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=gen_cfg)
+            dt = time.perf_counter() - t0
+        assert out.shape == (b, p + n), f"generate returned shape {tuple(out.shape)}, expected {(b, p + n)}"
+        return dt
+
+    run()  # warm-up
+    times = [run() for _ in range(args.sample_runs)]
+    med = statistics.median(times)
+    return {
+        "sample_tokens_per_s": b * n / med,
+        "sample_ms": med * 1e3,
+        "sample_ms_all": [x * 1e3 for x in times],
+    }
+
+
+def run_torch(args: argparse.Namespace) -> dict:
+    import peft
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    transformers.logging.set_verbosity_error()
+    base = build_model(torch, transformers)
+    print(f"torch: train ({args.warmup} warm-up + {args.iters} timed steps) ...", file=sys.stderr, flush=True)
+    train = bench_train(torch, peft, base, args)
+    print(f"torch: sample (1 warm-up + {args.sample_runs} timed generate calls) ...", file=sys.stderr, flush=True)
+    sample = bench_sample(torch, transformers, base, args)
+    return {
+        **train,
+        **sample,
+        "threads": torch.get_num_threads(),
+        "attn_implementation": ATTN_IMPLEMENTATION,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+        },
+    }
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def print_table(temper: dict | None, peer: dict, ratios: dict) -> None:
+    rows = [("train tokens/s", "train_tokens_per_s"), ("sample tokens/s", "sample_tokens_per_s")]
+    header = ("metric", "temper", "torch/transformers", "ratio temper/peer")
+    lines = [header]
+    for label, key in rows:
+        t = f"{temper[key]:.1f}" if temper else "-"
+        r = f"{ratios[key]:.2f}x" if ratios.get(key) is not None else "-"
+        lines.append((label, t, f"{peer[key]:.1f}", r))
+    widths = [max(len(row[i]) for row in lines) for i in range(4)]
+    fmt = lambda row: " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+    print(fmt(lines[0]))
+    print("-+-".join("-" * w for w in widths))
+    for row in lines[1:]:
+        print(fmt(row))
+    print("(ratio > 1 means temper is faster)")
+
+
+def main() -> int:
+    args = parse_args()
+    temper, temper_err = (None, None) if args.skip_temper else run_temper(args)
+    if temper_err:
+        print(f"error: {temper_err}", file=sys.stderr)
+        print("continuing with the PyTorch half only", file=sys.stderr)
+
+    peer = run_torch(args)
+    ratios = {}
+    for key in ("train_tokens_per_s", "sample_tokens_per_s"):
+        ratios[key] = temper[key] / peer[key] if temper and peer[key] > 0 else None
+
+    b, t, n = CONFIG["batch"], CONFIG["seq_len"], CONFIG["new_tokens"]
+    print(
+        f"config: Llama d={CONFIG['hidden_size']} ff={CONFIG['intermediate_size']} layers={CONFIG['num_layers']} "
+        f"heads={CONFIG['num_heads']}/{CONFIG['num_kv_heads']}kv vocab={CONFIG['vocab_size']} f32, "
+        f"LoRA r={CONFIG['lora_rank']}; train {b}x{t}, sample {b}x({CONFIG['prompt_len']}+{n}); "
+        f"threads={args.threads}; torch {peer['versions']['torch']}, transformers {peer['versions']['transformers']} "
+        f"(attn={ATTN_IMPLEMENTATION})"
+    )
+    print_table(temper, peer, ratios)
+
+    if args.json_out:
+        report = {
+            "config": {**CONFIG, "threads": args.threads},
+            "temper": temper,
+            "temper_error": temper_err,
+            "torch": peer,
+            "ratio_temper_over_torch": ratios,
+        }
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    return 1 if temper_err else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
