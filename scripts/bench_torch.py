@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,14 +59,25 @@ LORA_ALPHA = 32
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN_IMPLEMENTATION = "sdpa"
 
+# Table rows: (label, key in temper's JSON, key in the torch results). temper's headline sampling
+# number also returns per-token logprobs; when it reports a run without them, that row is shown
+# too (transformers' generate computes no logprobs by default, so it is the closer match).
+ROWS = [
+    ("train tokens/s", "train_tokens_per_s", "train_tokens_per_s"),
+    ("sample tokens/s", "sample_tokens_per_s", "sample_tokens_per_s"),
+    ("sample tokens/s (no logprobs)", "sample_without_logprobs_tokens_per_s", "sample_tokens_per_s"),
+]
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for both sides (default: all cores)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for both sides (default: all)")
     p.add_argument("--iters", type=int, default=10, help="timed training steps (also passed to temper; default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed training steps before timing (default 3)")
     p.add_argument("--sample-runs", type=int, default=3, help="timed generate() calls after one warm-up (default 3)")
-    p.add_argument("--temper", type=Path, default=ROOT / "target" / "release" / "temper", help="temper binary (default: target/release/temper)")
+    p.add_argument(
+        "--temper", type=Path, default=ROOT / "target" / "release" / "temper", help="default: target/release/temper"
+    )
     p.add_argument("--temper-timeout", type=float, default=1800.0, help="seconds before the temper run is abandoned")
     p.add_argument("--skip-temper", action="store_true", help="only run the PyTorch half")
     p.add_argument("--json-out", type=Path, help="also write all numbers to this JSON file")
@@ -86,17 +98,21 @@ def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
     """Run ``temper bench model --json``; return (parsed JSON, None) or (None, error message)."""
     exe = args.temper
     if not exe.is_file():
-        return None, f"temper binary not found at {exe}; build it first with `cargo build --release -p temper` (or pass --temper PATH)"
+        return None, (
+            f"temper binary not found at {exe}; build it first with `cargo build --release -p temper` "
+            "(or pass --temper PATH)"
+        )
     cmd = [str(exe), "bench", "model", "--json", "--threads", str(args.threads), "--iters", str(args.iters)]
     print("running:", " ".join(cmd), file=sys.stderr, flush=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.temper_timeout)
+        # stdout carries the JSON; temper's stderr (progress, errors) goes straight to ours.
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.temper_timeout)
     except subprocess.TimeoutExpired:
         return None, f"temper did not finish within {args.temper_timeout:.0f} s"
     except OSError as e:
         return None, f"could not run {exe}: {e}"
     if proc.returncode != 0:
-        return None, f"temper exited with status {proc.returncode}:\n{proc.stderr.strip()}"
+        return None, f"temper exited with status {proc.returncode} (its stderr is above)"
     out = proc.stdout.strip()
     try:
         result = json.loads(out)
@@ -109,8 +125,8 @@ def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
                 break
             except json.JSONDecodeError:
                 continue
-        if not isinstance(result, dict):
-            return None, f"could not parse temper's output as JSON:\n{out[:2000]}"
+    if not isinstance(result, dict):
+        return None, f"could not parse temper's output as a JSON object:\n{out[:2000]}"
     missing = [k for k in ("train_tokens_per_s", "sample_tokens_per_s") if k not in result]
     if missing:
         return None, f"temper's JSON lacks {missing}: {out[:2000]}"
@@ -217,7 +233,8 @@ def bench_sample(torch, transformers, model, args) -> dict:
     def run() -> float:
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=gen_cfg)
+            mask = torch.ones_like(prompts)
+            out = model.generate(input_ids=prompts, attention_mask=mask, generation_config=gen_cfg)
             dt = time.perf_counter() - t0
         assert out.shape == (b, p + n), f"generate returned shape {tuple(out.shape)}, expected {(b, p + n)}"
         return dt
@@ -240,6 +257,8 @@ def run_torch(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     transformers.logging.set_verbosity_error()
+    # peft 0.21 calls a transformers method that is deprecated in 5.x; harmless noise.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     base = build_model(torch, transformers)
     print(f"torch: train ({args.warmup} warm-up + {args.iters} timed steps) ...", file=sys.stderr, flush=True)
     train = bench_train(torch, peft, base, args)
@@ -263,15 +282,19 @@ def run_torch(args: argparse.Namespace) -> dict:
 
 
 def print_table(temper: dict | None, peer: dict, ratios: dict) -> None:
-    rows = [("train tokens/s", "train_tokens_per_s"), ("sample tokens/s", "sample_tokens_per_s")]
     header = ("metric", "temper", "torch/transformers", "ratio temper/peer")
     lines = [header]
-    for label, key in rows:
-        t = f"{temper[key]:.1f}" if temper else "-"
-        r = f"{ratios[key]:.2f}x" if ratios.get(key) is not None else "-"
-        lines.append((label, t, f"{peer[key]:.1f}", r))
+    for label, tkey, pkey in ROWS:
+        if tkey != pkey and not (temper and tkey in temper):
+            continue  # optional extra row, only when temper reports it
+        t = f"{temper[tkey]:.1f}" if temper else "-"
+        r = f"{ratios[tkey]:.2f}x" if ratios.get(tkey) is not None else "-"
+        lines.append((label, t, f"{peer[pkey]:.1f}", r))
     widths = [max(len(row[i]) for row in lines) for i in range(4)]
-    fmt = lambda row: " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+
+    def fmt(row: tuple[str, ...]) -> str:
+        return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
     print(fmt(lines[0]))
     print("-+-".join("-" * w for w in widths))
     for row in lines[1:]:
@@ -287,9 +310,10 @@ def main() -> int:
         print("continuing with the PyTorch half only", file=sys.stderr)
 
     peer = run_torch(args)
-    ratios = {}
-    for key in ("train_tokens_per_s", "sample_tokens_per_s"):
-        ratios[key] = temper[key] / peer[key] if temper and peer[key] > 0 else None
+    ratios = {
+        tkey: temper[tkey] / peer[pkey] if temper and tkey in temper and peer[pkey] > 0 else None
+        for _, tkey, pkey in ROWS
+    }
 
     b, t, n = CONFIG["batch"], CONFIG["seq_len"], CONFIG["new_tokens"]
     print(
@@ -300,6 +324,8 @@ def main() -> int:
         f"(attn={ATTN_IMPLEMENTATION})"
     )
     print_table(temper, peer, ratios)
+    if temper_err:
+        print(f"temper: not measured: {temper_err}")
 
     if args.json_out:
         report = {

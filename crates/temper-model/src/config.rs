@@ -194,7 +194,7 @@ impl HfConfig {
         let num_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
         if self.num_attention_heads == 0
             || num_kv_heads == 0
-            || self.num_attention_heads % num_kv_heads != 0
+            || !self.num_attention_heads.is_multiple_of(num_kv_heads)
         {
             return Err(ModelError::UnsupportedConfig(format!(
                 "num_attention_heads {} must be a positive multiple of num_key_value_heads {}",
@@ -204,7 +204,7 @@ impl HfConfig {
         let head_dim = self
             .head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(ModelError::UnsupportedConfig(format!(
                 "head_dim {head_dim} must be even and positive"
             )));

@@ -386,11 +386,7 @@ impl Model {
         Ok(hidden.matmul(&w.t()?)?)
     }
 
-    fn lora_of<'a>(
-        lora: Option<&'a LoraAdapter>,
-        layer: usize,
-        t: Target,
-    ) -> Option<(&'a LoraPair, f64)> {
+    fn lora_of(lora: Option<&LoraAdapter>, layer: usize, t: Target) -> Option<(&LoraPair, f64)> {
         lora.and_then(|a| a.get(layer, t).map(|p| (p, a.scale())))
     }
 

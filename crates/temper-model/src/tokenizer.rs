@@ -53,6 +53,19 @@ impl Tokenizer {
         })
     }
 
+    /// Wrap an in-memory `tokenizers` tokenizer (e.g. one built in code).
+    pub fn from_inner(
+        inner: tokenizers::Tokenizer,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Self {
+        Self {
+            inner,
+            bos_token,
+            eos_token,
+        }
+    }
+
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's
     /// post-processor (e.g. a BOS token), as transformers does by default.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {

@@ -4,7 +4,6 @@
 //! `fixtures/README.md`.
 
 use crate::common::*;
-use temper_model::candle_core::Tensor;
 use temper_model::{GenerationRequest, Sampler, SamplingParams};
 
 #[test]

@@ -175,8 +175,7 @@ fn lora_gradients_match_finite_differences() {
             let eval = |sign: f64| -> f64 {
                 let moved = (&orig + (&d * (sign * eps)).expect("scale")).expect("add");
                 v.set(&moved).expect("set");
-                let l = nll(&p, &seq, Some(&a)).to_scalar::<f32>().expect("scalar") as f64;
-                l
+                nll(&p, &seq, Some(&a)).to_scalar::<f32>().expect("scalar") as f64
             };
             let fd = (eval(1.0) - eval(-1.0)) / (2.0 * eps);
             v.set(&orig).expect("restore");
