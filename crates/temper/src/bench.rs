@@ -69,11 +69,17 @@ fn random_model(hf: &HfConfig) -> Result<Model> {
     let rand = |shape: &[usize]| Tensor::randn(0f32, 0.05, shape, &dev);
     ts.insert("model.embed_tokens.weight".into(), rand(&[VOCAB, HIDDEN])?);
     ts.insert("lm_head.weight".into(), rand(&[VOCAB, HIDDEN])?);
-    ts.insert("model.norm.weight".into(), Tensor::ones(HIDDEN, DType::F32, &dev)?);
+    ts.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(HIDDEN, DType::F32, &dev)?,
+    );
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}");
         for n in ["input_layernorm", "post_attention_layernorm"] {
-            ts.insert(format!("{p}.{n}.weight"), Tensor::ones(HIDDEN, DType::F32, &dev)?);
+            ts.insert(
+                format!("{p}.{n}.weight"),
+                Tensor::ones(HIDDEN, DType::F32, &dev)?,
+            );
         }
         for t in Target::ALL {
             let (o, i) = t.shape(&cfg);
@@ -97,7 +103,11 @@ fn word_tokenizer() -> Result<Tokenizer> {
         .unk_token("t0".into())
         .build()
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    Ok(Tokenizer::from_inner(tokenizers::Tokenizer::new(wl), None, None))
+    Ok(Tokenizer::from_inner(
+        tokenizers::Tokenizer::new(wl),
+        None,
+        None,
+    ))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -123,7 +133,11 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         v.set(&t)?;
     }
     let seqs: Vec<Vec<u32>> = (0..BATCH)
-        .map(|b| (0..=SEQ).map(|i| ((b * 131 + i * 31) % VOCAB) as u32).collect())
+        .map(|b| {
+            (0..=SEQ)
+                .map(|i| ((b * 131 + i * 31) % VOCAB) as u32)
+                .collect()
+        })
         .collect();
 
     // Training step: forward + backward of a summed token NLL over 8 × 128.
@@ -143,7 +157,11 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         Ok(t.elapsed().as_secs_f64())
     };
     step(&lora)?;
-    let train_s = median((0..iters).map(|_| step(&lora)).collect::<Result<Vec<_>>>()?);
+    let train_s = median(
+        (0..iters)
+            .map(|_| step(&lora))
+            .collect::<Result<Vec<_>>>()?,
+    );
     lora = lora.snapshot()?;
 
     // Sampling: 8 prompts × 16 tokens → 128 new tokens each, T = 1.
@@ -151,7 +169,9 @@ fn model(args: ModelBenchArgs) -> Result<()> {
     let reqs = |logprobs: bool| -> Vec<GenerationRequest> {
         (0..BATCH)
             .map(|b| GenerationRequest {
-                prompt: (0..PROMPT).map(|i| ((b * 7 + i * 13) % VOCAB) as u32).collect(),
+                prompt: (0..PROMPT)
+                    .map(|i| ((b * 7 + i * 13) % VOCAB) as u32)
+                    .collect(),
                 n: 1,
                 params: SamplingParams {
                     max_tokens: NEW,
@@ -172,9 +192,16 @@ fn model(args: ModelBenchArgs) -> Result<()> {
     };
     sample(true)?;
     let sample_iters = iters.min(3);
-    let sample_s = median((0..sample_iters).map(|_| sample(true)).collect::<Result<Vec<_>>>()?);
-    let sample_nolp_s =
-        median((0..sample_iters).map(|_| sample(false)).collect::<Result<Vec<_>>>()?);
+    let sample_s = median(
+        (0..sample_iters)
+            .map(|_| sample(true))
+            .collect::<Result<Vec<_>>>()?,
+    );
+    let sample_nolp_s = median(
+        (0..sample_iters)
+            .map(|_| sample(false))
+            .collect::<Result<Vec<_>>>()?,
+    );
 
     let threads = temper_model::candle_core::utils::get_num_threads();
     let tokens = (BATCH * SEQ) as f64;

@@ -130,7 +130,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         generated += c.tokens.len();
         if let Some(lps) = &c.logprobs {
             for (t, lp) in c.tokens.iter().zip(lps) {
-                eprintln!("token {t:>7} {:>16?} logprob {lp:.6}", p.tokenizer.decode(&[*t], false)?);
+                eprintln!(
+                    "token {t:>7} {:>16?} logprob {lp:.6}",
+                    p.tokenizer.decode(&[*t], false)?
+                );
             }
         }
         eprintln!(

@@ -30,9 +30,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Before any tensor op: candle and its matmul read the thread count lazily.
-    if let Some(n) = cli.threads {
-        temper_model::set_num_threads(n);
-    }
+    temper_model::set_num_threads(cli.threads);
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -33,7 +33,10 @@ fn generate_prints_the_greedy_continuation_of_transformers() {
         .collect();
     // The golden run ignores EOS; cut at the first EOS as `temper generate` stops there.
     let eos = &p.generation.eos_token_ids;
-    let end = new_ids.iter().position(|t| eos.contains(t)).unwrap_or(new_ids.len());
+    let end = new_ids
+        .iter()
+        .position(|t| eos.contains(t))
+        .unwrap_or(new_ids.len());
     let want = p.tokenizer.decode(&new_ids[..end], true).unwrap();
     let out = temper(&[
         "generate",
@@ -48,7 +51,11 @@ fn generate_prints_the_greedy_continuation_of_transformers() {
         "--threads",
         "1",
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{want}\n"));
 }
 
@@ -81,7 +88,13 @@ fn generate_chat_with_lora_and_seed_is_reproducible() {
 
 #[test]
 fn generate_reports_a_missing_model_directory() {
-    let out = temper(&["generate", "--model", "/nonexistent/model", "--prompt", "hi"]);
+    let out = temper(&[
+        "generate",
+        "--model",
+        "/nonexistent/model",
+        "--prompt",
+        "hi",
+    ]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent/model"), "{err}");
