@@ -29,6 +29,7 @@ cannot steal cores from temper). Prints a table with the ratio temper / peer
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -166,8 +167,6 @@ def build_model(torch, transformers):
 
 def bench_train(torch, peft, base, args) -> dict:
     """Median time of one LoRA forward+backward over batch x seq_len tokens."""
-    import copy
-
     lora_cfg = peft.LoraConfig(
         r=CONFIG["lora_rank"],
         lora_alpha=LORA_ALPHA,
