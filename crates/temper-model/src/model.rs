@@ -113,10 +113,17 @@ impl CustomOp1 for FrozenMatmul {
 
 /// RMSNorm from differentiable primitives (candle's fused `rms_norm` has no
 /// backward). Normalises over the last dimension.
+/// Like transformers, half-precision inputs are normalised in f32.
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = match dtype {
+        DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?,
+        _ => x.clone(),
+    };
     let var = x.sqr()?.mean_keepdim(D::Minus1)?;
     let denom = (var + eps)?.sqrt()?;
-    Ok(x.broadcast_div(&denom)?.broadcast_mul(weight)?)
+    let normed = x.broadcast_div(&denom)?.to_dtype(dtype)?;
+    Ok(normed.broadcast_mul(weight)?)
 }
 
 /// Softmax over the last dimension from differentiable primitives.
