@@ -18,6 +18,9 @@ use crate::error::{ModelError, Result};
 use crate::lora::LoraAdapter;
 use crate::model::{log_softmax_last, Model, Segment};
 
+/// Rows of `[len, vocab]` logits materialised at a time.
+pub const SCORE_CHUNK: usize = 512;
+
 /// Per-position outputs of the training forward.
 #[derive(Debug, Clone)]
 pub struct TokenScores {
@@ -70,15 +73,38 @@ impl Model {
             cache: None,
         }];
         let hidden = self.forward_hidden(input, &mut segs, lora)?;
-        let mut logits = self.logits(&hidden)?.to_dtype(DType::F32)?;
-        if temperature != 1.0 {
-            logits = logits.affine(1.0 / temperature, 0.0)?;
+        // `[len, vocab]` logits are the largest tensor of a step (151k-token
+        // vocabularies); work through them in fixed row chunks. The chunking
+        // depends only on the sequence, so it is part of the canonical
+        // computation and sampler and trainer still agree bit for bit.
+        let mut logprobs = Vec::new();
+        let mut entropy = Vec::new();
+        let mut start = 0;
+        while start < input.len() {
+            let len = SCORE_CHUNK.min(input.len() - start);
+            let mut logits = self
+                .logits(&hidden.narrow(0, start, len)?)?
+                .to_dtype(DType::F32)?;
+            if temperature != 1.0 {
+                logits = logits.affine(1.0 / temperature, 0.0)?;
+            }
+            let lp = log_softmax_last(&logits)?;
+            let idx = Tensor::new(&targets[start..start + len], self.device())?.unsqueeze(1)?;
+            logprobs.push(lp.gather(&idx, 1)?.squeeze(1)?);
+            entropy.push((lp.exp()? * &lp)?.sum(D::Minus1)?.neg()?);
+            start += len;
         }
-        let lp = log_softmax_last(&logits)?;
-        let idx = Tensor::new(targets, self.device())?.unsqueeze(1)?;
-        let logprobs = lp.gather(&idx, 1)?.squeeze(1)?;
-        let entropy = (lp.exp()? * &lp)?.sum(D::Minus1)?.neg()?;
-        Ok(TokenScores { logprobs, entropy })
+        let join = |mut parts: Vec<Tensor>| -> Result<Tensor> {
+            if parts.len() == 1 {
+                Ok(parts.swap_remove(0))
+            } else {
+                Ok(Tensor::cat(&parts, 0)?)
+            }
+        };
+        Ok(TokenScores {
+            logprobs: join(logprobs)?,
+            entropy: join(entropy)?,
+        })
     }
 
     /// [`Model::score`] for every sequence of a batch. Each is computed on

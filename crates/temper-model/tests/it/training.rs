@@ -251,3 +251,56 @@ fn saved_adapter_loads_back_bit_exact() {
     assert!(before[0].0.starts_with("base_model.model.model.layers.0."));
     let _: Var = after[0].1.clone();
 }
+
+#[test]
+fn sequences_longer_than_a_score_chunk_agree_with_the_sampler() {
+    let p = load("tiny-qwen2");
+    let n = temper_model::scoring::SCORE_CHUNK + 90;
+    let prompt: Vec<u32> = (0..n).map(|i| ((i * 37) % 990) as u32).collect();
+    let sampler = Sampler::new(&p.model, &p.tokenizer, vec![]);
+    let out = sampler
+        .generate(
+            &[GenerationRequest {
+                prompt: prompt.clone(),
+                n: 2,
+                params: SamplingParams {
+                    max_tokens: 5,
+                    seed: Some(3),
+                    ignore_eos: true,
+                    ..Default::default()
+                },
+            }],
+            None,
+        )
+        .expect("generate");
+    for c in &out[0] {
+        let full: Vec<u32> = prompt.iter().chain(&c.tokens).copied().collect();
+        let s = p
+            .model
+            .score(&full[..full.len() - 1], &full[1..], None, 1.0)
+            .expect("score");
+        let all: Vec<f32> = s.logprobs.to_vec1().unwrap();
+        assert_eq!(all.len(), full.len() - 1);
+        assert_eq!(&all[all.len() - 5..], c.logprobs.as_deref().unwrap());
+        // The chunked log-softmax equals one over the whole logits matrix.
+        let mut segs = [temper_model::Segment {
+            len: full.len() - 1,
+            cache: None,
+        }];
+        let h = p
+            .model
+            .forward_hidden(&full[..full.len() - 1], &mut segs, None)
+            .unwrap();
+        let logits = p.model.logits(&h).unwrap().to_vec2::<f32>().unwrap();
+        for (i, row) in logits.iter().enumerate().step_by(97) {
+            let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+            let want = row[full[i + 1] as usize] as f64 - lse;
+            assert!(
+                (want - all[i] as f64).abs() < 1e-4,
+                "row {i}: {want} vs {}",
+                all[i]
+            );
+        }
+    }
+}
