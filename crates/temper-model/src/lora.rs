@@ -145,7 +145,6 @@ pub struct LoraPair {
 #[derive(Debug, Clone)]
 pub struct LoraAdapter {
     config: LoraConfig,
-    scale: f64,
     /// `layers[i][target]`.
     layers: Vec<HashMap<Target, LoraPair>>,
 }
@@ -241,12 +240,7 @@ impl LoraAdapter {
             }
             layers.push(map);
         }
-        let scale = config.scale();
-        Ok(Self {
-            config,
-            scale,
-            layers,
-        })
+        Ok(Self { config, layers })
     }
 
     /// The adapter's shape.
@@ -256,7 +250,7 @@ impl LoraAdapter {
 
     /// Multiplier of `B·A`.
     pub fn scale(&self) -> f64 {
-        self.scale
+        self.config.scale()
     }
 
     /// The adapted module `target` of layer `layer`, if any.
@@ -304,7 +298,6 @@ impl LoraAdapter {
         }
         Ok(Self {
             config: self.config.clone(),
-            scale: self.scale,
             layers,
         })
     }
@@ -461,11 +454,6 @@ impl LoraAdapter {
             }
             layers.push(map);
         }
-        let scale = config.scale();
-        Ok(Self {
-            config,
-            scale,
-            layers,
-        })
+        Ok(Self { config, layers })
     }
 }

@@ -166,6 +166,33 @@ struct Layer {
     mlp: Mlp,
 }
 
+impl Layer {
+    /// The seven LoRA-targetable linear layers.
+    fn linears(&self) -> [(Target, &Linear); 7] {
+        [
+            (Target::Q, &self.attn.q),
+            (Target::K, &self.attn.k),
+            (Target::V, &self.attn.v),
+            (Target::O, &self.attn.o),
+            (Target::Gate, &self.mlp.gate),
+            (Target::Up, &self.mlp.up),
+            (Target::Down, &self.mlp.down),
+        ]
+    }
+
+    fn linears_mut(&mut self) -> [(Target, &mut Linear); 7] {
+        [
+            (Target::Q, &mut self.attn.q),
+            (Target::K, &mut self.attn.k),
+            (Target::V, &mut self.attn.v),
+            (Target::O, &mut self.attn.o),
+            (Target::Gate, &mut self.mlp.gate),
+            (Target::Up, &mut self.mlp.up),
+            (Target::Down, &mut self.mlp.down),
+        ]
+    }
+}
+
 /// Keys and values of one sequence, per layer: `[kv_heads, len, head_dim]`.
 #[derive(Debug, Clone)]
 pub struct KvCache {
@@ -308,15 +335,7 @@ impl Model {
                 format!("{p}.post_attention_layernorm.weight"),
                 &mut l.post_norm,
             )?;
-            for (t, lin) in [
-                (Target::Q, &mut l.attn.q),
-                (Target::K, &mut l.attn.k),
-                (Target::V, &mut l.attn.v),
-                (Target::O, &mut l.attn.o),
-                (Target::Gate, &mut l.mlp.gate),
-                (Target::Up, &mut l.mlp.up),
-                (Target::Down, &mut l.mlp.down),
-            ] {
+            for (t, lin) in l.linears_mut() {
                 var(format!("{p}.{}.weight", t.path()), &mut lin.weight)?;
                 if let Some(b) = lin.bias.as_mut() {
                     var(format!("{p}.{}.bias", t.path()), b)?;
@@ -342,15 +361,7 @@ impl Model {
         let mut merged = self.clone();
         let scale = adapter.scale();
         for (i, l) in merged.layers.iter_mut().enumerate() {
-            for (t, lin) in [
-                (Target::Q, &mut l.attn.q),
-                (Target::K, &mut l.attn.k),
-                (Target::V, &mut l.attn.v),
-                (Target::O, &mut l.attn.o),
-                (Target::Gate, &mut l.mlp.gate),
-                (Target::Up, &mut l.mlp.up),
-                (Target::Down, &mut l.mlp.down),
-            ] {
+            for (t, lin) in l.linears_mut() {
                 if let Some(p) = adapter.get(i, t) {
                     let delta =
                         p.b.as_tensor()
@@ -374,15 +385,7 @@ impl Model {
                 format!("{p}.post_attention_layernorm.weight"),
                 l.post_norm.detach(),
             ));
-            for (t, lin) in [
-                (Target::Q, &l.attn.q),
-                (Target::K, &l.attn.k),
-                (Target::V, &l.attn.v),
-                (Target::O, &l.attn.o),
-                (Target::Gate, &l.mlp.gate),
-                (Target::Up, &l.mlp.up),
-                (Target::Down, &l.mlp.down),
-            ] {
+            for (t, lin) in l.linears() {
                 out.push((format!("{p}.{}.weight", t.path()), lin.weight.detach()));
                 if let Some(b) = &lin.bias {
                     out.push((format!("{p}.{}.bias", t.path()), b.detach()));

@@ -166,6 +166,9 @@ impl<'a> Sampler<'a> {
         let max_pos = self.model.config().max_position_embeddings;
         for r in requests {
             r.params.validate()?;
+            if r.n == 0 {
+                return Err(ModelError::InvalidInput("n must be >= 1".into()));
+            }
             if r.prompt.is_empty() {
                 return Err(ModelError::InvalidInput("prompt must not be empty".into()));
             }
