@@ -355,6 +355,39 @@ impl Model {
         Ok(vars)
     }
 
+    /// A deep copy whose weights are plain tensors sharing no storage with
+    /// `self` — e.g. a frozen snapshot of a fully-trainable model for a
+    /// sampler while training goes on.
+    pub fn frozen_copy(&self) -> Result<Model> {
+        let mut m = self.clone();
+        let copy = |t: &mut Tensor| -> Result<()> {
+            *t = t.detach().copy()?;
+            Ok(())
+        };
+        copy(&mut m.embed)?;
+        copy(&mut m.norm)?;
+        if let Some(h) = m.lm_head.as_mut() {
+            copy(h)?;
+        }
+        for l in m.layers.iter_mut() {
+            copy(&mut l.input_norm)?;
+            copy(&mut l.post_norm)?;
+            for n in [l.attn.q_norm.as_mut(), l.attn.k_norm.as_mut()]
+                .into_iter()
+                .flatten()
+            {
+                copy(n)?;
+            }
+            for (_, lin) in l.linears_mut() {
+                copy(&mut lin.weight)?;
+                if let Some(b) = lin.bias.as_mut() {
+                    copy(b)?;
+                }
+            }
+        }
+        Ok(m)
+    }
+
     /// The base weights with `adapter` merged in (`W + scale·B·A`): a plain
     /// model that needs no adapter at run time, e.g. for export.
     pub fn merge_lora(&self, adapter: &LoraAdapter) -> Result<Model> {

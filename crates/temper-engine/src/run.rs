@@ -1,0 +1,520 @@
+//! A training run: trainable weights (a LoRA adapter or the full model) on a
+//! shared frozen base, accumulated gradients and AdamW state.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use temper_model::candle_core::{DType, Tensor, Var};
+use temper_model::{
+    Completion, GenerationRequest, LoraAdapter, LoraConfig, Model, Pretrained, Sampler,
+    SamplingParams,
+};
+
+use crate::error::{EngineError, Result};
+use crate::loss::{Loss, LossInputs};
+use crate::optim::{AdamParams, AdamState, StepStats};
+
+/// One training example: the model input tokens and the loss inputs for
+/// every input position (`target_tokens[i]` follows `model_input[..=i]`).
+/// Shifting and masking are the caller's job, as in Tinker.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Datum {
+    /// Tokens fed to the model.
+    pub model_input: Vec<u32>,
+    /// Targets, weights, sampler logprobs, advantages.
+    pub loss_fn_inputs: LossInputs,
+}
+
+/// Per-datum outputs of a forward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DatumOutput {
+    /// Learner logprob of each target token.
+    pub logprobs: Vec<f32>,
+    /// Entropy of the learner's distribution at each position.
+    pub entropy: Vec<f32>,
+}
+
+/// What forward / forward_backward return.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForwardOutput {
+    /// One entry per datum.
+    pub loss_fn_outputs: Vec<DatumOutput>,
+    /// `loss:sum` and friends.
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// What is being trained.
+enum Trainable {
+    Lora(LoraAdapter),
+    Full {
+        model: Box<Model>,
+        vars: Vec<(String, Var)>,
+    },
+}
+
+/// How a run was created; saved with its state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum RunKind {
+    /// LoRA with this rank / alpha / targets.
+    Lora {
+        /// Rank.
+        rank: usize,
+        /// Alpha.
+        alpha: f64,
+        /// Target module names.
+        targets: Vec<String>,
+    },
+    /// All weights trainable.
+    Full,
+}
+
+/// A training run on a shared base model.
+pub struct TrainingRun {
+    base: Arc<Pretrained>,
+    trainable: Trainable,
+    grads: HashMap<String, Tensor>,
+    micro_batches: usize,
+    optim: AdamState,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StateMeta {
+    kind: RunKind,
+    step: u64,
+    base_model: String,
+}
+
+impl TrainingRun {
+    /// A LoRA run (A random with `seed`, B = 0).
+    pub fn lora(base: Arc<Pretrained>, config: LoraConfig, seed: u64) -> Result<Self> {
+        let adapter = LoraAdapter::new(
+            &base.config,
+            config,
+            seed,
+            base.model.dtype(),
+            base.model.device(),
+        )?;
+        Ok(Self::with(base, Trainable::Lora(adapter)))
+    }
+
+    /// A full-parameter run (the base weights are copied, the shared base
+    /// stays frozen).
+    pub fn full(base: Arc<Pretrained>) -> Result<Self> {
+        let mut model = base.model.clone();
+        let vars = model.make_trainable()?;
+        Ok(Self::with(
+            base,
+            Trainable::Full {
+                model: Box::new(model),
+                vars,
+            },
+        ))
+    }
+
+    fn with(base: Arc<Pretrained>, trainable: Trainable) -> Self {
+        Self {
+            base,
+            trainable,
+            grads: HashMap::new(),
+            micro_batches: 0,
+            optim: AdamState::default(),
+        }
+    }
+
+    /// The shared base.
+    pub fn base(&self) -> &Arc<Pretrained> {
+        &self.base
+    }
+
+    /// How this run trains.
+    pub fn kind(&self) -> RunKind {
+        match &self.trainable {
+            Trainable::Lora(a) => RunKind::Lora {
+                rank: a.config().rank,
+                alpha: a.config().alpha,
+                targets: a
+                    .config()
+                    .targets
+                    .iter()
+                    .map(|t| t.name().to_string())
+                    .collect(),
+            },
+            Trainable::Full { .. } => RunKind::Full,
+        }
+    }
+
+    /// Optimizer steps taken.
+    pub fn step(&self) -> u64 {
+        self.optim.step
+    }
+
+    fn model(&self) -> &Model {
+        match &self.trainable {
+            Trainable::Lora(_) => &self.base.model,
+            Trainable::Full { model, .. } => model,
+        }
+    }
+
+    fn adapter(&self) -> Option<&LoraAdapter> {
+        match &self.trainable {
+            Trainable::Lora(a) => Some(a),
+            Trainable::Full { .. } => None,
+        }
+    }
+
+    /// Trainable tensors by name.
+    pub fn named_params(&self) -> Vec<(String, Var)> {
+        match &self.trainable {
+            Trainable::Lora(a) => a.named_vars(),
+            Trainable::Full { vars, .. } => vars.clone(),
+        }
+    }
+
+    fn validate(&self, data: &[Datum], loss: &Loss) -> Result<()> {
+        if data.is_empty() {
+            return Err(EngineError::InvalidRequest("empty batch".into()));
+        }
+        let vocab = self.base.config.vocab_size;
+        let max_len = self.base.config.max_position_embeddings;
+        for (i, d) in data.iter().enumerate() {
+            let len = d.model_input.len();
+            if len == 0 {
+                return Err(EngineError::InvalidRequest(format!(
+                    "datum {i}: empty model_input"
+                )));
+            }
+            if len > max_len {
+                return Err(EngineError::InvalidRequest(format!(
+                    "datum {i}: {len} tokens exceed the context length {max_len}"
+                )));
+            }
+            let bad = d
+                .model_input
+                .iter()
+                .chain(&d.loss_fn_inputs.target_tokens)
+                .find(|&&t| t as usize >= vocab);
+            if let Some(t) = bad {
+                return Err(EngineError::InvalidRequest(format!(
+                    "datum {i}: token id {t} out of range (vocab {vocab})"
+                )));
+            }
+            loss.validate(&d.loss_fn_inputs, len)
+                .map_err(|e| EngineError::InvalidRequest(format!("datum {i}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Loss and logprobs without touching gradients.
+    pub fn forward(&self, data: &[Datum], loss: &Loss) -> Result<ForwardOutput> {
+        self.validate(data, loss)?;
+        let (out, _) = self.run(data, loss)?;
+        Ok(out)
+    }
+
+    /// Loss, logprobs, and gradients added to the accumulated ones (so
+    /// several calls before one [`optim_step`](Self::optim_step) accumulate).
+    pub fn forward_backward(&mut self, data: &[Datum], loss: &Loss) -> Result<ForwardOutput> {
+        self.validate(data, loss)?;
+        let (out, total) = self.run(data, loss)?;
+        let grads = total.backward()?;
+        for (name, var) in self.named_params() {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                let acc = match self.grads.remove(&name) {
+                    Some(prev) => (prev + g)?,
+                    None => g.clone(),
+                };
+                self.grads.insert(name, acc);
+            }
+        }
+        self.micro_batches += 1;
+        Ok(out)
+    }
+
+    fn run(&self, data: &[Datum], loss: &Loss) -> Result<(ForwardOutput, Tensor)> {
+        let mut outputs = Vec::with_capacity(data.len());
+        let mut total: Option<Tensor> = None;
+        let mut tokens = 0usize;
+        for d in data {
+            let s = self.model().score(
+                &d.model_input,
+                &d.loss_fn_inputs.target_tokens,
+                self.adapter(),
+                1.0,
+            )?;
+            let l = loss.compute(&s.logprobs, &d.loss_fn_inputs)?;
+            total = Some(match total {
+                None => l,
+                Some(t) => (t + l)?,
+            });
+            tokens += d.model_input.len();
+            outputs.push(DatumOutput {
+                logprobs: s.logprobs.to_dtype(DType::F32)?.to_vec1()?,
+                entropy: s.entropy.to_dtype(DType::F32)?.to_vec1()?,
+            });
+        }
+        let total = total.ok_or_else(|| EngineError::InvalidRequest("empty batch".into()))?;
+        let mut metrics = BTreeMap::new();
+        metrics.insert(
+            "loss:sum".to_string(),
+            total.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        );
+        metrics.insert("tokens:sum".to_string(), tokens as f64);
+        Ok((
+            ForwardOutput {
+                loss_fn_outputs: outputs,
+                metrics,
+            },
+            total,
+        ))
+    }
+
+    /// Apply the accumulated gradients with AdamW and clear them.
+    pub fn optim_step(&mut self, params: &AdamParams) -> Result<StepStats> {
+        if self.grads.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "optim_step without a forward_backward since the last step".into(),
+            ));
+        }
+        let named = self.named_params();
+        let stats = self.optim.step(&named, &self.grads, params)?;
+        self.grads.clear();
+        self.micro_batches = 0;
+        Ok(stats)
+    }
+
+    /// Sample from the current weights.
+    pub fn sample(
+        &self,
+        prompt: &[u32],
+        n: usize,
+        params: SamplingParams,
+    ) -> Result<Vec<Completion>> {
+        sample_with(&self.base, self.model(), self.adapter(), prompt, n, params)
+    }
+
+    /// Learner logprobs of `tokens[1..]` (the first token has none).
+    pub fn compute_logprobs(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.len() < 2 {
+            return Err(EngineError::InvalidRequest(
+                "compute_logprobs needs at least 2 tokens".into(),
+            ));
+        }
+        let s = self.model().score(
+            &tokens[..tokens.len() - 1],
+            &tokens[1..],
+            self.adapter(),
+            1.0,
+        )?;
+        Ok(s.logprobs.to_vec1()?)
+    }
+
+    /// An immutable copy of the current weights for a sampler.
+    pub fn sampler_weights(&self) -> Result<SamplerWeights> {
+        Ok(match &self.trainable {
+            Trainable::Lora(a) => SamplerWeights {
+                base: self.base.clone(),
+                full: None,
+                adapter: Some(a.snapshot()?),
+            },
+            Trainable::Full { model, .. } => SamplerWeights {
+                base: self.base.clone(),
+                full: Some(Box::new(model.frozen_copy()?)),
+                adapter: None,
+            },
+        })
+    }
+
+    /// Export the LoRA adapter in the PEFT layout.
+    pub fn export_peft(&self, dir: &Path) -> Result<()> {
+        match &self.trainable {
+            Trainable::Lora(a) => Ok(a.save_peft(dir, &self.base.dir.display().to_string())?),
+            Trainable::Full { .. } => Err(EngineError::InvalidRequest(
+                "a full-parameter run has no LoRA adapter to export".into(),
+            )),
+        }
+    }
+
+    /// Save weights, optimizer state and step into `dir`, atomically: a
+    /// temporary sibling directory is written, then renamed over `dir`.
+    pub fn save_state(&self, dir: &Path) -> Result<()> {
+        let parent = dir.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent).map_err(|e| EngineError::io(parent, e))?;
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "state".into());
+        let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
+        let weights: HashMap<String, Tensor> = self
+            .named_params()
+            .into_iter()
+            .map(|(n, v)| (n, v.as_tensor().clone()))
+            .collect();
+        temper_model::candle_core::safetensors::save(&weights, tmp.join("weights.safetensors"))?;
+        let mut opt: HashMap<String, Tensor> = HashMap::new();
+        for (n, t) in &self.optim.m {
+            opt.insert(format!("m.{n}"), t.clone());
+        }
+        for (n, t) in &self.optim.v {
+            opt.insert(format!("v.{n}"), t.clone());
+        }
+        if !opt.is_empty() {
+            temper_model::candle_core::safetensors::save(&opt, tmp.join("optimizer.safetensors"))?;
+        }
+        let meta = StateMeta {
+            kind: self.kind(),
+            step: self.optim.step,
+            base_model: self.base.dir.display().to_string(),
+        };
+        let meta_path = tmp.join("state.json");
+        let text = serde_json::to_string_pretty(&meta).map_err(|e| EngineError::BadCheckpoint {
+            path: meta_path.clone(),
+            reason: e.to_string(),
+        })?;
+        std::fs::write(&meta_path, text).map_err(|e| EngineError::io(&meta_path, e))?;
+        let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+        if dir.exists() {
+            std::fs::rename(dir, &old).map_err(|e| EngineError::io(dir, e))?;
+        }
+        std::fs::rename(&tmp, dir).map_err(|e| EngineError::io(dir, e))?;
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| EngineError::io(&old, e))?;
+        }
+        Ok(())
+    }
+
+    /// Restore weights (and, with `with_optimizer`, AdamW state and step)
+    /// saved by [`save_state`](Self::save_state) into this run, which must
+    /// have the same kind and shapes.
+    pub fn load_state(&mut self, dir: &Path, with_optimizer: bool) -> Result<()> {
+        let meta_path = dir.join("state.json");
+        let text =
+            std::fs::read_to_string(&meta_path).map_err(|e| EngineError::io(&meta_path, e))?;
+        let meta: StateMeta =
+            serde_json::from_str(&text).map_err(|e| EngineError::BadCheckpoint {
+                path: meta_path.clone(),
+                reason: e.to_string(),
+            })?;
+        if meta.kind != self.kind() {
+            return Err(EngineError::BadCheckpoint {
+                path: meta_path,
+                reason: format!(
+                    "saved run is {:?}, this run is {:?}",
+                    meta.kind,
+                    self.kind()
+                ),
+            });
+        }
+        let dev = self.base.model.device().clone();
+        let wpath = dir.join("weights.safetensors");
+        let weights = temper_model::candle_core::safetensors::load(&wpath, &dev)?;
+        for (name, var) in self.named_params() {
+            let t = weights
+                .get(&name)
+                .ok_or_else(|| EngineError::BadCheckpoint {
+                    path: wpath.clone(),
+                    reason: format!("missing tensor {name}"),
+                })?;
+            if t.dims() != var.as_tensor().dims() {
+                return Err(EngineError::BadCheckpoint {
+                    path: wpath.clone(),
+                    reason: format!(
+                        "tensor {name} has shape {:?}, run has {:?}",
+                        t.dims(),
+                        var.as_tensor().dims()
+                    ),
+                });
+            }
+            var.set(&t.to_dtype(var.as_tensor().dtype())?)?;
+        }
+        self.grads.clear();
+        self.micro_batches = 0;
+        if with_optimizer {
+            let mut state = AdamState {
+                step: meta.step,
+                ..Default::default()
+            };
+            let opath = dir.join("optimizer.safetensors");
+            if opath.exists() {
+                for (k, t) in temper_model::candle_core::safetensors::load(&opath, &dev)? {
+                    if let Some(n) = k.strip_prefix("m.") {
+                        state.m.insert(n.to_string(), t);
+                    } else if let Some(n) = k.strip_prefix("v.") {
+                        state.v.insert(n.to_string(), t);
+                    }
+                }
+            }
+            self.optim = state;
+        } else {
+            self.optim = AdamState::default();
+        }
+        Ok(())
+    }
+}
+
+/// Frozen weights a sampler can use while training goes on.
+pub struct SamplerWeights {
+    base: Arc<Pretrained>,
+    full: Option<Box<Model>>,
+    adapter: Option<LoraAdapter>,
+}
+
+impl SamplerWeights {
+    /// Sample `n` completions of `prompt`.
+    pub fn sample(
+        &self,
+        prompt: &[u32],
+        n: usize,
+        params: SamplingParams,
+    ) -> Result<Vec<Completion>> {
+        let model = self.full.as_deref().unwrap_or(&self.base.model);
+        sample_with(&self.base, model, self.adapter.as_ref(), prompt, n, params)
+    }
+
+    /// Logprobs of `tokens[1..]` under these weights.
+    pub fn compute_logprobs(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.len() < 2 {
+            return Err(EngineError::InvalidRequest(
+                "compute_logprobs needs at least 2 tokens".into(),
+            ));
+        }
+        let model = self.full.as_deref().unwrap_or(&self.base.model);
+        let s = model.score(
+            &tokens[..tokens.len() - 1],
+            &tokens[1..],
+            self.adapter.as_ref(),
+            1.0,
+        )?;
+        Ok(s.logprobs.to_vec1()?)
+    }
+}
+
+fn sample_with(
+    base: &Pretrained,
+    model: &Model,
+    adapter: Option<&LoraAdapter>,
+    prompt: &[u32],
+    n: usize,
+    params: SamplingParams,
+) -> Result<Vec<Completion>> {
+    let sampler = Sampler::new(
+        model,
+        &base.tokenizer,
+        base.generation.eos_token_ids.clone(),
+    );
+    let mut out = sampler.generate(
+        &[GenerationRequest {
+            prompt: prompt.to_vec(),
+            n,
+            params,
+        }],
+        adapter,
+    )?;
+    out.pop()
+        .ok_or_else(|| EngineError::InvalidRequest("no completions".into()))
+}

@@ -1,0 +1,415 @@
+//! The training primitives in process, on the fixture models.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use temper_engine::{AdamParams, Datum, EngineError, Loss, LossInputs, TrainingRun};
+use temper_model::candle_core::{Device, Tensor, Var};
+use temper_model::{LoadOptions, LoraConfig, Pretrained, SamplingParams};
+
+fn base(name: &str) -> Arc<Pretrained> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/models")
+        .join(name);
+    Arc::new(Pretrained::load(&dir, &LoadOptions::default()).expect("fixture loads"))
+}
+
+fn lora(rank: usize) -> LoraConfig {
+    LoraConfig {
+        rank,
+        alpha: 2.0 * rank as f64,
+        ..Default::default()
+    }
+}
+
+/// Next-token datum for a whole sequence.
+fn sft_datum(tokens: &[u32]) -> Datum {
+    Datum {
+        model_input: tokens[..tokens.len() - 1].to_vec(),
+        loss_fn_inputs: LossInputs {
+            target_tokens: tokens[1..].to_vec(),
+            ..Default::default()
+        },
+    }
+}
+
+fn sft_batch(b: &Pretrained) -> Vec<Datum> {
+    [
+        "What is 12 + 7? 19",
+        "def add(a, b): return a + b",
+        "The cat sat on the mat.",
+        "1 2 3 4 5 6",
+    ]
+    .iter()
+    .map(|t| sft_datum(&b.tokenizer.encode(t, false).expect("encode")))
+    .collect()
+}
+
+#[test]
+fn losses_match_hand_computed_values() {
+    let dev = Device::Cpu;
+    let p = Var::new(&[-1.0f32, -2.0], &dev).unwrap();
+    let inputs = LossInputs {
+        target_tokens: vec![0, 0],
+        weights: None,
+        logprobs: Some(vec![-1.5, -1.0]),
+        advantages: Some(vec![1.0, -2.0]),
+    };
+    let r = [0.5f64.exp(), (-1.0f64).exp()];
+    let cases: Vec<(Loss, f64, [f64; 2])> = vec![
+        // −Σ p  (weights default to 1)
+        (Loss::CrossEntropy, 3.0, [-1.0, -1.0]),
+        // −Σ r·A ; d/dp = −r·A
+        (
+            Loss::ImportanceSampling,
+            -(r[0] - 2.0 * r[1]),
+            [-r[0], 2.0 * r[1]],
+        ),
+        // r = [1.65, 0.37] → clip [1.2, 0.8]; min(1.65, 1.2) = 1.2 (clipped: no grad),
+        // min(−0.74, −1.6) = −1.6 (clipped: no grad)
+        (
+            Loss::Ppo {
+                clip_low: 0.8,
+                clip_high: 1.2,
+            },
+            0.4,
+            [0.0, 0.0],
+        ),
+        // −Σ sg(clip r)·p·A = −(1.2·−1·1 + 0.8·−2·−2) = −2.0 ; d/dp = −clip(r)·A
+        (
+            Loss::Cispo {
+                clip_low: 0.8,
+                clip_high: 1.2,
+            },
+            -2.0,
+            [-1.2, 1.6],
+        ),
+        // −Σ (p·A − ½β(p−q)²), β = 0.05: −((−1 − 0.00625) + (4 − 0.025))
+        (
+            Loss::Dro { beta: 0.05 },
+            -2.96875,
+            // d/dp = −(A − β(p − q)) = [−(1 − 0.05·0.5), −(−2 − 0.05·(−1))]
+            [-(1.0 - 0.05 * 0.5), -(-2.0 + 0.05)],
+        ),
+    ];
+    for (loss, want, want_grad) in cases {
+        let l = loss.compute(p.as_tensor(), &inputs).expect("compute");
+        let got = l.to_scalar::<f32>().unwrap() as f64;
+        assert!((got - want).abs() < 1e-5, "{loss:?}: {got} vs {want}");
+        let g: Vec<f32> = l
+            .backward()
+            .unwrap()
+            .get(p.as_tensor())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (a, b) in g.iter().zip(want_grad) {
+            assert!(
+                (*a as f64 - b).abs() < 1e-5,
+                "{loss:?} grad {g:?} vs {want_grad:?}"
+            );
+        }
+    }
+    // Weights scale cross-entropy per token; 0 masks.
+    let weighted = LossInputs {
+        weights: Some(vec![1.0, 0.5]),
+        ..inputs
+    };
+    let l = Loss::CrossEntropy
+        .compute(p.as_tensor(), &weighted)
+        .unwrap();
+    assert!((l.to_scalar::<f32>().unwrap() - 2.0).abs() < 1e-6);
+    // A custom loss: −Σ p², built from differentiable ops.
+    let custom = Loss::Custom(Arc::new(|p: &Tensor, _: &LossInputs| {
+        Ok(p.sqr()?.sum_all()?.neg()?)
+    }));
+    let l = custom.compute(p.as_tensor(), &weighted).unwrap();
+    assert!((l.to_scalar::<f32>().unwrap() + 5.0).abs() < 1e-6);
+}
+
+#[test]
+fn sft_loop_drives_loss_down_monotonically() {
+    let b = base("tiny-qwen3");
+    let data = sft_batch(&b);
+    let mut run = TrainingRun::lora(b, lora(8), 0).unwrap();
+    let adam = AdamParams {
+        learning_rate: 2e-3,
+        ..Default::default()
+    };
+    let mut losses = Vec::new();
+    for _ in 0..12 {
+        let out = run.forward_backward(&data, &Loss::CrossEntropy).unwrap();
+        losses.push(out.metrics["loss:sum"]);
+        run.optim_step(&adam).unwrap();
+    }
+    for w in losses.windows(2) {
+        assert!(w[1] < w[0], "loss went up: {losses:?}");
+    }
+    assert!(losses[11] < 0.8 * losses[0], "{losses:?}");
+}
+
+#[test]
+fn full_parameter_sft_also_learns() {
+    let b = base("tiny-llama");
+    let data = sft_batch(&b);
+    let mut run = TrainingRun::full(b.clone()).unwrap();
+    let first = run
+        .forward_backward(&data, &Loss::CrossEntropy)
+        .unwrap()
+        .metrics["loss:sum"];
+    run.optim_step(&AdamParams {
+        learning_rate: 1e-3,
+        ..Default::default()
+    })
+    .unwrap();
+    let second = run.forward(&data, &Loss::CrossEntropy).unwrap().metrics["loss:sum"];
+    assert!(second < first, "{first} -> {second}");
+    // The shared base is untouched.
+    let fresh = TrainingRun::full(b).unwrap();
+    let again = fresh.forward(&data, &Loss::CrossEntropy).unwrap().metrics["loss:sum"];
+    assert_eq!(again, first);
+}
+
+#[test]
+fn importance_sampling_rl_raises_reward() {
+    let b = base("tiny-qwen2");
+    let prompt = b.tokenizer.encode("What is 12 + 7?", false).unwrap();
+    let mut run = TrainingRun::lora(b, lora(8), 1).unwrap();
+    let params = |seed: u64| SamplingParams {
+        max_tokens: 4,
+        temperature: 1.0,
+        seed: Some(seed),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    // Toy reward: the completion contains token X, X being a token the
+    // initial policy emits in some but not most completions.
+    let probe = run.sample(&prompt, 64, params(999)).unwrap();
+    let mut counts = std::collections::HashMap::new();
+    for c in &probe {
+        let mut seen: Vec<u32> = c.tokens.clone();
+        seen.sort();
+        seen.dedup();
+        for t in seen {
+            *counts.entry(t).or_insert(0usize) += 1;
+        }
+    }
+    let mut cands: Vec<(u32, usize)> = counts.into_iter().collect();
+    cands.sort();
+    eprintln!("token counts over 64 probe completions: {cands:?}");
+    let (x, _) = cands
+        .iter()
+        .copied()
+        .filter(|&(_, n)| (2..=24).contains(&n))
+        .max_by_key(|&(t, n)| (n, t))
+        .expect("a token of moderate frequency");
+    let reward = |toks: &[u32]| if toks.contains(&x) { 1.0f32 } else { 0.0 };
+    let mean_reward = |run: &TrainingRun, seed: u64| -> f32 {
+        let s = run.sample(&prompt, 64, params(seed)).unwrap();
+        s.iter().map(|c| reward(&c.tokens)).sum::<f32>() / s.len() as f32
+    };
+    let before = mean_reward(&run, 12345);
+    let adam = AdamParams {
+        learning_rate: 2e-2,
+        ..Default::default()
+    };
+    for step in 0..15u64 {
+        let group = run.sample(&prompt, 16, params(step)).unwrap();
+        let rewards: Vec<f32> = group.iter().map(|c| reward(&c.tokens)).collect();
+        let mean = rewards.iter().sum::<f32>() / rewards.len() as f32;
+        let data: Vec<Datum> = group
+            .iter()
+            .zip(&rewards)
+            .filter(|(_, r)| **r != mean)
+            .map(|(c, r)| {
+                let full: Vec<u32> = prompt.iter().chain(&c.tokens).copied().collect();
+                let n_prompt = prompt.len() - 1;
+                let lp = c.logprobs.clone().unwrap();
+                let mut logprobs = vec![0.0; n_prompt];
+                logprobs.extend(lp);
+                let mut adv = vec![0.0; n_prompt];
+                adv.extend(std::iter::repeat_n(r - mean, c.tokens.len()));
+                Datum {
+                    model_input: full[..full.len() - 1].to_vec(),
+                    loss_fn_inputs: LossInputs {
+                        target_tokens: full[1..].to_vec(),
+                        weights: None,
+                        logprobs: Some(logprobs),
+                        advantages: Some(adv),
+                    },
+                }
+            })
+            .collect();
+        if data.is_empty() {
+            continue;
+        }
+        let out = run
+            .forward_backward(&data, &Loss::ImportanceSampling)
+            .unwrap();
+        // On-policy: learner logprobs equal the sampler's exactly (ratio 1).
+        for (d, o) in data.iter().zip(&out.loss_fn_outputs) {
+            let q = d.loss_fn_inputs.logprobs.as_ref().unwrap();
+            let n_prompt = prompt.len() - 1;
+            assert_eq!(&o.logprobs[n_prompt..], &q[n_prompt..]);
+        }
+        run.optim_step(&adam).unwrap();
+    }
+    let after = mean_reward(&run, 12345);
+    eprintln!("token {x}: mean reward {before} -> {after}");
+    assert!(after > before + 0.25, "reward {before} -> {after}");
+}
+
+#[test]
+fn save_kill_load_continues_bit_identically() {
+    let b = base("tiny-qwen3");
+    let data = sft_batch(&b);
+    let adam = AdamParams {
+        learning_rate: 1e-3,
+        weight_decay: 0.01,
+        grad_clip_norm: 1.0,
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("step2");
+    let (loss3, loss4) = {
+        let mut run = TrainingRun::lora(b.clone(), lora(4), 5).unwrap();
+        for _ in 0..2 {
+            run.forward_backward(&data, &Loss::CrossEntropy).unwrap();
+            run.optim_step(&adam).unwrap();
+        }
+        run.save_state(&ckpt).unwrap();
+        let l3 = run
+            .forward_backward(&data, &Loss::CrossEntropy)
+            .unwrap()
+            .metrics["loss:sum"];
+        run.optim_step(&adam).unwrap();
+        let l4 = run.forward(&data, &Loss::CrossEntropy).unwrap().metrics["loss:sum"];
+        (l3, l4)
+        // the run is dropped here: the "kill"
+    };
+    let mut resumed = TrainingRun::lora(b, lora(4), 999).unwrap();
+    resumed.load_state(&ckpt, true).unwrap();
+    assert_eq!(resumed.step(), 2);
+    let l3 = resumed
+        .forward_backward(&data, &Loss::CrossEntropy)
+        .unwrap()
+        .metrics["loss:sum"];
+    resumed.optim_step(&adam).unwrap();
+    let l4 = resumed.forward(&data, &Loss::CrossEntropy).unwrap().metrics["loss:sum"];
+    assert_eq!(l3.to_bits(), loss3.to_bits());
+    assert_eq!(l4.to_bits(), loss4.to_bits());
+    // No temporary directories are left behind.
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("step2")]);
+}
+
+#[test]
+fn gradient_accumulation_equals_one_big_batch() {
+    let b = base("tiny-llama");
+    let data = sft_batch(&b);
+    let adam = AdamParams {
+        learning_rate: 1e-2,
+        ..Default::default()
+    };
+    let mut one = TrainingRun::lora(b.clone(), lora(4), 7).unwrap();
+    let mut acc = TrainingRun::lora(b, lora(4), 7).unwrap();
+    // Move B off zero first so every tensor has a gradient.
+    for r in [&mut one, &mut acc] {
+        r.forward_backward(&data, &Loss::CrossEntropy).unwrap();
+        r.optim_step(&adam).unwrap();
+    }
+    one.forward_backward(&data, &Loss::CrossEntropy).unwrap();
+    acc.forward_backward(&data[..2], &Loss::CrossEntropy)
+        .unwrap();
+    acc.forward_backward(&data[2..], &Loss::CrossEntropy)
+        .unwrap();
+    let s1 = one.optim_step(&adam).unwrap();
+    let s2 = acc.optim_step(&adam).unwrap();
+    assert!((s1.grad_norm - s2.grad_norm).abs() <= 1e-5 * s1.grad_norm);
+    let mut worst = 0f32;
+    for ((_, a), (_, c)) in one.named_params().iter().zip(acc.named_params()) {
+        let d = (a.as_tensor() - c.as_tensor())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap();
+        worst = worst.max(d.to_scalar::<f32>().unwrap());
+    }
+    assert!(worst <= 1e-5, "max param difference {worst}");
+}
+
+#[test]
+fn bad_requests_are_rejected_and_do_not_poison_the_run() {
+    let b = base("tiny-qwen3");
+    let data = sft_batch(&b);
+    let mut run = TrainingRun::lora(b, lora(4), 0).unwrap();
+    let mut bad = data[0].clone();
+    bad.model_input[0] = 50_000;
+    let mut short = data[0].clone();
+    short.loss_fn_inputs.target_tokens.pop();
+    for (batch, loss, needle) in [
+        (vec![bad], Loss::CrossEntropy, "out of range"),
+        (vec![short], Loss::CrossEntropy, "target tokens"),
+        (vec![data[0].clone()], Loss::ImportanceSampling, "logprobs"),
+        (vec![], Loss::CrossEntropy, "empty"),
+    ] {
+        match run.forward_backward(&batch, &loss) {
+            Err(EngineError::InvalidRequest(m)) => assert!(m.contains(needle), "{m}"),
+            other => panic!(
+                "expected InvalidRequest({needle}), got {:?}",
+                other.map(|_| ())
+            ),
+        }
+    }
+    assert!(matches!(
+        run.optim_step(&AdamParams::default()),
+        Err(EngineError::InvalidRequest(_))
+    ));
+    run.forward_backward(&data, &Loss::CrossEntropy).unwrap();
+    run.optim_step(&AdamParams::default()).unwrap();
+    assert_eq!(run.step(), 1);
+}
+
+#[test]
+fn sampler_weights_are_immutable_and_match_compute_logprobs() {
+    let b = base("tiny-qwen2");
+    let data = sft_batch(&b);
+    let prompt = data[0].model_input.clone();
+    let mut run = TrainingRun::lora(b, lora(4), 0).unwrap();
+    run.forward_backward(&data, &Loss::CrossEntropy).unwrap();
+    run.optim_step(&AdamParams {
+        learning_rate: 1e-2,
+        ..Default::default()
+    })
+    .unwrap();
+    let frozen = run.sampler_weights().unwrap();
+    let s = frozen
+        .sample(
+            &prompt,
+            2,
+            SamplingParams {
+                max_tokens: 6,
+                seed: Some(1),
+                ignore_eos: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let full: Vec<u32> = prompt.iter().chain(&s[0].tokens).copied().collect();
+    let lp = frozen.compute_logprobs(&full).unwrap();
+    assert_eq!(&lp[lp.len() - 6..], s[0].logprobs.as_deref().unwrap());
+    assert_eq!(run.compute_logprobs(&full).unwrap(), lp);
+    // Training on does not change the saved sampler weights.
+    run.forward_backward(&data, &Loss::CrossEntropy).unwrap();
+    run.optim_step(&AdamParams {
+        learning_rate: 1e-2,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(frozen.compute_logprobs(&full).unwrap(), lp);
+    assert_ne!(run.compute_logprobs(&full).unwrap(), lp);
+}
