@@ -3,6 +3,8 @@
 //! [`TrainingRun::optim_step`] (AdamW), [`TrainingRun::sample`],
 //! [`TrainingRun::compute_logprobs`], [`TrainingRun::save_state`] /
 //! [`TrainingRun::load_state`], and immutable [`SamplerWeights`].
+//! [`Engine`] puts runs behind an ordered queue: every call returns a
+//! [`Pending`] future at once, so calls pipeline and complete in order.
 //!
 //! Key design choice: the learner's logprobs come from
 //! [`temper_model::Model::score`], the same canonical computation the sampler
@@ -28,11 +30,13 @@
 //! ```
 #![deny(missing_docs)]
 
+mod engine;
 mod error;
 mod loss;
 mod optim;
 mod run;
 
+pub use engine::{Engine, Pending};
 pub use error::{EngineError, Result};
 pub use loss::{CustomLoss, Loss, LossInputs};
 pub use optim::{AdamParams, AdamState, StepStats};

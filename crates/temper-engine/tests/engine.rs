@@ -413,3 +413,63 @@ fn sampler_weights_are_immutable_and_match_compute_logprobs() {
     assert_eq!(frozen.compute_logprobs(&full).unwrap(), lp);
     assert_ne!(run.compute_logprobs(&full).unwrap(), lp);
 }
+
+#[test]
+fn engine_pipelines_calls_and_completes_them_in_order() {
+    use temper_engine::Engine;
+    let b = base("tiny-qwen3");
+    let data = sft_batch(&b);
+    let engine = Engine::new();
+    engine.add_base_model("tiny", b).wait().unwrap();
+    assert_eq!(
+        engine.base_models().wait().unwrap(),
+        vec!["tiny".to_string()]
+    );
+    let run = engine.create_lora_run("tiny", lora(4), 0).wait().unwrap();
+    let adam = AdamParams {
+        learning_rate: 2e-3,
+        ..Default::default()
+    };
+    // Submit five steps back to back without waiting, then collect.
+    let mut pending = Vec::new();
+    for _ in 0..5 {
+        let fb = engine.forward_backward(&run, data.clone(), Loss::CrossEntropy);
+        let st = engine.optim_step(&run, adam);
+        pending.push((fb, st));
+    }
+    let losses: Vec<f64> = pending
+        .into_iter()
+        .map(|(fb, st)| {
+            let l = fb.wait().unwrap().metrics["loss:sum"];
+            st.wait().unwrap();
+            l
+        })
+        .collect();
+    for w in losses.windows(2) {
+        assert!(w[1] < w[0], "{losses:?}");
+    }
+    let key = engine.save_weights_for_sampler(&run, "s5").wait().unwrap();
+    let prompt = data[0].model_input.clone();
+    let params = SamplingParams {
+        max_tokens: 4,
+        seed: Some(2),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let out = engine
+        .sample(&key, prompt.clone(), 1, params)
+        .wait()
+        .unwrap();
+    let full: Vec<u32> = prompt.iter().chain(&out[0].tokens).copied().collect();
+    let lp = engine.compute_logprobs(&key, full).wait().unwrap();
+    assert_eq!(&lp[lp.len() - 4..], out[0].logprobs.as_deref().unwrap());
+    // Errors come back through the future; the engine keeps serving.
+    assert!(matches!(
+        engine.optim_step("run-404", adam).wait(),
+        Err(EngineError::NotFound(_))
+    ));
+    assert!(engine
+        .forward(&run, data, Loss::CrossEntropy)
+        .wait()
+        .is_ok());
+}

@@ -1,0 +1,271 @@
+//! [`Engine`]: training runs and sampler weights behind one worker thread.
+//! Every call returns a [`Pending`] result at once and the worker executes
+//! calls strictly in submission order, so `forward_backward` and
+//! `optim_step` can be submitted back to back (pipelined) and complete in
+//! order — Tinker's futures, without its ~10 s clock cycle.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll, Waker};
+
+use temper_model::{Completion, LoraConfig, Pretrained, SamplingParams};
+
+use crate::error::{EngineError, Result};
+use crate::loss::Loss;
+use crate::optim::{AdamParams, StepStats};
+use crate::run::{Datum, ForwardOutput, SamplerWeights, TrainingRun};
+
+struct Slot<T> {
+    value: Option<Result<T>>,
+    waker: Option<Waker>,
+}
+
+/// The result of a submitted call: `.wait()` blocks, `.await` suspends.
+pub struct Pending<T> {
+    shared: Arc<(Mutex<Slot<T>>, Condvar)>,
+}
+
+struct Promise<T> {
+    shared: Arc<(Mutex<Slot<T>>, Condvar)>,
+}
+
+fn pending<T>() -> (Promise<T>, Pending<T>) {
+    let shared = Arc::new((
+        Mutex::new(Slot {
+            value: None,
+            waker: None,
+        }),
+        Condvar::new(),
+    ));
+    (
+        Promise {
+            shared: shared.clone(),
+        },
+        Pending { shared },
+    )
+}
+
+impl<T> Promise<T> {
+    fn fulfil(self, v: Result<T>) {
+        let (lock, cv) = &*self.shared;
+        let mut slot = lock.lock().unwrap_or_else(|p| p.into_inner());
+        slot.value = Some(v);
+        if let Some(w) = slot.waker.take() {
+            w.wake();
+        }
+        cv.notify_all();
+    }
+}
+
+impl<T> Pending<T> {
+    /// Block until the call has run.
+    pub fn wait(self) -> Result<T> {
+        let (lock, cv) = &*self.shared;
+        let mut slot = lock.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(v) = slot.value.take() {
+                return v;
+            }
+            slot = cv.wait(slot).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Whether the result is ready.
+    pub fn is_ready(&self) -> bool {
+        let (lock, _) = &*self.shared;
+        lock.lock().map(|s| s.value.is_some()).unwrap_or(true)
+    }
+}
+
+impl<T> Future for Pending<T> {
+    type Output = Result<T>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
+        let (lock, _) = &*self.shared;
+        let mut slot = lock.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.value.take() {
+            Some(v) => Poll::Ready(v),
+            None => {
+                slot.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// What the worker owns.
+#[derive(Default)]
+struct State {
+    bases: HashMap<String, Arc<Pretrained>>,
+    runs: HashMap<String, TrainingRun>,
+    samplers: HashMap<String, Arc<SamplerWeights>>,
+    next_id: u64,
+}
+
+impl State {
+    fn run(&mut self, id: &str) -> Result<&mut TrainingRun> {
+        self.runs
+            .get_mut(id)
+            .ok_or_else(|| EngineError::NotFound(format!("training run {id:?}")))
+    }
+}
+
+type Job = Box<dyn FnOnce(&mut State) + Send>;
+
+/// Training runs on named base models, driven through an ordered queue.
+#[derive(Clone)]
+pub struct Engine {
+    tx: mpsc::Sender<Job>,
+}
+
+impl Default for Engine {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Engine {
+    /// Start the worker thread.
+    pub fn new() -> Self {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("temper-engine".into())
+            .spawn(move || {
+                let mut state = State::default();
+                while let Ok(job) = rx.recv() {
+                    job(&mut state);
+                }
+            })
+            .map(|_| ())
+            .unwrap_or_else(|e| tracing::error!("cannot start the engine worker: {e}"));
+        Self { tx }
+    }
+
+    fn submit<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut State) -> Result<T> + Send + 'static,
+    ) -> Pending<T> {
+        let (promise, pending) = pending();
+        let job: Job = Box::new(move |s| promise.fulfil(f(s)));
+        if let Err(mpsc::SendError(job)) = self.tx.send(job) {
+            // The worker is gone; run the job here so the caller gets an answer.
+            let mut dead = State::default();
+            job(&mut dead);
+        }
+        pending
+    }
+
+    /// Make `model` available as base model `name`.
+    pub fn add_base_model(&self, name: &str, model: Arc<Pretrained>) -> Pending<()> {
+        let name = name.to_string();
+        self.submit(move |s| {
+            s.bases.insert(name, model);
+            Ok(())
+        })
+    }
+
+    /// Names of the base models.
+    pub fn base_models(&self) -> Pending<Vec<String>> {
+        self.submit(|s| {
+            let mut v: Vec<String> = s.bases.keys().cloned().collect();
+            v.sort();
+            Ok(v)
+        })
+    }
+
+    /// A new LoRA training run on base `base`; returns its id.
+    pub fn create_lora_run(&self, base: &str, config: LoraConfig, seed: u64) -> Pending<String> {
+        let base = base.to_string();
+        self.submit(move |s| {
+            let b = s
+                .bases
+                .get(&base)
+                .cloned()
+                .ok_or_else(|| EngineError::NotFound(format!("base model {base:?}")))?;
+            let run = TrainingRun::lora(b, config, seed)?;
+            s.next_id += 1;
+            let id = format!("run-{}", s.next_id);
+            s.runs.insert(id.clone(), run);
+            Ok(id)
+        })
+    }
+
+    /// [`TrainingRun::forward`].
+    pub fn forward(&self, run: &str, data: Vec<Datum>, loss: Loss) -> Pending<ForwardOutput> {
+        let run = run.to_string();
+        self.submit(move |s| s.run(&run)?.forward(&data, &loss))
+    }
+
+    /// [`TrainingRun::forward_backward`].
+    pub fn forward_backward(
+        &self,
+        run: &str,
+        data: Vec<Datum>,
+        loss: Loss,
+    ) -> Pending<ForwardOutput> {
+        let run = run.to_string();
+        self.submit(move |s| s.run(&run)?.forward_backward(&data, &loss))
+    }
+
+    /// [`TrainingRun::optim_step`].
+    pub fn optim_step(&self, run: &str, params: AdamParams) -> Pending<StepStats> {
+        let run = run.to_string();
+        self.submit(move |s| s.run(&run)?.optim_step(&params))
+    }
+
+    /// Freeze the run's current weights under `name` for sampling.
+    pub fn save_weights_for_sampler(&self, run: &str, name: &str) -> Pending<String> {
+        let (run, name) = (run.to_string(), name.to_string());
+        self.submit(move |s| {
+            let w = s.run(&run)?.sampler_weights()?;
+            let key = format!("{run}/sampler_weights/{name}");
+            s.samplers.insert(key.clone(), Arc::new(w));
+            Ok(key)
+        })
+    }
+
+    /// Sample from saved sampler weights.
+    pub fn sample(
+        &self,
+        sampler: &str,
+        prompt: Vec<u32>,
+        n: usize,
+        params: SamplingParams,
+    ) -> Pending<Vec<Completion>> {
+        let sampler = sampler.to_string();
+        self.submit(move |s| {
+            let w = s
+                .samplers
+                .get(&sampler)
+                .ok_or_else(|| EngineError::NotFound(format!("sampler weights {sampler:?}")))?;
+            w.sample(&prompt, n, params)
+        })
+    }
+
+    /// Logprobs of `tokens[1..]` under saved sampler weights.
+    pub fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> Pending<Vec<f32>> {
+        let sampler = sampler.to_string();
+        self.submit(move |s| {
+            let w = s
+                .samplers
+                .get(&sampler)
+                .ok_or_else(|| EngineError::NotFound(format!("sampler weights {sampler:?}")))?;
+            w.compute_logprobs(&tokens)
+        })
+    }
+
+    /// [`TrainingRun::save_state`] into `dir`.
+    pub fn save_state(&self, run: &str, dir: PathBuf) -> Pending<()> {
+        let run = run.to_string();
+        self.submit(move |s| s.run(&run)?.save_state(&dir))
+    }
+
+    /// [`TrainingRun::load_state`] from `dir`.
+    pub fn load_state(&self, run: &str, dir: PathBuf, with_optimizer: bool) -> Pending<()> {
+        let run = run.to_string();
+        self.submit(move |s| s.run(&run)?.load_state(&dir, with_optimizer))
+    }
+}
