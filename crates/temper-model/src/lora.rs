@@ -145,6 +145,8 @@ pub struct LoraPair {
 #[derive(Debug, Clone)]
 pub struct LoraAdapter {
     config: LoraConfig,
+    /// False for an inference view: forwards build no autograd graph.
+    track_gradients: bool,
     /// `layers[i][target]`.
     layers: Vec<HashMap<Target, LoraPair>>,
 }
@@ -240,12 +242,31 @@ impl LoraAdapter {
             }
             layers.push(map);
         }
-        Ok(Self { config, layers })
+        Ok(Self {
+            config,
+            track_gradients: true,
+            layers,
+        })
     }
 
     /// The adapter's shape.
     pub fn config(&self) -> &LoraConfig {
         &self.config
+    }
+
+    /// The same tensors (shared, not copied) marked for inference: forwards
+    /// through the view compute the same numbers but record no autograd
+    /// graph, which makes sampling with a training adapter cheaper.
+    pub fn inference_view(&self) -> Self {
+        Self {
+            track_gradients: false,
+            ..self.clone()
+        }
+    }
+
+    /// Whether forwards through this adapter record gradients.
+    pub fn tracks_gradients(&self) -> bool {
+        self.track_gradients
     }
 
     /// Multiplier of `B·A`.
@@ -298,6 +319,7 @@ impl LoraAdapter {
         }
         Ok(Self {
             config: self.config.clone(),
+            track_gradients: self.track_gradients,
             layers,
         })
     }
@@ -454,6 +476,10 @@ impl LoraAdapter {
             }
             layers.push(map);
         }
-        Ok(Self { config, layers })
+        Ok(Self {
+            config,
+            track_gradients: true,
+            layers,
+        })
     }
 }

@@ -36,7 +36,7 @@ impl Linear {
     }
 
     /// `x`: `[n, in]` → `[n, out]`.
-    fn forward(&self, x: &Tensor, lora: Option<(&LoraPair, f64)>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, lora: Option<(&LoraPair, f64, bool)>) -> Result<Tensor> {
         let frozen_on_cpu = !self.weight.is_variable()
             && x.track_op()
             && x.device().is_cpu()
@@ -51,9 +51,16 @@ impl Linear {
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }
-        if let Some((p, scale)) = lora {
-            let down = x.matmul(&p.a.as_tensor().t()?)?;
-            let up = down.matmul(&p.b.as_tensor().t()?)?;
+        if let Some((p, scale, track)) = lora {
+            // Untracked (inference) adapters run the same ops on detached
+            // tensors: same numbers, no autograd graph.
+            let (a, b) = if track {
+                (p.a.as_tensor().clone(), p.b.as_tensor().clone())
+            } else {
+                (p.a.as_tensor().detach(), p.b.as_tensor().detach())
+            };
+            let down = x.matmul(&a.t()?)?;
+            let up = down.matmul(&b.t()?)?;
             y = (y + up.affine(scale, 0.0)?)?;
         }
         Ok(y)
@@ -490,8 +497,15 @@ impl Model {
         Ok(hidden.matmul(&w.t()?)?)
     }
 
-    fn lora_of(lora: Option<&LoraAdapter>, layer: usize, t: Target) -> Option<(&LoraPair, f64)> {
-        lora.and_then(|a| a.get(layer, t).map(|p| (p, a.scale())))
+    fn lora_of(
+        lora: Option<&LoraAdapter>,
+        layer: usize,
+        t: Target,
+    ) -> Option<(&LoraPair, f64, bool)> {
+        lora.and_then(|a| {
+            a.get(layer, t)
+                .map(|p| (p, a.scale(), a.tracks_gradients()))
+        })
     }
 
     fn mlp(&self, li: usize, m: &Mlp, x: &Tensor, lora: Option<&LoraAdapter>) -> Result<Tensor> {

@@ -163,6 +163,9 @@ impl<'a> Sampler<'a> {
         if requests.is_empty() {
             return Ok(Vec::new());
         }
+        // Sampling never needs gradients: same numbers, no autograd graph.
+        let view = lora.map(LoraAdapter::inference_view);
+        let lora = view.as_ref();
         let max_pos = self.model.config().max_position_embeddings;
         for r in requests {
             r.params.validate()?;
