@@ -130,8 +130,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         generated += c.tokens.len();
         if let Some(lps) = &c.logprobs {
             for (t, lp) in c.tokens.iter().zip(lps) {
+                // `{:?}` is the shortest round-trip form: equal text, equal bits.
                 eprintln!(
-                    "token {t:>7} {:>16?} logprob {lp:.6}",
+                    "token {t:>7} {:>16?} logprob {lp:?}",
                     p.tokenizer.decode(&[*t], false)?
                 );
             }

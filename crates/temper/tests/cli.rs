@@ -99,3 +99,38 @@ fn generate_reports_a_missing_model_directory() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent/model"), "{err}");
 }
+
+#[test]
+fn logprobs_do_not_depend_on_the_thread_count() {
+    let model = fixtures().join("models/tiny-qwen2");
+    let run = |threads: &str| {
+        let out = temper(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "def add(a, b): return a + b and some more text to make the prompt longer",
+            "--seed",
+            "3",
+            "--max-tokens",
+            "24",
+            "--logprobs",
+            "--threads",
+            threads,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let lines: Vec<String> = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .filter(|l| l.contains("logprob"))
+            .map(str::to_string)
+            .collect();
+        assert!(!lines.is_empty());
+        lines
+    };
+    assert_eq!(run("1"), run("2"));
+    assert_eq!(run("1"), run("3"));
+}
