@@ -473,3 +473,45 @@ fn engine_pipelines_calls_and_completes_them_in_order() {
         .wait()
         .is_ok());
 }
+
+#[test]
+fn exported_peft_adapter_reproduces_the_trained_run() {
+    let b = base("tiny-qwen3");
+    let data = sft_batch(&b);
+    let mut run = TrainingRun::lora(b.clone(), lora(4), 0).unwrap();
+    for _ in 0..2 {
+        run.forward_backward(&data, &Loss::CrossEntropy).unwrap();
+        run.optim_step(&AdamParams {
+            learning_rate: 1e-2,
+            ..Default::default()
+        })
+        .unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    run.export_peft(dir.path()).unwrap();
+    let adapter = temper_model::LoraAdapter::load_peft(
+        dir.path(),
+        &b.config,
+        b.model.dtype(),
+        b.model.device(),
+    )
+    .unwrap();
+    let tokens: Vec<u32> = data[1].model_input.clone();
+    let ours = run.compute_logprobs(&tokens).unwrap();
+    let s = b
+        .model
+        .score(
+            &tokens[..tokens.len() - 1],
+            &tokens[1..],
+            Some(&adapter),
+            1.0,
+        )
+        .unwrap();
+    assert_eq!(s.logprobs.to_vec1::<f32>().unwrap(), ours);
+    // A full-parameter run has no adapter to export.
+    let full = TrainingRun::full(b).unwrap();
+    assert!(matches!(
+        full.export_peft(dir.path()),
+        Err(EngineError::InvalidRequest(_))
+    ));
+}
