@@ -216,14 +216,41 @@ impl Engine {
         self.submit(move |s| s.run(&run)?.optim_step(&params))
     }
 
-    /// Freeze the run's current weights under `name` for sampling.
-    pub fn save_weights_for_sampler(&self, run: &str, name: &str) -> Pending<String> {
-        let (run, name) = (run.to_string(), name.to_string());
+    /// Freeze the run's current weights for sampling, under `key`.
+    pub fn save_weights_for_sampler(&self, run: &str, key: &str) -> Pending<()> {
+        let (run, key) = (run.to_string(), key.to_string());
         self.submit(move |s| {
             let w = s.run(&run)?.sampler_weights()?;
-            let key = format!("{run}/sampler_weights/{name}");
-            s.samplers.insert(key.clone(), Arc::new(w));
-            Ok(key)
+            s.samplers.insert(key, Arc::new(w));
+            Ok(())
+        })
+    }
+
+    /// Register the plain base model `base` as sampler weights `key`.
+    pub fn add_base_sampler(&self, base: &str, key: &str) -> Pending<()> {
+        let (base, key) = (base.to_string(), key.to_string());
+        self.submit(move |s| {
+            let b = s
+                .bases
+                .get(&base)
+                .cloned()
+                .ok_or_else(|| EngineError::NotFound(format!("base model {base:?}")))?;
+            s.samplers.insert(key, Arc::new(SamplerWeights::of_base(b)));
+            Ok(())
+        })
+    }
+
+    /// Make existing sampler weights also available under `alias`.
+    pub fn alias_sampler(&self, key: &str, alias: &str) -> Pending<()> {
+        let (key, alias) = (key.to_string(), alias.to_string());
+        self.submit(move |s| {
+            let w = s
+                .samplers
+                .get(&key)
+                .cloned()
+                .ok_or_else(|| EngineError::NotFound(format!("sampler weights {key:?}")))?;
+            s.samplers.insert(alias, w);
+            Ok(())
         })
     }
 

@@ -465,6 +465,15 @@ pub struct SamplerWeights {
 }
 
 impl SamplerWeights {
+    /// The base model itself, with no adapter.
+    pub fn of_base(base: Arc<Pretrained>) -> Self {
+        Self {
+            base,
+            full: None,
+            adapter: None,
+        }
+    }
+
     /// Sample `n` completions of `prompt`.
     pub fn sample(
         &self,

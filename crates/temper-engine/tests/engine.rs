@@ -448,7 +448,8 @@ fn engine_pipelines_calls_and_completes_them_in_order() {
     for w in losses.windows(2) {
         assert!(w[1] < w[0], "{losses:?}");
     }
-    let key = engine.save_weights_for_sampler(&run, "s5").wait().unwrap();
+    let key = "run/sampler_weights/s5";
+    engine.save_weights_for_sampler(&run, key).wait().unwrap();
     let prompt = data[0].model_input.clone();
     let params = SamplingParams {
         max_tokens: 4,
@@ -457,11 +458,11 @@ fn engine_pipelines_calls_and_completes_them_in_order() {
         ..Default::default()
     };
     let out = engine
-        .sample(&key, prompt.clone(), 1, params)
+        .sample(key, prompt.clone(), 1, params)
         .wait()
         .unwrap();
     let full: Vec<u32> = prompt.iter().chain(&out[0].tokens).copied().collect();
-    let lp = engine.compute_logprobs(&key, full).wait().unwrap();
+    let lp = engine.compute_logprobs(key, full).wait().unwrap();
     assert_eq!(&lp[lp.len() - 4..], out[0].logprobs.as_deref().unwrap());
     // Errors come back through the future; the engine keeps serving.
     assert!(matches!(

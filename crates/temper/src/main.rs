@@ -1,5 +1,6 @@
 //! `temper`: the command line. Glue only — the work lives in the crates.
 
+mod api;
 mod bench;
 mod generate;
 
@@ -25,6 +26,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// The training API (tinker-SDK compatible).
+    #[command(subcommand)]
+    Api(api::ApiCommand),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +45,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Api(cmd) => api::run(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,201 @@
+//! The training API driven in process with `oneshot` (no network). The
+//! official-SDK end-to-end test is `tests/python/test_training_api.py`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use prost::Message;
+use serde_json::{json, Value};
+use temper_model::{LoadOptions, Pretrained};
+use temper_server::proto;
+use temper_server::training_api::{app, ApiConfig, ApiState, BaseModel};
+use tower::ServiceExt;
+
+fn state(ckpt: &std::path::Path) -> ApiState {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
+    let model = Arc::new(Pretrained::load(&dir, &LoadOptions::default()).expect("fixture"));
+    ApiState::new(
+        vec![BaseModel {
+            name: "tiny".into(),
+            model,
+        }],
+        ApiConfig {
+            api_key: Some("tml-k".into()),
+            checkpoint_dir: ckpt.to_path_buf(),
+            long_poll: Duration::from_secs(5),
+        },
+    )
+}
+
+async fn call(s: &ApiState, path: &str, body: Value) -> (StatusCode, Value) {
+    let req = Request::post(path)
+        .header("x-api-key", "tml-k")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let resp = app(s.clone()).oneshot(req).await.expect("response");
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+async fn result_bytes(s: &ApiState, request_id: &Value) -> (String, Vec<u8>) {
+    let req = Request::post("/api/v1/retrieve_future")
+        .header("x-api-key", "tml-k")
+        .body(Body::from(json!({"request_id": request_id}).to_string()))
+        .expect("request");
+    let resp = app(s.clone()).oneshot(req).await.expect("response");
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    (
+        ct,
+        resp.into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes()
+            .to_vec(),
+    )
+}
+
+#[tokio::test]
+async fn auth_unknown_routes_and_bad_bodies_get_json_4xx() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let s = state(dir.path());
+    let req = Request::get("/api/v1/healthz").body(Body::empty()).unwrap();
+    let resp = app(s.clone()).oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    let (st, body) = call(&s, "/api/v1/no_such_route", json!({})).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    assert!(
+        body["detail"].as_str().unwrap().contains("not supported"),
+        "{body}"
+    );
+    let (st, body) = call(&s, "/api/v1/create_session", json!({})).await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(body["session_id"].is_string());
+    let req = Request::post("/api/v1/forward_backward")
+        .header("x-api-key", "tml-k")
+        .body(Body::from(vec![0xff, 0xff, 0xff]))
+        .unwrap();
+    let resp = app(s.clone()).oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    let (st, _) = call(&s, "/api/v1/optim_step", json!({"not": "valid"})).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn train_step_through_futures_and_protobuf() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let s = state(dir.path());
+    let (_, sess) = call(&s, "/api/v1/create_session", json!({})).await;
+    let sid = sess["session_id"].as_str().unwrap().to_string();
+    let (_, created) = call(
+        &s,
+        "/api/v1/create_model",
+        json!({"session_id": sid, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}),
+    )
+    .await;
+    let model_id = created["model_id"].as_str().unwrap().to_string();
+    assert_eq!(model_id, format!("{sid}:train:0"));
+    let (_, done) = result_bytes(&s, &created["request_id"]).await;
+    let done: Value = serde_json::from_slice(&done).unwrap();
+    assert_eq!(done["model_id"], model_id.as_str());
+
+    let tokens: Vec<u32> = (40..60).collect();
+    let mut inputs = std::collections::HashMap::new();
+    inputs.insert(
+        "target_tokens".to_string(),
+        proto::Tensor {
+            encoding: Some(proto::tensor::Encoding::Dense(proto::le::i64_bytes(
+                &tokens[1..].iter().map(|&t| t as i64).collect::<Vec<_>>(),
+            ))),
+            dtype: proto::DType::Int64 as i32,
+            shape: vec![tokens.len() as i64 - 1],
+        },
+    );
+    let fb = proto::ForwardBackwardRequest {
+        model_id: model_id.clone(),
+        seq_id: 1,
+        data: vec![proto::Datum {
+            model_input: vec![proto::Chunk {
+                chunk: Some(proto::chunk::Chunk::EncodedText(proto::EncodedTextChunk {
+                    tokens: proto::le::i32_bytes(&tokens[..tokens.len() - 1]),
+                })),
+            }],
+            loss_fn_inputs: inputs,
+        }],
+        loss_fn: "cross_entropy".into(),
+        ..Default::default()
+    };
+    let req = Request::post("/api/v1/forward_backward")
+        .header("x-api-key", "tml-k")
+        .header("content-type", "application/x-protobuf")
+        .body(Body::from(fb.encode_to_vec()))
+        .unwrap();
+    let resp = app(s.clone()).oneshot(req).await.unwrap();
+    let sub: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let (ct, bytes) = result_bytes(&s, &sub["request_id"]).await;
+    assert_eq!(ct, "application/x-protobuf");
+    let out = proto::ForwardBackwardOutput::decode(bytes.as_slice()).expect("protobuf result");
+    assert!(out.metrics["loss:sum"] > 0.0);
+    let lp = &out.loss_fn_outputs[0].fields["logprobs"];
+    assert_eq!(
+        proto::le::f32_from(&lp.data).unwrap().len(),
+        tokens.len() - 1
+    );
+    assert_eq!(
+        proto::le::i64_from(&lp.offsets).unwrap(),
+        vec![0, 4 * (tokens.len() as i64 - 1)]
+    );
+    // A resubmit of the same (model, seq_id) gets the same request id.
+    let req = Request::post("/api/v1/forward_backward")
+        .header("x-api-key", "tml-k")
+        .body(Body::from(fb.encode_to_vec()))
+        .unwrap();
+    let resp = app(s.clone()).oneshot(req).await.unwrap();
+    let again: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(again["request_id"], sub["request_id"]);
+
+    let (_, op) = call(
+        &s,
+        "/api/v1/optim_step",
+        json!({"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}}),
+    )
+    .await;
+    let (_, res) = result_bytes(&s, &op["request_id"]).await;
+    let res: Value = serde_json::from_slice(&res).unwrap();
+    assert!(
+        res["metrics"]["grad_norm:mean"].as_f64().unwrap() > 0.0,
+        "{res}"
+    );
+
+    // An unknown loss fails the future with a user error, HTTP 200.
+    let mut bad = fb.clone();
+    bad.seq_id = 3;
+    bad.loss_fn = "nonsense".into();
+    let req = Request::post("/api/v1/forward_backward")
+        .header("x-api-key", "tml-k")
+        .body(Body::from(bad.encode_to_vec()))
+        .unwrap();
+    let resp = app(s.clone()).oneshot(req).await.unwrap();
+    let sub: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let (_, res) = result_bytes(&s, &sub["request_id"]).await;
+    let res: Value = serde_json::from_slice(&res).unwrap();
+    assert_eq!(res["category"], "user");
+    assert!(res["error"].as_str().unwrap().contains("nonsense"), "{res}");
+}

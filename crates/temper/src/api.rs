@@ -1,0 +1,110 @@
+//! `temper api serve`: the training API for the official `tinker` SDK.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use temper_model::{default_device, default_dtype, LoadOptions, Pretrained};
+use temper_server::training_api::{app, ApiConfig, ApiState, BaseModel};
+
+/// Training API commands.
+#[derive(Subcommand)]
+pub enum ApiCommand {
+    /// Serve the training API over HTTP.
+    Serve(ServeArgs),
+}
+
+/// Arguments of `temper api serve`.
+#[derive(Args)]
+pub struct ServeArgs {
+    /// A base model clients may use: NAME=DIR (a Hugging Face model
+    /// directory). Repeatable; NAME is the SDK's `base_model`.
+    #[arg(long = "model", required = true)]
+    models: Vec<String>,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require this X-API-Key (the SDK insists keys start with `tml-`).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Where save_state checkpoints are written.
+    #[arg(long, default_value = "checkpoints")]
+    checkpoints: PathBuf,
+}
+
+/// Parse `NAME=DIR`.
+fn model_arg(s: &str) -> Result<(String, PathBuf)> {
+    match s.split_once('=') {
+        Some((n, d)) if !n.is_empty() && !d.is_empty() => Ok((n.to_string(), PathBuf::from(d))),
+        _ => bail!("--model expects NAME=DIR, got {s:?}"),
+    }
+}
+
+/// Run a command.
+pub fn run(cmd: ApiCommand) -> Result<()> {
+    match cmd {
+        ApiCommand::Serve(a) => serve(a),
+    }
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let device = default_device()?;
+    let opts = LoadOptions {
+        dtype: default_dtype(&device),
+        device,
+    };
+    let mut bases = Vec::new();
+    for m in &args.models {
+        let (name, dir) = model_arg(m)?;
+        let model = Pretrained::load(&dir, &opts)
+            .with_context(|| format!("loading base model {name} from {}", dir.display()))?;
+        eprintln!(
+            "base model {name}: {} ({} layers)",
+            dir.display(),
+            model.config.num_layers
+        );
+        bases.push(BaseModel {
+            name,
+            model: Arc::new(model),
+        });
+    }
+    std::fs::create_dir_all(&args.checkpoints)
+        .with_context(|| format!("creating {}", args.checkpoints.display()))?;
+    let state = ApiState::new(
+        bases,
+        ApiConfig {
+            api_key: args.api_key.clone(),
+            checkpoint_dir: args.checkpoints.clone(),
+            long_poll: Duration::from_secs(25),
+        },
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        eprintln!(
+            "temper training API on http://{addr} (TINKER_BASE_URL=http://{addr}){}",
+            if args.api_key.is_some() {
+                ", API key required"
+            } else {
+                ""
+            }
+        );
+        axum::serve(listener, app(state))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
+            .context("serving")
+    })
+}
