@@ -26,6 +26,9 @@ pub enum EngineError {
         /// Cause.
         source: std::io::Error,
     },
+    /// A remote training service failed or could not be reached.
+    #[error("remote: {0}")]
+    Remote(String),
     /// A checkpoint could not be parsed.
     #[error("bad checkpoint {path}: {reason}")]
     BadCheckpoint {

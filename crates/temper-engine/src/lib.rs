@@ -35,9 +35,11 @@ mod error;
 mod loss;
 mod optim;
 mod run;
+mod trainer;
 
 pub use engine::{Engine, Pending};
 pub use error::{EngineError, Result};
 pub use loss::{CustomLoss, Loss, LossInputs};
 pub use optim::{AdamParams, AdamState, StepStats};
 pub use run::{Datum, DatumOutput, ForwardOutput, RunKind, SamplerWeights, TrainingRun};
+pub use trainer::{LocalTrainer, Sample, Trainer, TrainerFuture};

@@ -5,7 +5,7 @@
 #![deny(missing_docs)]
 
 mod error;
-pub mod proto;
 pub mod training_api;
 
 pub use error::ApiError;
+pub use temper_client::proto;

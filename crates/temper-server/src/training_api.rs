@@ -30,7 +30,7 @@ use temper_model::{Completion, FinishReason, LoraConfig, Pretrained, SamplingPar
 use tokio::sync::Notify;
 
 use crate::error::ApiError;
-use crate::proto;
+use temper_client::proto;
 
 /// LoRA alpha for runs created over the API (the SDK only sends a rank).
 pub const LORA_ALPHA: f64 = 32.0;

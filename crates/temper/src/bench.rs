@@ -18,6 +18,9 @@ use temper_model::{
 pub enum BenchCommand {
     /// LoRA forward+backward and batched sampling tokens/s on a tiny Llama.
     Model(ModelBenchArgs),
+    /// forward_backward + optim_step steps/s in process vs through the
+    /// training API (HTTP on loopback): the API's overhead.
+    Api(crate::bench_api::ApiBenchArgs),
 }
 
 /// Arguments of `temper bench model`.
@@ -47,6 +50,7 @@ const NEW: usize = 128;
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Model(a) => model(a),
+        BenchCommand::Api(a) => crate::bench_api::run(a),
     }
 }
 

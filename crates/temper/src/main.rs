@@ -2,6 +2,7 @@
 
 mod api;
 mod bench;
+mod bench_api;
 mod generate;
 
 use std::process::ExitCode;

@@ -1,0 +1,159 @@
+//! [`Trainer`]: the training primitives of one training run as a trait, so a
+//! training loop (the RL orchestrator, a user's script) runs unchanged
+//! against the in-process engine ([`LocalTrainer`]) or a remote training API
+//! (`temper_client::RemoteTrainer`, which speaks the tinker wire protocol).
+//!
+//! Calls are submitted in the order they are made and complete in that
+//! order, so `forward_backward` and `optim_step` can be issued back to back
+//! and awaited later.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use temper_model::{FinishReason, SamplingParams};
+
+use crate::engine::Engine;
+use crate::error::{EngineError, Result};
+use crate::loss::Loss;
+use crate::optim::{AdamParams, StepStats};
+use crate::run::{Datum, ForwardOutput};
+
+/// A boxed, sendable future of a trainer call.
+pub type TrainerFuture<T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'static>>;
+
+/// One sampled sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// Generated token ids.
+    pub tokens: Vec<u32>,
+    /// Logprob of each generated token.
+    pub logprobs: Vec<f32>,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+}
+
+/// The training primitives of one run (LoRA on a base model).
+pub trait Trainer: Send + Sync {
+    /// Loss and per-token outputs, no gradients.
+    fn forward(&self, data: Vec<Datum>, loss: Loss) -> TrainerFuture<ForwardOutput>;
+    /// Loss, outputs, and gradients accumulated for the next optim_step.
+    fn forward_backward(&self, data: Vec<Datum>, loss: Loss) -> TrainerFuture<ForwardOutput>;
+    /// One AdamW step with the accumulated gradients.
+    fn optim_step(&self, params: AdamParams) -> TrainerFuture<StepStats>;
+    /// Freeze the current weights for sampling; resolves to a sampler handle.
+    fn save_weights_for_sampler(&self, name: &str) -> TrainerFuture<String>;
+    /// Sample `n` continuations of `prompt` from a sampler handle.
+    fn sample(
+        &self,
+        sampler: &str,
+        prompt: Vec<u32>,
+        n: usize,
+        params: SamplingParams,
+    ) -> TrainerFuture<Vec<Sample>>;
+    /// Logprobs of `tokens[1..]` under a sampler handle's weights.
+    fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> TrainerFuture<Vec<f32>>;
+    /// Save weights + optimizer state; resolves to the checkpoint's path.
+    fn save_state(&self, name: &str) -> TrainerFuture<String>;
+    /// Restore a checkpoint saved by [`save_state`](Trainer::save_state).
+    fn load_state(&self, path: &str, with_optimizer: bool) -> TrainerFuture<()>;
+}
+
+/// A [`Trainer`] over an in-process [`Engine`] run.
+pub struct LocalTrainer {
+    engine: Engine,
+    run: String,
+    checkpoint_dir: PathBuf,
+    samplers: AtomicU64,
+}
+
+impl LocalTrainer {
+    /// Wrap run `run` of `engine`; `save_state` writes under `checkpoint_dir`.
+    pub fn new(engine: Engine, run: String, checkpoint_dir: PathBuf) -> Self {
+        Self {
+            engine,
+            run,
+            checkpoint_dir,
+            samplers: AtomicU64::new(0),
+        }
+    }
+
+    fn checkpoint(&self, name: &str) -> Result<PathBuf> {
+        if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+            return Err(EngineError::InvalidRequest(format!(
+                "invalid checkpoint name {name:?}"
+            )));
+        }
+        Ok(self.checkpoint_dir.join(&self.run).join(name))
+    }
+}
+
+impl Trainer for LocalTrainer {
+    fn forward(&self, data: Vec<Datum>, loss: Loss) -> TrainerFuture<ForwardOutput> {
+        Box::pin(self.engine.forward(&self.run, data, loss))
+    }
+
+    fn forward_backward(&self, data: Vec<Datum>, loss: Loss) -> TrainerFuture<ForwardOutput> {
+        Box::pin(self.engine.forward_backward(&self.run, data, loss))
+    }
+
+    fn optim_step(&self, params: AdamParams) -> TrainerFuture<StepStats> {
+        Box::pin(self.engine.optim_step(&self.run, params))
+    }
+
+    fn save_weights_for_sampler(&self, name: &str) -> TrainerFuture<String> {
+        let n = self.samplers.fetch_add(1, Ordering::Relaxed);
+        let key = format!("{}/sampler_weights/{name}#{n}", self.run);
+        let pending = self.engine.save_weights_for_sampler(&self.run, &key);
+        Box::pin(async move {
+            pending.await?;
+            Ok(key)
+        })
+    }
+
+    fn sample(
+        &self,
+        sampler: &str,
+        prompt: Vec<u32>,
+        n: usize,
+        params: SamplingParams,
+    ) -> TrainerFuture<Vec<Sample>> {
+        let pending = self.engine.sample(sampler, prompt, n, params);
+        Box::pin(async move {
+            Ok(pending
+                .await?
+                .into_iter()
+                .map(|c| Sample {
+                    logprobs: c.logprobs.unwrap_or_default(),
+                    tokens: c.tokens,
+                    finish_reason: c.finish_reason,
+                })
+                .collect())
+        })
+    }
+
+    fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> TrainerFuture<Vec<f32>> {
+        Box::pin(self.engine.compute_logprobs(sampler, tokens))
+    }
+
+    fn save_state(&self, name: &str) -> TrainerFuture<String> {
+        match self.checkpoint(name) {
+            Err(e) => Box::pin(async move { Err(e) }),
+            Ok(dir) => {
+                let pending = self.engine.save_state(&self.run, dir.clone());
+                Box::pin(async move {
+                    pending.await?;
+                    Ok(dir.display().to_string())
+                })
+            }
+        }
+    }
+
+    fn load_state(&self, path: &str, with_optimizer: bool) -> TrainerFuture<()> {
+        Box::pin(
+            self.engine
+                .load_state(&self.run, PathBuf::from(path), with_optimizer),
+        )
+    }
+}
