@@ -15,6 +15,7 @@ fn logits_match_transformers() {
             let ours = logits_of(&p, &ids(input), None);
             let theirs = &t[&format!("logits.{i}")];
             let e = rel_err(&ours, theirs);
+            eprintln!("{name} input {i}: logits relative error {e:.2e}");
             assert!(e <= 1e-4, "{name} input {i}: relative error {e}");
         }
     }
@@ -29,6 +30,7 @@ fn peft_adapter_gives_transformers_logits() {
         for (i, input) in g["inputs"].as_array().expect("inputs").iter().enumerate() {
             let ours = logits_of(&p, &ids(input), Some(&a));
             let e = rel_err(&ours, &t[&format!("lora_logits.{i}")]);
+            eprintln!("{name} input {i}: PEFT-adapter logits relative error {e:.2e}");
             assert!(e <= 1e-4, "{name} input {i}: relative error {e}");
         }
         // Merging the adapter into the base weights gives the same function.
