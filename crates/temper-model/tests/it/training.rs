@@ -188,6 +188,7 @@ fn lora_gradients_match_finite_differences() {
                 "{name} {n}: analytic {gn} vs finite difference {fd} (rel {rel})"
             );
         }
+        eprintln!("{name}: worst finite-difference relative error {worst_rel:.2e}");
     }
 }
 
