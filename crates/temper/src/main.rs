@@ -4,6 +4,7 @@ mod api;
 mod bench;
 mod bench_api;
 mod generate;
+mod sandbox;
 
 use std::process::ExitCode;
 
@@ -27,6 +28,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Isolated code execution.
+    #[command(subcommand)]
+    Sandbox(sandbox::SandboxCommand),
     /// The training API (tinker-SDK compatible).
     #[command(subcommand)]
     Api(api::ApiCommand),
@@ -46,6 +50,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Sandbox(cmd) => sandbox::run(cmd),
         Command::Api(cmd) => api::run(cmd),
     };
     match result {

@@ -1,0 +1,591 @@
+//! The HTTP service: SandboxFusion-compatible `POST /run_code`, the
+//! sessions API (`POST /sessions`, `GET /sessions`, `DELETE /sessions/{id}`,
+//! `POST /sessions/{id}/exec`, `PUT`/`GET /sessions/{id}/files`),
+//! `GET /health` and Prometheus `GET /metrics`. [`app`] builds the router
+//! (tests drive it with `oneshot`); the binary only binds and serves.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{rejection::JsonRejection, State};
+use axum::extract::{Path, Query};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post, put};
+use axum::{Json, Router};
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+
+use crate::{
+    ExecRequest, ExecResult, ExecStatus, Language, Pool, Sandbox, SandboxError, SessionConfig,
+    Sessions,
+};
+
+/// Longest `run_timeout` accepted, in seconds.
+pub const MAX_RUN_TIMEOUT_S: f64 = 300.0;
+const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
+
+/// Where runs go: a warm pool, or a fresh sandbox per run.
+#[derive(Clone)]
+pub enum Runner {
+    /// Fork from a warm worker (fast path).
+    Pool(Arc<Pool>),
+    /// New namespaces and interpreter per run.
+    Cold(Arc<Sandbox>),
+}
+
+/// Counters behind `GET /metrics`.
+#[derive(Default)]
+struct Metrics {
+    /// Indexed like [`Metrics::OUTCOMES`].
+    runs: [AtomicU64; 5],
+    run_micros: AtomicU64,
+    in_flight: AtomicU64,
+}
+
+impl Metrics {
+    const OUTCOMES: [&'static str; 5] = [
+        "success",
+        "failed",
+        "time_limit_exceeded",
+        "bad_request",
+        "sandbox_error",
+    ];
+
+    fn count(&self, outcome: usize) {
+        self.runs[outcome].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self) -> String {
+        let mut out = String::from(
+            "# HELP temper_sandbox_runs_total Runs by outcome.\n# TYPE temper_sandbox_runs_total counter\n",
+        );
+        for (name, n) in Self::OUTCOMES.iter().zip(&self.runs) {
+            out += &format!(
+                "temper_sandbox_runs_total{{outcome=\"{name}\"}} {}\n",
+                n.load(Ordering::Relaxed)
+            );
+        }
+        out += &format!(
+            "# HELP temper_sandbox_run_seconds_total Wall time spent running programs.\n\
+             # TYPE temper_sandbox_run_seconds_total counter\n\
+             temper_sandbox_run_seconds_total {}\n\
+             # HELP temper_sandbox_in_flight Runs executing now.\n\
+             # TYPE temper_sandbox_in_flight gauge\n\
+             temper_sandbox_in_flight {}\n",
+            self.run_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            self.in_flight.load(Ordering::Relaxed),
+        );
+        out
+    }
+}
+
+/// Shared state of the service.
+#[derive(Clone)]
+pub struct AppState {
+    runner: Runner,
+    sessions: Arc<Sessions>,
+    api_key: Option<Arc<str>>,
+    slots: Arc<Semaphore>,
+    metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    /// The live sessions (for a periodic [`Sessions::reap`]).
+    pub fn sessions(&self) -> &Arc<Sessions> {
+        &self.sessions
+    }
+
+    fn sandbox(&self) -> Arc<Sandbox> {
+        match &self.runner {
+            Runner::Pool(pool) => pool.sandbox().clone(),
+            Runner::Cold(sandbox) => sandbox.clone(),
+        }
+    }
+
+    /// `api_key`: required as `Authorization: Bearer KEY` (or `X-API-Key`)
+    /// on `/run_code` when set; `concurrency`: runs executing at once.
+    pub fn new(runner: Runner, api_key: Option<String>, concurrency: usize) -> Self {
+        AppState {
+            runner,
+            sessions: Arc::new(Sessions::default()),
+            api_key: api_key.map(Arc::from),
+            slots: Arc::new(Semaphore::new(concurrency.max(1))),
+            metrics: Arc::new(Metrics::default()),
+        }
+    }
+}
+
+/// `POST /run_code` body (SandboxFusion field names).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RunCodeRequest {
+    /// Source code.
+    pub code: String,
+    /// `python` (or `python3`) or `bash`.
+    pub language: String,
+    /// Standard input.
+    #[serde(default)]
+    pub stdin: String,
+    /// Files written into the work dir: relative path → base64 content.
+    #[serde(default)]
+    pub files: BTreeMap<String, String>,
+    /// Wall-clock limit in seconds (default 10).
+    #[serde(default)]
+    pub run_timeout: Option<f64>,
+    /// Accepted for compatibility; nothing is compiled.
+    #[serde(default)]
+    pub compile_timeout: Option<f64>,
+    /// Address-space limit in MiB; absent or <= 0 = the server default.
+    #[serde(default)]
+    pub memory_limit_mb: Option<i64>,
+    /// Files to return (relative paths), base64-encoded in `files`.
+    #[serde(default)]
+    pub fetch_files: Vec<String>,
+}
+
+impl RunCodeRequest {
+    /// A request with defaults for everything but the program.
+    pub fn new(language: Language, code: impl Into<String>) -> Self {
+        RunCodeRequest {
+            code: code.into(),
+            language: language.name().into(),
+            ..Default::default()
+        }
+    }
+}
+
+/// `run_result` of a response.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RunResult {
+    /// `Finished`, `TimeLimitExceeded` or `Error`.
+    pub status: String,
+    /// Seconds.
+    pub execution_time: f64,
+    /// Exit code; minus the signal number when killed by one.
+    pub return_code: Option<i32>,
+    /// Captured stdout.
+    pub stdout: String,
+    /// Captured stderr.
+    pub stderr: String,
+}
+
+/// `POST /run_code` response.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RunCodeResponse {
+    /// `Success` (exit 0), `Failed` or `SandboxError`.
+    pub status: String,
+    /// Empty unless `SandboxError`.
+    pub message: String,
+    /// Always null: nothing is compiled.
+    pub compile_result: Option<RunResult>,
+    /// The run.
+    pub run_result: Option<RunResult>,
+    /// Fetched files, base64.
+    pub files: BTreeMap<String, String>,
+}
+
+/// The service's error: client errors pass through with their message,
+/// internal ones are logged and answered generically.
+#[derive(Debug)]
+enum ApiError {
+    BadRequest(String),
+    Unauthorized,
+    NotFound(String),
+    Internal(String),
+}
+
+impl From<SandboxError> for ApiError {
+    fn from(e: SandboxError) -> Self {
+        match e {
+            SandboxError::InvalidRequest(m) => ApiError::BadRequest(m),
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(e: JsonRejection) -> Self {
+        ApiError::BadRequest(e.body_text())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (code, message) = match self {
+            ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, m),
+            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "missing or wrong API key".into()),
+            ApiError::NotFound(m) => (StatusCode::NOT_FOUND, m),
+            ApiError::Internal(m) => {
+                tracing::error!("sandbox error: {m}");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal sandbox error".into(),
+                )
+            }
+        };
+        let body = RunCodeResponse {
+            status: "SandboxError".into(),
+            message,
+            compile_result: None,
+            run_result: None,
+            files: BTreeMap::new(),
+        };
+        (code, Json(body)).into_response()
+    }
+}
+
+/// The router: `POST /run_code`, `GET /health`, `GET /metrics`.
+pub fn app(state: AppState) -> Router {
+    Router::new()
+        .route("/run_code", post(run_code))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/sessions", post(create_session).get(list_sessions))
+        .route("/sessions/{id}", delete(delete_session))
+        .route("/sessions/{id}/exec", post(session_exec))
+        .route(
+            "/sessions/{id}/files",
+            put(session_upload).get(session_download),
+        )
+        .with_state(state)
+}
+
+async fn metrics(State(state): State<AppState>) -> String {
+    state.metrics.render()
+}
+
+async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    let Some(key) = &state.api_key else {
+        return true;
+    };
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
+    given.is_some_and(|g| g.as_bytes() == key.as_bytes())
+}
+
+fn to_exec_request(body: RunCodeRequest) -> Result<ExecRequest, ApiError> {
+    let language = match body.language.as_str() {
+        "python" | "python3" => Language::Python,
+        "bash" | "sh" => Language::Bash,
+        other => {
+            return Err(ApiError::BadRequest(format!(
+                "unsupported language {other:?} (supported: python, bash)"
+            )))
+        }
+    };
+    let timeout = body.run_timeout.unwrap_or(10.0);
+    if !(timeout > 0.0 && timeout <= MAX_RUN_TIMEOUT_S) {
+        return Err(ApiError::BadRequest(format!(
+            "run_timeout must be in (0, {MAX_RUN_TIMEOUT_S}] seconds"
+        )));
+    }
+    let mut req = ExecRequest::new(language, body.code);
+    req.timeout = Duration::from_secs_f64(timeout);
+    req.stdin = body.stdin.into_bytes();
+    req.memory_limit_mb = body.memory_limit_mb.filter(|m| *m > 0).map(|m| m as u64);
+    req.fetch_files = body.fetch_files;
+    for (path, content) in body.files {
+        let data = B64
+            .decode(content.as_bytes())
+            .map_err(|e| ApiError::BadRequest(format!("files[{path:?}] is not base64: {e}")))?;
+        req.files.insert(path, data);
+    }
+    Ok(req)
+}
+
+fn to_response(r: ExecResult) -> RunCodeResponse {
+    let (status, return_code) = match r.status {
+        ExecStatus::TimeLimitExceeded => ("TimeLimitExceeded", None),
+        ExecStatus::Signaled => ("Finished", r.signal.map(|s| -s)),
+        _ => ("Finished", r.return_code),
+    };
+    let success = r.status == ExecStatus::Finished && r.return_code == Some(0);
+    RunCodeResponse {
+        status: if success { "Success" } else { "Failed" }.into(),
+        message: String::new(),
+        compile_result: None,
+        run_result: Some(RunResult {
+            status: status.into(),
+            execution_time: r.execution_time.as_secs_f64(),
+            return_code,
+            stdout: r.stdout,
+            stderr: r.stderr,
+        }),
+        files: r
+            .files
+            .into_iter()
+            .map(|(k, v)| (k, B64.encode(v)))
+            .collect(),
+    }
+}
+
+async fn run_code(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Json<RunCodeRequest>, JsonRejection>,
+) -> Result<Json<RunCodeResponse>, ApiError> {
+    let metrics = state.metrics.clone();
+    let outcome = run_code_inner(state, headers, body).await;
+    let index = match &outcome {
+        Ok(r) if r.status == "Success" => 0,
+        Ok(r)
+            if r.run_result
+                .as_ref()
+                .is_some_and(|x| x.status == "TimeLimitExceeded") =>
+        {
+            2
+        }
+        Ok(_) => 1,
+        Err(ApiError::BadRequest(_) | ApiError::Unauthorized | ApiError::NotFound(_)) => 3,
+        Err(ApiError::Internal(_)) => 4,
+    };
+    metrics.count(index);
+    outcome
+}
+
+async fn run_code_inner(
+    state: AppState,
+    headers: HeaderMap,
+    body: Result<Json<RunCodeRequest>, JsonRejection>,
+) -> Result<Json<RunCodeResponse>, ApiError> {
+    if !authorized(&state, &headers) {
+        return Err(ApiError::Unauthorized);
+    }
+    let Json(body) = body?;
+    let req = to_exec_request(body)?;
+    let _slot = state
+        .slots
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let runner = state.runner.clone();
+    state.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+    let result = tokio::task::spawn_blocking(move || match runner {
+        Runner::Pool(pool) => pool.run(&req),
+        Runner::Cold(sandbox) => sandbox.run(&req),
+    })
+    .await;
+    state.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+    let result = result.map_err(|e| ApiError::Internal(e.to_string()))??;
+    let micros = u64::try_from(result.execution_time.as_micros()).unwrap_or(u64::MAX);
+    state
+        .metrics
+        .run_micros
+        .fetch_add(micros, Ordering::Relaxed);
+    Ok(Json(to_response(result)))
+}
+
+/// `POST /sessions` body.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CreateSessionRequest {
+    /// Address-space limit per command in MiB.
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    /// Lifetime in seconds (default 3600).
+    #[serde(default)]
+    pub timeout: Option<f64>,
+    /// Idle timeout in seconds (default 600).
+    #[serde(default)]
+    pub idle_timeout: Option<f64>,
+    /// Environment for every command.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+/// `POST /sessions/{id}/exec` body.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SessionExecRequest {
+    /// A bash command line.
+    pub command: String,
+    /// Working directory relative to `/work`.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Extra environment for this command.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Seconds (default 10).
+    #[serde(default)]
+    pub timeout: Option<f64>,
+}
+
+/// `POST /sessions/{id}/exec` response.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SessionExecResponse {
+    /// `Finished` or `TimeLimitExceeded`.
+    pub status: String,
+    /// Exit code (minus the signal number when killed by one).
+    pub exit_code: Option<i32>,
+    /// Captured stdout.
+    pub stdout: String,
+    /// Captured stderr.
+    pub stderr: String,
+}
+
+/// Body of `PUT /sessions/{id}/files` and answer of `GET`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SessionFile {
+    /// Path relative to `/work`.
+    pub path: String,
+    /// Base64 content.
+    pub content: String,
+}
+
+/// Query of `GET /sessions/{id}/files`.
+#[derive(Debug, Deserialize)]
+pub struct FileQuery {
+    /// Path relative to `/work`.
+    pub path: String,
+}
+
+fn seconds(value: Option<f64>, default: f64, what: &str) -> Result<Duration, ApiError> {
+    let v = value.unwrap_or(default);
+    if !(v > 0.0 && v.is_finite() && v <= 7.0 * 24.0 * 3600.0) {
+        return Err(ApiError::BadRequest(format!(
+            "{what} must be a positive number of seconds"
+        )));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+async fn session(state: &AppState, id: String) -> Result<Arc<crate::Session>, ApiError> {
+    let sessions = state.sessions.clone();
+    blocking(move || Ok(sessions.get(&id).ok_or(id)))
+        .await?
+        .map_err(|id| ApiError::NotFound(format!("no session {id:?} (expired or deleted?)")))
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, SandboxError> + Send + 'static,
+) -> Result<T, ApiError> {
+    Ok(tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))??)
+}
+
+async fn create_session(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Json<CreateSessionRequest>, JsonRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    if !authorized(&state, &headers) {
+        return Err(ApiError::Unauthorized);
+    }
+    let Json(body) = body?;
+    let config = SessionConfig {
+        memory_mb: body.memory_mb,
+        env: body.env,
+        timeout: seconds(body.timeout, 3600.0, "timeout")?,
+        idle_timeout: seconds(body.idle_timeout, 600.0, "idle_timeout")?,
+    };
+    let sandbox = state.sandbox();
+    let sessions = state.sessions.clone();
+    let id = blocking(move || sessions.create(sandbox, config)).await?;
+    Ok(Json(serde_json::json!({ "id": id })))
+}
+
+async fn list_sessions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    if !authorized(&state, &headers) {
+        return Err(ApiError::Unauthorized);
+    }
+    Ok(Json(
+        serde_json::json!({ "sessions": state.sessions.list() }),
+    ))
+}
+
+async fn delete_session(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    if !authorized(&state, &headers) {
+        return Err(ApiError::Unauthorized);
+    }
+    let sessions = state.sessions.clone();
+    // Dropping the session kills its sandbox: off the async threads.
+    let removed = blocking(move || Ok(sessions.delete(&id))).await?;
+    if removed {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::NotFound("no such session".into()))
+    }
+}
+
+async fn session_exec(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<Json<SessionExecRequest>, JsonRejection>,
+) -> Result<Json<SessionExecResponse>, ApiError> {
+    if !authorized(&state, &headers) {
+        return Err(ApiError::Unauthorized);
+    }
+    let Json(body) = body?;
+    let timeout = seconds(body.timeout, 10.0, "timeout")?;
+    let session = session(&state, id).await?;
+    let r = blocking(move || session.exec(&body.command, body.cwd.as_deref(), &body.env, timeout))
+        .await?;
+    let (status, exit_code) = match r.status {
+        ExecStatus::TimeLimitExceeded => ("TimeLimitExceeded", None),
+        ExecStatus::Signaled => ("Finished", r.signal.map(|s| -s)),
+        _ => ("Finished", r.return_code),
+    };
+    Ok(Json(SessionExecResponse {
+        status: status.into(),
+        exit_code,
+        stdout: r.stdout,
+        stderr: r.stderr,
+    }))
+}
+
+async fn session_upload(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<Json<SessionFile>, JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    if !authorized(&state, &headers) {
+        return Err(ApiError::Unauthorized);
+    }
+    let Json(file) = body?;
+    let data = B64
+        .decode(file.content.as_bytes())
+        .map_err(|e| ApiError::BadRequest(format!("content is not base64: {e}")))?;
+    let session = session(&state, id).await?;
+    blocking(move || session.upload(&file.path, data)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn session_download(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    query: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<SessionFile>, ApiError> {
+    if !authorized(&state, &headers) {
+        return Err(ApiError::Unauthorized);
+    }
+    let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
+    let session = session(&state, id).await?;
+    let path = q.path.clone();
+    match blocking(move || session.download(&path)).await? {
+        Some(data) => Ok(Json(SessionFile {
+            path: q.path,
+            content: B64.encode(data),
+        })),
+        None => Err(ApiError::NotFound(format!("no regular file {:?}", q.path))),
+    }
+}

@@ -1,0 +1,265 @@
+//! Persistent sessions for multi-turn agents: one warm worker kept for one
+//! client, whose `/work` survives between commands.
+//!
+//! A session is a pool worker that is never cleaned between requests: each
+//! `exec` is a bash command forked by the session's zygote (cwd and env
+//! applied first), `upload` writes files through the same channel, and
+//! `download` reads beneath the worker's `/work` handle. A command that
+//! times out is killed by the zygote and the session lives on; a session
+//! past its lifetime or idle timeout is reclaimed by [`Sessions::reap`].
+//! Processes do not outlive the command that started them (the zygote kills
+//! them before answering), so a session keeps files, not servers. These
+//! calls block (they wait for the sandbox): use `spawn_blocking` in async
+//! code.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::pool::{encode, exec, start_worker, Worker};
+use crate::sandbox::{fetch_from_dir, relative_path};
+use crate::{ExecRequest, ExecResult, Language, Sandbox, SandboxError};
+
+/// How a session is created.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// Address-space limit per command in MiB (capped at the sandbox's).
+    pub memory_mb: Option<u64>,
+    /// Environment variables set for every command.
+    pub env: BTreeMap<String, String>,
+    /// Lifetime from creation.
+    pub timeout: Duration,
+    /// Reclaimed after this long without a call.
+    pub idle_timeout: Duration,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        SessionConfig {
+            memory_mb: None,
+            env: BTreeMap::new(),
+            timeout: Duration::from_secs(3600),
+            idle_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// One session (see the module docs).
+pub struct Session {
+    sandbox: Arc<Sandbox>,
+    config: SessionConfig,
+    worker: Mutex<Option<Worker>>,
+    created: Instant,
+    last_used: Mutex<Instant>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("config", &self.config)
+            .field("created", &self.created)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `'...'` with embedded quotes escaped, for bash.
+fn quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+fn valid_env_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+impl Session {
+    /// Starts the session's worker.
+    pub fn new(sandbox: Arc<Sandbox>, config: SessionConfig) -> Result<Self, SandboxError> {
+        if let Some(bad) = config.env.keys().find(|k| !valid_env_name(k)) {
+            return Err(SandboxError::InvalidRequest(format!(
+                "invalid environment variable name {bad:?}"
+            )));
+        }
+        let worker = start_worker(&sandbox)?;
+        Ok(Session {
+            sandbox,
+            config,
+            worker: Mutex::new(Some(worker)),
+            created: Instant::now(),
+            last_used: Mutex::new(Instant::now()),
+        })
+    }
+
+    /// True once past the lifetime or the idle timeout.
+    pub fn expired(&self, now: Instant) -> bool {
+        let idle = *self.last_used.lock().unwrap_or_else(|e| e.into_inner());
+        now.duration_since(self.created) > self.config.timeout
+            || now.duration_since(idle) > self.config.idle_timeout
+    }
+
+    fn call(&self, req: &ExecRequest) -> Result<ExecResult, SandboxError> {
+        *self.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        let (frame, fetch) = encode(self.sandbox.config(), req, false)?;
+        let mut slot = self.worker.lock().unwrap_or_else(|e| e.into_inner());
+        let worker = slot.as_mut().ok_or_else(|| {
+            SandboxError::InvalidRequest("the session's sandbox has died; create a new one".into())
+        })?;
+        match exec(&self.sandbox, worker, req, &frame, &fetch) {
+            Ok((result, true)) => result,
+            Ok((result, false)) => {
+                // The worker is gone (killed from inside, or stuck): so is
+                // the session's state.
+                *slot = None;
+                result
+            }
+            Err(e) => {
+                *slot = None;
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs `command` with bash in `cwd` (relative to `/work`) with the
+    /// session's env plus `env`.
+    pub fn exec(
+        &self,
+        command: &str,
+        cwd: Option<&str>,
+        env: &BTreeMap<String, String>,
+        timeout: Duration,
+    ) -> Result<ExecResult, SandboxError> {
+        let mut script = String::new();
+        for (k, v) in self.config.env.iter().chain(env) {
+            if !valid_env_name(k) {
+                return Err(SandboxError::InvalidRequest(format!(
+                    "invalid environment variable name {k:?}"
+                )));
+            }
+            script += &format!("export {k}={}\n", quote(v));
+        }
+        if let Some(cwd) = cwd.filter(|c| !c.is_empty() && *c != ".") {
+            let rel = relative_path(cwd)?;
+            script += &format!(
+                "cd -- {} || exit 1\n",
+                quote(&format!("/work/{}", rel.display()))
+            );
+        }
+        script += command;
+        script.push('\n');
+        let mut req = ExecRequest::new(Language::Bash, script);
+        req.timeout = timeout;
+        req.memory_limit_mb = self.config.memory_mb;
+        self.call(&req)
+    }
+
+    /// Writes `data` to `path` (relative to `/work`).
+    pub fn upload(&self, path: &str, data: Vec<u8>) -> Result<(), SandboxError> {
+        let mut req = ExecRequest::new(Language::Bash, "true");
+        req.files.insert(path.to_string(), data);
+        req.timeout = Duration::from_secs(10);
+        let r = self.call(&req)?;
+        if r.return_code != Some(0) {
+            return Err(SandboxError::InvalidRequest(format!(
+                "upload of {path:?} failed: {}",
+                r.stderr.trim()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reads `path` (relative to `/work`); `None` when it is missing, not a
+    /// regular file, or a symlink.
+    pub fn download(&self, path: &str) -> Result<Option<Vec<u8>>, SandboxError> {
+        *self.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        let rel: PathBuf = relative_path(path)?;
+        let slot = self.worker.lock().unwrap_or_else(|e| e.into_inner());
+        let worker = slot.as_ref().ok_or_else(|| {
+            SandboxError::InvalidRequest("the session's sandbox has died; create a new one".into())
+        })?;
+        let cap = self.sandbox.config().limits.fetch_file_limit_bytes;
+        let mut files = fetch_from_dir(worker.work_dir(), &[(path.to_string(), rel)], cap);
+        Ok(files.remove(path))
+    }
+}
+
+/// Live sessions by id, with expiry.
+#[derive(Debug, Default)]
+pub struct Sessions {
+    by_id: Mutex<HashMap<String, Arc<Session>>>,
+}
+
+fn new_id() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if random.is_err() {
+        // Unique even without randomness: time + counter.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        bytes[..8].copy_from_slice(&n.to_le_bytes());
+        bytes[8..].copy_from_slice(&(t as u64).to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Sessions {
+    /// Creates a session and returns its id.
+    pub fn create(
+        &self,
+        sandbox: Arc<Sandbox>,
+        config: SessionConfig,
+    ) -> Result<String, SandboxError> {
+        self.reap();
+        let session = Arc::new(Session::new(sandbox, config)?);
+        let id = new_id();
+        self.lock().insert(id.clone(), session);
+        Ok(id)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Session>>> {
+        self.by_id.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The live session `id`.
+    pub fn get(&self, id: &str) -> Option<Arc<Session>> {
+        self.reap();
+        self.lock().get(id).cloned()
+    }
+
+    /// Ids of the live sessions.
+    pub fn list(&self) -> Vec<String> {
+        self.reap();
+        let mut ids: Vec<String> = self.lock().keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
+    /// Deletes `id` (its sandbox is killed); false when there was none.
+    pub fn delete(&self, id: &str) -> bool {
+        let removed = self.lock().remove(id);
+        removed.is_some()
+    }
+
+    /// Drops every expired session; returns how many.
+    pub fn reap(&self) -> usize {
+        let now = Instant::now();
+        let mut map = self.lock();
+        let expired: Vec<String> = map
+            .iter()
+            .filter(|(_, s)| s.expired(now))
+            .map(|(id, _)| id.clone())
+            .collect();
+        let dropped: Vec<Arc<Session>> = expired.iter().filter_map(|id| map.remove(id)).collect();
+        drop(map);
+        // Killing the sandboxes happens here, outside the lock.
+        dropped.len()
+    }
+}

@@ -1,0 +1,272 @@
+//! `POST /run_code` and `GET /health` through `app(state).oneshot(..)`: no
+//! socket is opened.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use temper_sandbox::service::{app, AppState, RunCodeResponse, Runner};
+use temper_sandbox::{ExecRequest, Language, Sandbox, SandboxConfig};
+use tower::ServiceExt;
+
+fn state(api_key: Option<&str>) -> Option<AppState> {
+    let sandbox = match Sandbox::new(SandboxConfig::default()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("SKIPPED: {e}");
+            return None;
+        }
+    };
+    if let Err(e) = sandbox.run(&ExecRequest::new(Language::Bash, "true")) {
+        eprintln!("SKIPPED: namespaces unavailable on this host: {e}");
+        return None;
+    }
+    Some(AppState::new(
+        Runner::Cold(Arc::new(sandbox)),
+        api_key.map(str::to_string),
+        4,
+    ))
+}
+
+async fn post(state: AppState, body: &str, key: Option<&str>) -> (StatusCode, String) {
+    let mut req = Request::post("/run_code").header("content-type", "application/json");
+    if let Some(k) = key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let resp = app(state)
+        .oneshot(req.body(Body::from(body.to_string())).expect("request"))
+        .await
+        .expect("response");
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+#[tokio::test]
+async fn run_code_is_sandboxfusion_compatible() {
+    let Some(state) = state(None) else { return };
+    let body = r#"{"code": "import sys\nprint(open('in.txt').read() + sys.stdin.read())\nopen('out.txt','w').write('o')",
+        "language": "python", "stdin": "B", "files": {"in.txt": "QQ=="},
+        "run_timeout": 5, "compile_timeout": 5, "memory_limit_mb": -1, "fetch_files": ["out.txt"]}"#;
+    let (code, text) = post(state, body, None).await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let r: RunCodeResponse = serde_json::from_str(&text).expect("json");
+    assert_eq!(r.status, "Success");
+    let run = r.run_result.expect("run_result");
+    assert_eq!(
+        (run.status.as_str(), run.return_code, run.stdout.as_str()),
+        ("Finished", Some(0), "AB\n")
+    );
+    assert_eq!(r.files.get("out.txt").map(String::as_str), Some("bw=="));
+}
+
+#[tokio::test]
+async fn failures_and_timeouts_are_reported_not_raised() {
+    let Some(state) = state(None) else { return };
+    let (code, text) = post(
+        state.clone(),
+        r#"{"code": "exit 4", "language": "bash"}"#,
+        None,
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK);
+    let r: RunCodeResponse = serde_json::from_str(&text).expect("json");
+    assert_eq!(r.status, "Failed");
+    assert_eq!(r.run_result.expect("run").return_code, Some(4));
+
+    let body = r#"{"code": "while True: pass", "language": "python", "run_timeout": 0.5}"#;
+    let (_, text) = post(state, body, None).await;
+    let r: RunCodeResponse = serde_json::from_str(&text).expect("json");
+    assert_eq!(r.run_result.expect("run").status, "TimeLimitExceeded");
+}
+
+#[tokio::test]
+async fn bad_requests_get_4xx_with_a_message() {
+    let Some(state) = state(None) else { return };
+    for body in [
+        "not json",
+        r#"{"language": "python"}"#,
+        r#"{"code": "1", "language": "cobol"}"#,
+        r#"{"code": "1", "language": "python", "run_timeout": -1}"#,
+        r#"{"code": "1", "language": "python", "files": {"a": "!!"}}"#,
+        r#"{"code": "1", "language": "python", "files": {"../a": "QQ=="}}"#,
+    ] {
+        let (code, text) = post(state.clone(), body, None).await;
+        assert!(code.is_client_error(), "{body}: {code} {text}");
+        let r: RunCodeResponse = serde_json::from_str(&text).expect("json error body");
+        assert!(!r.message.is_empty(), "{body}: empty message");
+    }
+}
+
+#[tokio::test]
+async fn api_key_is_required_when_set_and_health_is_open() {
+    let Some(state) = state(Some("s3cret")) else {
+        return;
+    };
+    let body = r#"{"code": "print(1)", "language": "python"}"#;
+    assert_eq!(
+        post(state.clone(), body, None).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        post(state.clone(), body, Some("wrong")).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        post(state.clone(), body, Some("s3cret")).await.0,
+        StatusCode::OK
+    );
+    let resp = app(state)
+        .oneshot(
+            Request::get("/health")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await
+        .expect("response");
+    assert_eq!(resp.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn rust_client_talks_to_a_served_app_on_loopback() {
+    let Some(state) = state(Some("k")) else {
+        return;
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = tokio::spawn(async move { axum::serve(listener, app(state)).await });
+    // Never through a proxy: the request must stay on this machine.
+    let http = || {
+        reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .expect("http client")
+    };
+    let client = temper_sandbox::Client::with_http_client(
+        format!("http://{addr}"),
+        Some("k".into()),
+        http(),
+    );
+    client.health().await.expect("health");
+    let mut req = temper_sandbox::service::RunCodeRequest::new(Language::Bash, "echo $((6*7))");
+    req.run_timeout = Some(5.0);
+    let r = client.run_code(&req).await.expect("run_code");
+    assert_eq!(r.status, "Success");
+    assert_eq!(r.run_result.expect("run").stdout, "42\n");
+    let bad = temper_sandbox::service::RunCodeRequest::new(Language::Bash, "true");
+    let wrong = temper_sandbox::Client::local(format!("http://{addr}"), None).expect("client");
+    match wrong.run_code(&bad).await {
+        Err(temper_sandbox::ClientError::Status { status, .. }) => assert_eq!(status, 401),
+        other => panic!("expected 401, got {other:?}"),
+    }
+    server.abort();
+}
+
+async fn call(state: AppState, method: &str, uri: &str, body: &str) -> (StatusCode, String) {
+    let req = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let resp = app(state).oneshot(req).await.expect("response");
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+#[tokio::test]
+async fn sessions_api_create_exec_upload_download_delete() {
+    let Some(state) = state(None) else { return };
+    let (code, text) = call(state.clone(), "POST", "/sessions", r#"{"env": {"A": "1"}}"#).await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let id = serde_json::from_str::<serde_json::Value>(&text).expect("json")["id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    let (code, text) = call(
+        state.clone(),
+        "PUT",
+        &format!("/sessions/{id}/files"),
+        r#"{"path": "in.txt", "content": "aGk="}"#,
+    )
+    .await;
+    assert_eq!(code, StatusCode::NO_CONTENT, "{text}");
+    let exec = r#"{"command": "cat in.txt; echo $A > out.txt; exit 2", "timeout": 5}"#;
+    let (code, text) = call(state.clone(), "POST", &format!("/sessions/{id}/exec"), exec).await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let r: temper_sandbox::service::SessionExecResponse =
+        serde_json::from_str(&text).expect("json");
+    assert_eq!((r.stdout.as_str(), r.exit_code), ("hi", Some(2)));
+    let (code, text) = call(
+        state.clone(),
+        "GET",
+        &format!("/sessions/{id}/files?path=out.txt"),
+        "",
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    assert!(text.contains("\"content\":\"MQo=\""), "{text}");
+    let (code, _) = call(
+        state.clone(),
+        "GET",
+        &format!("/sessions/{id}/files?path=nope"),
+        "",
+    )
+    .await;
+    assert_eq!(code, StatusCode::NOT_FOUND);
+    let (_, text) = call(state.clone(), "GET", "/sessions", "").await;
+    assert!(text.contains(&id));
+    let (code, _) = call(state.clone(), "POST", "/sessions", r#"{"timeout": -3}"#).await;
+    assert_eq!(code, StatusCode::BAD_REQUEST);
+    let (code, _) = call(state.clone(), "DELETE", &format!("/sessions/{id}"), "").await;
+    assert_eq!(code, StatusCode::NO_CONTENT);
+    let (code, text) = call(state, "POST", &format!("/sessions/{id}/exec"), exec).await;
+    assert_eq!(code, StatusCode::NOT_FOUND, "{text}");
+}
+
+#[tokio::test]
+async fn the_service_keeps_serving_during_a_fork_bomb() {
+    let Some(state) = state(None) else { return };
+    let bomb = post(
+        state.clone(),
+        r#"{"code": ":(){ :|:& };:", "language": "bash", "run_timeout": 2}"#,
+        None,
+    );
+    let others = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let mut outs = Vec::new();
+        for _ in 0..4 {
+            outs.push(
+                post(
+                    state.clone(),
+                    r#"{"code": "print(7)", "language": "python"}"#,
+                    None,
+                )
+                .await,
+            );
+        }
+        outs
+    };
+    let (_, outs) = tokio::join!(bomb, others);
+    for (code, text) in outs {
+        assert_eq!(code, StatusCode::OK);
+        let r: RunCodeResponse = serde_json::from_str(&text).expect("json");
+        assert_eq!(r.run_result.expect("run").stdout, "7\n", "{text}");
+    }
+}
+
+#[tokio::test]
+async fn huge_memory_limits_are_capped_not_overflowed() {
+    let Some(state) = state(None) else { return };
+    let body = r#"{"code": "import resource; print(resource.getrlimit(resource.RLIMIT_AS)[0] >> 20)",
+        "language": "python", "memory_limit_mb": 1000000000000000}"#;
+    let (code, text) = post(state, body, None).await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let r: RunCodeResponse = serde_json::from_str(&text).expect("json");
+    let cap = temper_sandbox::Limits::default().memory_mb;
+    assert_eq!(r.run_result.expect("run").stdout, format!("{cap}\n"));
+}
