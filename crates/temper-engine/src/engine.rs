@@ -106,6 +106,20 @@ struct State {
 }
 
 impl State {
+    fn base(&self, name: &str) -> Result<Arc<Pretrained>> {
+        self.bases
+            .get(name)
+            .cloned()
+            .ok_or_else(|| EngineError::NotFound(format!("base model {name:?}")))
+    }
+
+    fn sampler(&self, key: &str) -> Result<&SamplerWeights> {
+        self.samplers
+            .get(key)
+            .map(|w| &**w)
+            .ok_or_else(|| EngineError::NotFound(format!("sampler weights {key:?}")))
+    }
+
     fn run(&mut self, id: &str) -> Result<&mut TrainingRun> {
         self.runs
             .get_mut(id)
@@ -180,11 +194,7 @@ impl Engine {
     pub fn create_lora_run(&self, base: &str, config: LoraConfig, seed: u64) -> Pending<String> {
         let base = base.to_string();
         self.submit(move |s| {
-            let b = s
-                .bases
-                .get(&base)
-                .cloned()
-                .ok_or_else(|| EngineError::NotFound(format!("base model {base:?}")))?;
+            let b = s.base(&base)?;
             let run = TrainingRun::lora(b, config, seed)?;
             s.next_id += 1;
             let id = format!("run-{}", s.next_id);
@@ -230,26 +240,8 @@ impl Engine {
     pub fn add_base_sampler(&self, base: &str, key: &str) -> Pending<()> {
         let (base, key) = (base.to_string(), key.to_string());
         self.submit(move |s| {
-            let b = s
-                .bases
-                .get(&base)
-                .cloned()
-                .ok_or_else(|| EngineError::NotFound(format!("base model {base:?}")))?;
+            let b = s.base(&base)?;
             s.samplers.insert(key, Arc::new(SamplerWeights::of_base(b)));
-            Ok(())
-        })
-    }
-
-    /// Make existing sampler weights also available under `alias`.
-    pub fn alias_sampler(&self, key: &str, alias: &str) -> Pending<()> {
-        let (key, alias) = (key.to_string(), alias.to_string());
-        self.submit(move |s| {
-            let w = s
-                .samplers
-                .get(&key)
-                .cloned()
-                .ok_or_else(|| EngineError::NotFound(format!("sampler weights {key:?}")))?;
-            s.samplers.insert(alias, w);
             Ok(())
         })
     }
@@ -264,10 +256,7 @@ impl Engine {
     ) -> Pending<Vec<Completion>> {
         let sampler = sampler.to_string();
         self.submit(move |s| {
-            let w = s
-                .samplers
-                .get(&sampler)
-                .ok_or_else(|| EngineError::NotFound(format!("sampler weights {sampler:?}")))?;
+            let w = s.sampler(&sampler)?;
             w.sample(&prompt, n, params)
         })
     }
@@ -276,10 +265,7 @@ impl Engine {
     pub fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> Pending<Vec<f32>> {
         let sampler = sampler.to_string();
         self.submit(move |s| {
-            let w = s
-                .samplers
-                .get(&sampler)
-                .ok_or_else(|| EngineError::NotFound(format!("sampler weights {sampler:?}")))?;
+            let w = s.sampler(&sampler)?;
             w.compute_logprobs(&tokens)
         })
     }

@@ -296,18 +296,7 @@ impl TrainingRun {
 
     /// Learner logprobs of `tokens[1..]` (the first token has none).
     pub fn compute_logprobs(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        if tokens.len() < 2 {
-            return Err(EngineError::InvalidRequest(
-                "compute_logprobs needs at least 2 tokens".into(),
-            ));
-        }
-        let s = self.model().score(
-            &tokens[..tokens.len() - 1],
-            &tokens[1..],
-            self.adapter(),
-            1.0,
-        )?;
-        Ok(s.logprobs.to_vec1()?)
+        logprobs_with(self.model(), self.adapter(), tokens)
     }
 
     /// An immutable copy of the current weights for a sampler.
@@ -487,20 +476,20 @@ impl SamplerWeights {
 
     /// Logprobs of `tokens[1..]` under these weights.
     pub fn compute_logprobs(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        if tokens.len() < 2 {
-            return Err(EngineError::InvalidRequest(
-                "compute_logprobs needs at least 2 tokens".into(),
-            ));
-        }
         let model = self.full.as_deref().unwrap_or(&self.base.model);
-        let s = model.score(
-            &tokens[..tokens.len() - 1],
-            &tokens[1..],
-            self.adapter.as_ref(),
-            1.0,
-        )?;
-        Ok(s.logprobs.to_vec1()?)
+        logprobs_with(model, self.adapter.as_ref(), tokens)
     }
+}
+
+/// Logprobs of `tokens[1..]` by the canonical training forward.
+fn logprobs_with(model: &Model, adapter: Option<&LoraAdapter>, tokens: &[u32]) -> Result<Vec<f32>> {
+    if tokens.len() < 2 {
+        return Err(EngineError::InvalidRequest(
+            "compute_logprobs needs at least 2 tokens".into(),
+        ));
+    }
+    let s = model.score(&tokens[..tokens.len() - 1], &tokens[1..], adapter, 1.0)?;
+    Ok(s.logprobs.to_vec1()?)
 }
 
 fn sample_with(
