@@ -93,6 +93,7 @@ async fn the_same_loop_runs_in_process_and_over_http_with_identical_numbers() {
             api_key: Some("tml-test".into()),
             checkpoint_dir: ckpt.path().join("remote"),
             long_poll: Duration::from_secs(10),
+            result_grace: Duration::from_secs(600),
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -53,6 +53,9 @@ pub struct ApiConfig {
     pub checkpoint_dir: PathBuf,
     /// How long `retrieve_future` waits for a result before `try_again`.
     pub long_poll: Duration,
+    /// How long a result stays retrievable after its first delivery (a
+    /// client whose response was lost re-polls); then it is dropped.
+    pub result_grace: Duration,
 }
 
 enum FutureState {
@@ -83,6 +86,8 @@ struct Tables {
     models: HashMap<String, TrainModel>,
     samplers: HashMap<String, Sampler>,
     futures: HashMap<String, FutureState>,
+    /// First delivery time of finished futures, for eviction.
+    delivered: HashMap<String, std::time::Instant>,
     /// `(model or sampling session, seq_id)` → request id, so resubmits dedupe.
     seen: HashMap<(String, i64), Value>,
 }
@@ -129,6 +134,32 @@ impl ApiState {
         )
     }
 
+    /// Drop results delivered longer than the grace period ago, and the
+    /// resubmit records that point at them.
+    fn evict_delivered(&self) {
+        let grace = self.0.config.result_grace;
+        let mut t = self.tables();
+        let now = std::time::Instant::now();
+        let old: Vec<String> = t
+            .delivered
+            .iter()
+            .filter(|(_, at)| now.duration_since(**at) >= grace)
+            .map(|(id, _)| id.clone())
+            .collect();
+        if old.is_empty() {
+            return;
+        }
+        for id in &old {
+            t.delivered.remove(id);
+            t.futures.remove(id);
+        }
+        t.seen.retain(|_, v| {
+            v.get("request_id")
+                .and_then(|r| r.as_str())
+                .is_none_or(|r| !old.iter().any(|o| o == r))
+        });
+    }
+
     /// Register a future whose result `work` produces; returns its id.
     fn spawn_future<F>(&self, work: F) -> String
     where
@@ -136,6 +167,7 @@ impl ApiState {
             + Send
             + 'static,
     {
+        self.evict_delivered();
         let id = self.next_id("req");
         self.tables()
             .futures
@@ -161,6 +193,7 @@ impl ApiState {
 
     /// A future that has already failed (validation before any work).
     fn failed_future(&self, error: String) -> String {
+        self.evict_delivered();
         let id = self.next_id("req");
         self.tables().futures.insert(
             id.clone(),
@@ -1124,7 +1157,14 @@ async fn retrieve_future(
         tokio::pin!(notified);
         notified.as_mut().enable();
         {
-            let t = s.tables();
+            let mut t = s.tables();
+            if !matches!(
+                t.futures.get(&r.request_id),
+                None | Some(FutureState::Pending)
+            ) {
+                let now = std::time::Instant::now();
+                t.delivered.entry(r.request_id.clone()).or_insert(now);
+            }
             match t.futures.get(&r.request_id) {
                 None => {
                     return Err(ApiError::NotFound(format!(

@@ -16,6 +16,10 @@ use temper_server::training_api::{app, ApiConfig, ApiState, BaseModel};
 use tower::ServiceExt;
 
 fn state(ckpt: &std::path::Path) -> ApiState {
+    state_with_grace(ckpt, Duration::from_secs(600))
+}
+
+fn state_with_grace(ckpt: &std::path::Path, grace: Duration) -> ApiState {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
     let model = Arc::new(Pretrained::load(&dir, &LoadOptions::default()).expect("fixture"));
     ApiState::new(
@@ -27,6 +31,7 @@ fn state(ckpt: &std::path::Path) -> ApiState {
             api_key: Some("tml-k".into()),
             checkpoint_dir: ckpt.to_path_buf(),
             long_poll: Duration::from_secs(5),
+            result_grace: grace,
         },
     )
 }
@@ -198,4 +203,38 @@ async fn train_step_through_futures_and_protobuf() {
     let res: Value = serde_json::from_slice(&res).unwrap();
     assert_eq!(res["category"], "user");
     assert!(res["error"].as_str().unwrap().contains("nonsense"), "{res}");
+}
+
+#[tokio::test]
+async fn delivered_results_are_dropped_after_the_grace_period() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let s = state_with_grace(dir.path(), Duration::ZERO);
+    let (_, sess) = call(&s, "/api/v1/create_session", json!({})).await;
+    let sid = sess["session_id"].as_str().unwrap().to_string();
+    let (_, created) = call(
+        &s,
+        "/api/v1/create_model",
+        json!({"session_id": sid, "model_seq_id": 0, "base_model": "tiny"}),
+    )
+    .await;
+    let model_id = created["model_id"].as_str().unwrap().to_string();
+    let first = created["request_id"].clone();
+    let (_, body) = result_bytes(&s, &first).await;
+    assert!(String::from_utf8_lossy(&body).contains(&model_id));
+    // Still there until the next submission sweeps (the grace is zero here).
+    let (_, body) = result_bytes(&s, &first).await;
+    assert!(String::from_utf8_lossy(&body).contains(&model_id));
+    let (_, op) = call(
+        &s,
+        "/api/v1/optim_step",
+        json!({"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 0.01}}),
+    )
+    .await;
+    assert_ne!(op["request_id"], first);
+    let req = Request::post("/api/v1/retrieve_future")
+        .header("x-api-key", "tml-k")
+        .body(Body::from(json!({"request_id": first}).to_string()))
+        .unwrap();
+    let resp = app(s.clone()).oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
 }

@@ -81,6 +81,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             api_key: args.api_key.clone(),
             checkpoint_dir: args.checkpoints.clone(),
             long_poll: Duration::from_secs(25),
+            result_grace: Duration::from_secs(600),
         },
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
