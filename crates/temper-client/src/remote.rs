@@ -233,6 +233,9 @@ impl RemoteTrainer {
         loss: Loss,
         forward_only: bool,
     ) -> TrainerFuture<ForwardOutput> {
+        if let (Loss::Custom(f), false) = (&loss, forward_only) {
+            return self.custom_forward_backward(data, f.clone());
+        }
         let n = data.len();
         let body =
             encode_forward_backward(&self.model_id, self.next_seq(), &data, &loss, forward_only)
@@ -240,6 +243,78 @@ impl RemoteTrainer {
         self.call("forward_backward", body, move |_, reply| {
             Box::pin(async move { decode_forward_output(reply, n) })
         })
+    }
+
+    /// A custom loss, computed here: a forward pass for the logprobs, the
+    /// loss and its gradient `g = dL/dlogprobs` locally, then a
+    /// cross-entropy forward_backward with weights `−g`, whose gradient is
+    /// the custom loss's (Tinker's client-side custom-loss recipe). Both
+    /// requests go out before any later call.
+    fn custom_forward_backward(
+        &self,
+        data: Vec<Datum>,
+        f: temper_engine::CustomLoss,
+    ) -> TrainerFuture<ForwardOutput> {
+        let (tx, rx) = oneshot::channel::<()>();
+        let prev = self
+            .chain
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(rx);
+        let conn = self.conn.clone();
+        let model_id = self.model_id.clone();
+        let (seq_fwd, seq_bwd) = (self.next_seq(), self.next_seq());
+        let task = tokio::spawn(async move {
+            if let Some(p) = prev {
+                let _ = p.await;
+            }
+            let result = async {
+                let n = data.len();
+                let body =
+                    encode_forward_backward(&model_id, seq_fwd, &data, &Loss::CrossEntropy, true)?;
+                let id = conn.submit("forward_backward", Body::Proto(body)).await?;
+                let fwd = decode_forward_output(conn.wait(&id).await?, n)?;
+                let mut total = 0f64;
+                let mut weighted = Vec::with_capacity(n);
+                for (d, o) in data.iter().zip(&fwd.loss_fn_outputs) {
+                    let dev = temper_model::candle_core::Device::Cpu;
+                    let lp = temper_model::candle_core::Var::new(o.logprobs.as_slice(), &dev)?;
+                    let l = f(lp.as_tensor(), &d.loss_fn_inputs)?;
+                    total += l
+                        .to_dtype(temper_model::candle_core::DType::F64)?
+                        .to_scalar::<f64>()?;
+                    let g = l
+                        .backward()?
+                        .get(lp.as_tensor())
+                        .map(|g| g.to_vec1::<f32>())
+                        .transpose()?
+                        .unwrap_or_else(|| vec![0.0; o.logprobs.len()]);
+                    let mut w = d.clone();
+                    w.loss_fn_inputs.weights = Some(g.iter().map(|x| -x).collect());
+                    weighted.push(w);
+                }
+                let body = encode_forward_backward(
+                    &model_id,
+                    seq_bwd,
+                    &weighted,
+                    &Loss::CrossEntropy,
+                    false,
+                )?;
+                let id = conn.submit("forward_backward", Body::Proto(body)).await;
+                Ok::<_, EngineError>((id, fwd, total))
+            }
+            .await;
+            let _ = tx.send(());
+            let (id, fwd, total) = result?;
+            conn.wait(&id?).await?;
+            let mut metrics = BTreeMap::new();
+            metrics.insert("loss:sum".to_string(), total);
+            Ok(ForwardOutput {
+                loss_fn_outputs: fwd.loss_fn_outputs,
+                metrics,
+            })
+        });
+        Box::pin(async move { task.await.map_err(remote)? })
     }
 }
 
@@ -292,8 +367,7 @@ fn encode_forward_backward(
         Loss::Dro { beta } => ("dro", vec![("beta", *beta)]),
         Loss::Custom(_) => {
             return Err(EngineError::InvalidRequest(
-                "custom losses run in process only; a remote trainer takes the built-in losses"
-                    .into(),
+                "a custom loss has no server-side forward; use forward_backward".into(),
             ))
         }
     };

@@ -132,3 +132,71 @@ async fn the_same_loop_runs_in_process_and_over_http_with_identical_numbers() {
         .await
         .expect("forward after an error");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_custom_loss_trains_remotely_through_cross_entropy_weights() {
+    let b = base();
+    let ckpt = tempfile::tempdir().expect("tempdir");
+    let engine = Engine::new();
+    engine.add_base_model("tiny", b.clone()).await.expect("add");
+    let cfg = LoraConfig {
+        rank: 4,
+        alpha: temper_server::training_api::LORA_ALPHA,
+        ..Default::default()
+    };
+    let run = engine.create_lora_run("tiny", cfg, 1).await.expect("run");
+    let local = LocalTrainer::new(engine, run, ckpt.path().join("local"));
+
+    let state = ApiState::new(
+        vec![BaseModel {
+            name: "tiny".into(),
+            model: b,
+        }],
+        ApiConfig {
+            api_key: None,
+            checkpoint_dir: ckpt.path().join("remote"),
+            long_poll: Duration::from_secs(10),
+            result_grace: Duration::from_secs(600),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app(state)).await });
+    let remote = RemoteTrainer::connect(&format!("http://{addr}"), "tml-x", "tiny", 4, Some(1))
+        .await
+        .expect("connect");
+
+    // Cross-entropy written as a custom loss: −Σ logprobs.
+    let custom = Loss::Custom(Arc::new(
+        |lp: &temper_model::candle_core::Tensor, _: &LossInputs| Ok(lp.sum_all()?.neg()?),
+    ));
+    let adam = AdamParams {
+        learning_rate: 1e-2,
+        ..Default::default()
+    };
+    for _ in 0..3 {
+        let l = local
+            .forward_backward(vec![datum()], Loss::CrossEntropy)
+            .await
+            .expect("local");
+        let r = remote
+            .forward_backward(vec![datum()], custom.clone())
+            .await
+            .expect("remote custom");
+        let (a, b) = (l.metrics["loss:sum"], r.metrics["loss:sum"]);
+        assert!((a - b).abs() <= 1e-4 * a.abs(), "{a} vs {b}");
+        local.optim_step(adam).await.expect("step");
+        remote.optim_step(adam).await.expect("step");
+    }
+    let l = local
+        .forward(vec![datum()], Loss::CrossEntropy)
+        .await
+        .unwrap();
+    let r = remote
+        .forward(vec![datum()], Loss::CrossEntropy)
+        .await
+        .unwrap();
+    assert_eq!(l.metrics["loss:sum"], r.metrics["loss:sum"]);
+}
