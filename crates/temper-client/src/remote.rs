@@ -197,6 +197,18 @@ impl RemoteTrainer {
         self.seq.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// This call's place in the submission order: wait on the first (the
+    /// previous call has been submitted), fire the second once submitted.
+    fn take_turn(&self) -> (Option<oneshot::Receiver<()>>, oneshot::Sender<()>) {
+        let (tx, rx) = oneshot::channel::<()>();
+        let prev = self
+            .chain
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(rx);
+        (prev, tx)
+    }
+
     /// Submit after every earlier call has been submitted, then wait for the
     /// result and convert it.
     fn call<T: Send + 'static>(
@@ -205,12 +217,7 @@ impl RemoteTrainer {
         body: Result<Body>,
         then: impl FnOnce(Arc<Conn>, Reply) -> TrainerFuture<T> + Send + 'static,
     ) -> TrainerFuture<T> {
-        let (tx, rx) = oneshot::channel::<()>();
-        let prev = self
-            .chain
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .replace(rx);
+        let (prev, tx) = self.take_turn();
         let conn = self.conn.clone();
         let task = tokio::spawn(async move {
             if let Some(p) = prev {
@@ -255,12 +262,7 @@ impl RemoteTrainer {
         data: Vec<Datum>,
         f: temper_engine::CustomLoss,
     ) -> TrainerFuture<ForwardOutput> {
-        let (tx, rx) = oneshot::channel::<()>();
-        let prev = self
-            .chain
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .replace(rx);
+        let (prev, tx) = self.take_turn();
         let conn = self.conn.clone();
         let model_id = self.model_id.clone();
         let (seq_fwd, seq_bwd) = (self.next_seq(), self.next_seq());

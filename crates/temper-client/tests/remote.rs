@@ -28,6 +28,28 @@ fn datum() -> Datum {
     }
 }
 
+/// A training API on a loopback port; returns its base URL.
+async fn serve(b: Arc<Pretrained>, ckpt: PathBuf, api_key: Option<&str>) -> String {
+    let state = ApiState::new(
+        vec![BaseModel {
+            name: "tiny".into(),
+            model: b,
+        }],
+        ApiConfig {
+            api_key: api_key.map(str::to_string),
+            checkpoint_dir: ckpt,
+            long_poll: Duration::from_secs(10),
+            result_grace: Duration::from_secs(600),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app(state)).await });
+    format!("http://{addr}")
+}
+
 /// The loop under test: pipelined steps, then sample from the result.
 async fn train(t: &dyn Trainer) -> (Vec<f64>, Vec<u32>, Vec<f32>, Vec<f32>) {
     let mut pending = Vec::new();
@@ -84,24 +106,8 @@ async fn the_same_loop_runs_in_process_and_over_http_with_identical_numbers() {
     let (l_losses, l_tokens, l_lp, l_check) = train(&local).await;
 
     // Over HTTP, on loopback.
-    let state = ApiState::new(
-        vec![BaseModel {
-            name: "tiny".into(),
-            model: b,
-        }],
-        ApiConfig {
-            api_key: Some("tml-test".into()),
-            checkpoint_dir: ckpt.path().join("remote"),
-            long_poll: Duration::from_secs(10),
-            result_grace: Duration::from_secs(600),
-        },
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move { axum::serve(listener, app(state)).await });
-    let remote = RemoteTrainer::connect(&format!("http://{addr}"), "tml-test", "tiny", 8, Some(3))
+    let url = serve(b.clone(), ckpt.path().join("remote"), Some("tml-test")).await;
+    let remote = RemoteTrainer::connect(&url, "tml-test", "tiny", 8, Some(3))
         .await
         .expect("connect");
     let (r_losses, r_tokens, r_lp, r_check) = train(&remote).await;
@@ -147,24 +153,8 @@ async fn a_custom_loss_trains_remotely_through_cross_entropy_weights() {
     let run = engine.create_lora_run("tiny", cfg, 1).await.expect("run");
     let local = LocalTrainer::new(engine, run, ckpt.path().join("local"));
 
-    let state = ApiState::new(
-        vec![BaseModel {
-            name: "tiny".into(),
-            model: b,
-        }],
-        ApiConfig {
-            api_key: None,
-            checkpoint_dir: ckpt.path().join("remote"),
-            long_poll: Duration::from_secs(10),
-            result_grace: Duration::from_secs(600),
-        },
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move { axum::serve(listener, app(state)).await });
-    let remote = RemoteTrainer::connect(&format!("http://{addr}"), "tml-x", "tiny", 4, Some(1))
+    let url = serve(b.clone(), ckpt.path().join("remote"), None).await;
+    let remote = RemoteTrainer::connect(&url, "tml-x", "tiny", 4, Some(1))
         .await
         .expect("connect");
 
