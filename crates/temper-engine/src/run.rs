@@ -75,7 +75,6 @@ pub struct TrainingRun {
     base: Arc<Pretrained>,
     trainable: Trainable,
     grads: HashMap<String, Tensor>,
-    micro_batches: usize,
     optim: AdamState,
 }
 
@@ -118,7 +117,6 @@ impl TrainingRun {
             base,
             trainable,
             grads: HashMap::new(),
-            micro_batches: 0,
             optim: AdamState::default(),
         }
     }
@@ -228,7 +226,6 @@ impl TrainingRun {
                 self.grads.insert(name, acc);
             }
         }
-        self.micro_batches += 1;
         Ok(out)
     }
 
@@ -280,7 +277,6 @@ impl TrainingRun {
         let named = self.named_params();
         let stats = self.optim.step(&named, &self.grads, params)?;
         self.grads.clear();
-        self.micro_batches = 0;
         Ok(stats)
     }
 
@@ -422,7 +418,6 @@ impl TrainingRun {
             var.set(&t.to_dtype(var.as_tensor().dtype())?)?;
         }
         self.grads.clear();
-        self.micro_batches = 0;
         if with_optimizer {
             let mut state = AdamState {
                 step: meta.step,

@@ -1,47 +1,17 @@
 //! The warm pool: same results as a cold run, no state carried between
 //! runs on one worker, broken workers replaced, nothing left after drop.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+mod common;
+
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use temper_sandbox::{ExecRequest, ExecStatus, Language, Pool, PoolConfig, Sandbox, SandboxConfig};
-
-/// Tests run one at a time so that "no children left" sees only its own.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use common::{children, serial, usable_sandbox};
+use temper_sandbox::{ExecRequest, ExecStatus, Language, Pool, PoolConfig};
 
 fn pool(test: &str, config: PoolConfig) -> Option<Pool> {
-    let sandbox = match Sandbox::new(SandboxConfig::default()) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("SKIPPED {test}: {e}");
-            return None;
-        }
-    };
-    if let Err(e) = sandbox.run(&ExecRequest::new(Language::Bash, "true")) {
-        eprintln!("SKIPPED {test}: namespaces unavailable on this host: {e}");
-        return None;
-    }
+    let sandbox = usable_sandbox(test)?;
     Some(Pool::new(Arc::new(sandbox), config).expect("pool"))
-}
-
-fn children() -> usize {
-    let me = std::process::id().to_string();
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            std::fs::read_to_string(e.path().join("status"))
-                .map(|s| {
-                    s.lines()
-                        .any(|l| l.strip_prefix("PPid:").map(str::trim) == Some(&me))
-                })
-                .unwrap_or(false)
-        })
-        .count()
 }
 
 fn req(language: Language, code: &str) -> ExecRequest {

@@ -1,27 +1,20 @@
 //! `POST /run_code` and `GET /health` through `app(state).oneshot(..)`: no
 //! socket is opened.
 
+mod common;
+
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
+use common::usable_sandbox;
 use http_body_util::BodyExt;
 use temper_sandbox::service::{app, AppState, RunCodeResponse, Runner};
-use temper_sandbox::{ExecRequest, Language, Sandbox, SandboxConfig};
+use temper_sandbox::Language;
 use tower::ServiceExt;
 
 fn state(api_key: Option<&str>) -> Option<AppState> {
-    let sandbox = match Sandbox::new(SandboxConfig::default()) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("SKIPPED: {e}");
-            return None;
-        }
-    };
-    if let Err(e) = sandbox.run(&ExecRequest::new(Language::Bash, "true")) {
-        eprintln!("SKIPPED: namespaces unavailable on this host: {e}");
-        return None;
-    }
+    let sandbox = usable_sandbox("service test")?;
     Some(AppState::new(
         Runner::Cold(Arc::new(sandbox)),
         api_key.map(str::to_string),

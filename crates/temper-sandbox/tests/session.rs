@@ -2,48 +2,16 @@
 //! session, expiry and delete reclaim the sandbox.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+mod common;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use temper_sandbox::{
-    ExecRequest, ExecStatus, Language, Sandbox, SandboxConfig, Session, SessionConfig, Sessions,
-};
-
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use common::{children, serial, usable_sandbox};
+use temper_sandbox::{ExecStatus, Sandbox, Session, SessionConfig, Sessions};
 
 fn sandbox(test: &str) -> Option<Arc<Sandbox>> {
-    let sandbox = match Sandbox::new(SandboxConfig::default()) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("SKIPPED {test}: {e}");
-            return None;
-        }
-    };
-    if let Err(e) = sandbox.run(&ExecRequest::new(Language::Bash, "true")) {
-        eprintln!("SKIPPED {test}: namespaces unavailable on this host: {e}");
-        return None;
-    }
-    Some(Arc::new(sandbox))
-}
-
-fn children() -> usize {
-    let me = std::process::id().to_string();
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            std::fs::read_to_string(e.path().join("status"))
-                .map(|s| {
-                    s.lines()
-                        .any(|l| l.strip_prefix("PPid:").map(str::trim) == Some(&me))
-                })
-                .unwrap_or(false)
-        })
-        .count()
+    usable_sandbox(test).map(Arc::new)
 }
 
 const T: Duration = Duration::from_secs(10);
