@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 
-use temper_model::{Completion, LoraConfig, Pretrained, SamplingParams};
+use temper_model::{Completion, GenerationRequest, LoraConfig, Pretrained, SamplingParams};
 
 use crate::error::{EngineError, Result};
 use crate::loss::Loss;
@@ -203,6 +203,19 @@ impl Engine {
         })
     }
 
+    /// A new full-parameter training run on base `base`; returns its id.
+    pub fn create_full_run(&self, base: &str) -> Pending<String> {
+        let base = base.to_string();
+        self.submit(move |s| {
+            let b = s.base(&base)?;
+            let run = TrainingRun::full(b)?;
+            s.next_id += 1;
+            let id = format!("run-{}", s.next_id);
+            s.runs.insert(id.clone(), run);
+            Ok(id)
+        })
+    }
+
     /// [`TrainingRun::forward`].
     pub fn forward(&self, run: &str, data: Vec<Datum>, loss: Loss) -> Pending<ForwardOutput> {
         let run = run.to_string();
@@ -259,6 +272,38 @@ impl Engine {
             let w = s.sampler(&sampler)?;
             w.sample(&prompt, n, params)
         })
+    }
+
+    /// Generate for several prompts at once from saved sampler weights
+    /// ([`SamplerWeights::generate`]): one list of completions per request.
+    pub fn generate(
+        &self,
+        sampler: &str,
+        requests: Vec<GenerationRequest>,
+    ) -> Pending<Vec<Vec<Completion>>> {
+        let sampler = sampler.to_string();
+        self.submit(move |s| s.sampler(&sampler)?.generate(&requests))
+    }
+
+    /// Drop saved sampler weights (e.g. a policy no sampler uses any more).
+    pub fn drop_sampler(&self, sampler: &str) -> Pending<()> {
+        let sampler = sampler.to_string();
+        self.submit(move |s| {
+            s.samplers.remove(&sampler);
+            Ok(())
+        })
+    }
+
+    /// [`TrainingRun::export_peft`] into `dir`.
+    pub fn export_peft(&self, run: &str, dir: PathBuf) -> Pending<()> {
+        let run = run.to_string();
+        self.submit(move |s| s.run(&run)?.export_peft(&dir))
+    }
+
+    /// [`TrainingRun::export_model`] into `dir`.
+    pub fn export_model(&self, run: &str, dir: PathBuf) -> Pending<()> {
+        let run = run.to_string();
+        self.submit(move |s| s.run(&run)?.export_model(&dir))
     }
 
     /// Logprobs of `tokens[1..]` under saved sampler weights.

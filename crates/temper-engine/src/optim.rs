@@ -90,7 +90,11 @@ impl AdamState {
     ) -> Result<StepStats> {
         p.validate()?;
         let mut sq = 0f64;
-        for g in grads.values() {
+        // Summed in name order, so the norm (and clipping) is the same in
+        // every process, whatever the map's iteration order.
+        let mut names: Vec<&String> = grads.keys().collect();
+        names.sort();
+        for g in names.into_iter().filter_map(|n| grads.get(n)) {
             sq += g
                 .to_dtype(DType::F64)?
                 .sqr()?

@@ -311,6 +311,56 @@ impl TrainingRun {
         })
     }
 
+    /// Save the current full weights as a Hugging Face model directory
+    /// (`model.safetensors` plus the base's config, tokenizer and template
+    /// files), written to a temporary sibling and renamed into place. A LoRA
+    /// run saves the base with its adapter merged.
+    pub fn export_model(&self, dir: &Path) -> Result<()> {
+        let merged;
+        let model = match &self.trainable {
+            Trainable::Lora(a) => {
+                merged = self.base.model.merge_lora(a)?;
+                &merged
+            }
+            Trainable::Full { model, .. } => model.as_ref(),
+        };
+        let parent = dir.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent).map_err(|e| EngineError::io(parent, e))?;
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into());
+        let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
+        let weights: HashMap<String, Tensor> = model.named_weights().into_iter().collect();
+        temper_model::candle_core::safetensors::save(&weights, tmp.join("model.safetensors"))?;
+        for f in [
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "generation_config.json",
+            "special_tokens_map.json",
+        ] {
+            let src = self.base.dir.join(f);
+            if src.exists() {
+                std::fs::copy(&src, tmp.join(f)).map_err(|e| EngineError::io(&src, e))?;
+            }
+        }
+        let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+        if dir.exists() {
+            std::fs::rename(dir, &old).map_err(|e| EngineError::io(dir, e))?;
+        }
+        std::fs::rename(&tmp, dir).map_err(|e| EngineError::io(dir, e))?;
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| EngineError::io(&old, e))?;
+        }
+        Ok(())
+    }
+
     /// Export the LoRA adapter in the PEFT layout.
     pub fn export_peft(&self, dir: &Path) -> Result<()> {
         match &self.trainable {
@@ -467,6 +517,23 @@ impl SamplerWeights {
     ) -> Result<Vec<Completion>> {
         let model = self.full.as_deref().unwrap_or(&self.base.model);
         sample_with(&self.base, model, self.adapter.as_ref(), prompt, n, params)
+    }
+
+    /// Generate for several prompts in one batch (prefills together, decode
+    /// steps shared); one list of completions per request, in order.
+    pub fn generate(&self, requests: &[GenerationRequest]) -> Result<Vec<Vec<Completion>>> {
+        let model = self.full.as_deref().unwrap_or(&self.base.model);
+        let sampler = Sampler::new(
+            model,
+            &self.base.tokenizer,
+            self.base.generation.eos_token_ids.clone(),
+        );
+        Ok(sampler.generate(requests, self.adapter.as_ref())?)
+    }
+
+    /// The base model these weights belong to.
+    pub fn base(&self) -> &Arc<Pretrained> {
+        &self.base
     }
 
     /// Logprobs of `tokens[1..]` under these weights.

@@ -8,11 +8,11 @@
 //! and awaited later.
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use temper_model::{FinishReason, SamplingParams};
+use temper_model::{Completion, FinishReason, GenerationRequest, SamplingParams};
 
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
@@ -34,6 +34,16 @@ pub struct Sample {
     pub finish_reason: FinishReason,
 }
 
+impl From<Completion> for Sample {
+    fn from(c: Completion) -> Self {
+        Sample {
+            logprobs: c.logprobs.unwrap_or_default(),
+            tokens: c.tokens,
+            finish_reason: c.finish_reason,
+        }
+    }
+}
+
 /// The training primitives of one run (LoRA on a base model).
 pub trait Trainer: Send + Sync {
     /// Loss and per-token outputs, no gradients.
@@ -52,8 +62,39 @@ pub trait Trainer: Send + Sync {
         n: usize,
         params: SamplingParams,
     ) -> TrainerFuture<Vec<Sample>>;
+    /// Sample several prompts at once (one list of samples per request, in
+    /// order). The default issues one [`sample`](Trainer::sample) per request;
+    /// the in-process engine batches them into shared decode steps.
+    fn sample_many(
+        &self,
+        sampler: &str,
+        requests: Vec<GenerationRequest>,
+    ) -> TrainerFuture<Vec<Vec<Sample>>> {
+        let futures: Vec<_> = requests
+            .into_iter()
+            .map(|r| self.sample(sampler, r.prompt, r.n, r.params))
+            .collect();
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(futures.len());
+            for f in futures {
+                out.push(f.await?);
+            }
+            Ok(out)
+        })
+    }
     /// Logprobs of `tokens[1..]` under a sampler handle's weights.
     fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> TrainerFuture<Vec<f32>>;
+    /// Write the trained LoRA adapter in the PEFT layout into `dir` (what an
+    /// external sampler such as `temper serve` or vLLM loads). Trainers that
+    /// keep weights remotely do not support it.
+    fn export_peft(&self, dir: &Path) -> TrainerFuture<()> {
+        let dir = dir.display().to_string();
+        Box::pin(async move {
+            Err(EngineError::InvalidRequest(format!(
+                "this trainer cannot export an adapter to {dir}"
+            )))
+        })
+    }
     /// Save weights + optimizer state; resolves to the checkpoint's path.
     fn save_state(&self, name: &str) -> TrainerFuture<String>;
     /// Restore a checkpoint saved by [`save_state`](Trainer::save_state).
@@ -86,6 +127,16 @@ impl LocalTrainer {
             )));
         }
         Ok(self.checkpoint_dir.join(&self.run).join(name))
+    }
+
+    /// The engine behind this trainer.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The engine run this trainer drives.
+    pub fn run_id(&self) -> &str {
+        &self.run
     }
 }
 
@@ -120,21 +171,30 @@ impl Trainer for LocalTrainer {
         params: SamplingParams,
     ) -> TrainerFuture<Vec<Sample>> {
         let pending = self.engine.sample(sampler, prompt, n, params);
+        Box::pin(async move { Ok(pending.await?.into_iter().map(Sample::from).collect()) })
+    }
+
+    fn sample_many(
+        &self,
+        sampler: &str,
+        requests: Vec<GenerationRequest>,
+    ) -> TrainerFuture<Vec<Vec<Sample>>> {
+        let pending = self.engine.generate(sampler, requests);
         Box::pin(async move {
             Ok(pending
                 .await?
                 .into_iter()
-                .map(|c| Sample {
-                    logprobs: c.logprobs.unwrap_or_default(),
-                    tokens: c.tokens,
-                    finish_reason: c.finish_reason,
-                })
+                .map(|cs| cs.into_iter().map(Sample::from).collect())
                 .collect())
         })
     }
 
     fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> TrainerFuture<Vec<f32>> {
         Box::pin(self.engine.compute_logprobs(sampler, tokens))
+    }
+
+    fn export_peft(&self, dir: &Path) -> TrainerFuture<()> {
+        Box::pin(self.engine.export_peft(&self.run, dir.to_path_buf()))
     }
 
     fn save_state(&self, name: &str) -> TrainerFuture<String> {
