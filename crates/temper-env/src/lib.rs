@@ -1,0 +1,106 @@
+//! `temper-env`: environments — a dataset, a harness, a rubric and a
+//! parser — and the built-in tasks.
+//!
+//! - [`Environment`]: the trait trainers and the evaluator drive: `rows`
+//!   (train and eval splits, disjoint, deterministic in the seed),
+//!   `rollout` (talks to the model only through [`ChatModel`]),
+//!   `score_group` (a [`Rubric`] over all rollouts of one row),
+//!   `eval_defaults`.
+//! - [`Env`]: dataset + [`Harness`] (single-turn, multi-turn with an
+//!   [`EnvResponder`], tool-use with [`Tool`]s) + [`Rubric`] (+ [`Parser`]).
+//!   Every built-in and every `env.toml` is one.
+//! - [`load_environment`]: a built-in name ([`BUILTIN_ENVS`]), a directory
+//!   with `env.toml` ([`manifest`]), or an external command speaking the
+//!   JSON-lines protocol ([`external`]).
+//! - [`openai::OpenAiChatModel`]: the [`ChatModel`] for OpenAI-compatible
+//!   endpoints (retries, timeouts), used by `temper eval` and the judge.
+//!
+//! The contract trainers build on (issue 7):
+//!
+//! | item | what |
+//! |---|---|
+//! | [`Row`] | `example_id`, `prompt: Vec<Message>` (system prompt and few-shot included), `answer`, `info` |
+//! | [`Message`] | OpenAI chat message; unknown fields kept, so OpenAI JSON round-trips |
+//! | [`SamplingArgs`] | `max_tokens`, `temperature`, `top_p`, `seed`, `stop`, `extra` |
+//! | [`ChatRequest`] / [`ModelTurn`] | what a harness asks / what a model answers (`extra` carries token ids and logprobs through to [`Rollout::model_turns`]) |
+//! | [`ChatModel`] | `async fn chat(&self, ChatRequest) -> Result<ModelTurn, ModelCallError>` |
+//! | [`Rollout`] | `completion`, `is_completed`, `is_truncated`, `stop_condition`, `error`, `token_usage`, `timing`, `model_turns`, `state` |
+//! | [`Score`] | `reward`, `metrics` |
+//! | [`Environment`] | `id`, `rows(Split, n, seed)`, `rollout(&dyn ChatModel, &Row, &SamplingArgs)`, `score_group(&Row, &[Rollout])`, `eval_defaults` |
+//! | [`load_environment`] | `(spec, &serde_json::Value) -> Arc<dyn Environment>` |
+//! | [`score_and_time`] | `score_group` that also fills `timing.scoring_ms` |
+//!
+//! Key design choice: harnesses never see an HTTP client, only
+//! [`ChatModel`], so the same environment is evaluated against a remote
+//! endpoint and trained against the in-process engine; and failures are
+//! values on the [`Rollout`], never errors that end a run.
+//!
+//! ```
+//! use serde_json::json;
+//! use temper_env::{load_environment, Split};
+//!
+//! let env = load_environment("arithmetic", &json!({"digits": 2, "ops": ["+"], "system_prompt": ""}))?;
+//! let rows = env.rows(Split::Eval, 3, 0)?;
+//! assert_eq!(rows.len(), 3);
+//! assert!(rows[0].prompt[0].text().starts_with("What is "));
+//! # Ok::<(), temper_env::EnvError>(())
+//! ```
+#![deny(missing_docs)]
+
+mod env;
+mod envs;
+mod error;
+pub mod external;
+mod harness;
+pub mod manifest;
+pub mod math;
+mod model;
+pub mod openai;
+mod parser;
+pub mod rubric;
+mod types;
+
+use std::path::Path;
+use std::sync::Arc;
+
+pub use env::{
+    is_eval_question, parse_args, score_and_time, stable_hash, Dataset, Env, Environment,
+    Generated, PromptTemplate, Task,
+};
+pub use envs::{wordle_feedback, BUILTIN_ENVS};
+pub use error::{EnvError, ModelCallError};
+pub use harness::{
+    format_number, Calculator, EnvResponder, EnvResponse, Harness, PythonTool, Tool,
+};
+pub use model::ChatModel;
+pub use parser::{last_boxed, last_number, FieldSpec, Parser};
+pub use rubric::{GroupReward, Reward, RewardCtx, Rubric};
+pub use types::{
+    last_assistant_text, stop, ChatRequest, Content, EvalDefaults, FunctionCall, Message,
+    ModelTurn, Rollout, Row, SamplingArgs, Score, Split, Timing, TokenUsage, ToolCall, Usage,
+};
+
+/// Countdown's answer check, public for tests and trainers' reward shaping.
+pub use envs::countdown_valid;
+
+/// Load an environment: a built-in name, a directory with `env.toml` (or
+/// the file), or an external command (`python3 my_env.py`). `args` are
+/// the environment's arguments (a JSON object; `null` for defaults).
+pub fn load_environment(
+    spec: &str,
+    args: &serde_json::Value,
+) -> Result<Arc<dyn Environment>, EnvError> {
+    if let Some(env) = envs::builtin(spec, args) {
+        return Ok(Arc::new(env?));
+    }
+    let path = Path::new(spec);
+    if path.is_dir() && path.join("env.toml").is_file()
+        || path.is_file() && path.extension().is_some_and(|e| e == "toml")
+    {
+        return manifest::load_manifest(path, args);
+    }
+    if spec.contains(char::is_whitespace) || path.is_file() {
+        return Ok(Arc::new(external::ExternalEnv::spawn(spec, None, args)?));
+    }
+    Err(EnvError::Unknown(spec.to_string()))
+}

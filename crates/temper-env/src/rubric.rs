@@ -1,0 +1,676 @@
+//! Rubrics: a weighted sum of reward functions plus zero-weight metrics,
+//! per rollout and per group.
+//!
+//! A reward function sees one rollout through a [`RewardCtx`]; a group
+//! function sees every rollout of one prompt (for relative rewards such as
+//! "shortest correct answer"). Each function's raw score is reported as a
+//! metric under its name; the reward is Σ weight · score, so weight 0 makes
+//! a function a metric only.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::{
+    math, ChatModel, ChatRequest, EnvError, Message, Parser, Rollout, Row, SamplingArgs, Score,
+};
+
+/// What a reward function sees of one rollout.
+#[derive(Debug, Clone, Copy)]
+pub struct RewardCtx<'a> {
+    /// The prompt messages.
+    pub prompt: &'a [Message],
+    /// The completion messages.
+    pub completion: &'a [Message],
+    /// The reference answer.
+    pub answer: Option<&'a str>,
+    /// The row's task data.
+    pub info: &'a Value,
+    /// The environment's parser.
+    pub parser: &'a Parser,
+    /// The whole rollout (stop condition, usage, state).
+    pub rollout: &'a Rollout,
+}
+
+impl RewardCtx<'_> {
+    /// The parsed answer of the completion.
+    pub fn parsed(&self) -> Option<String> {
+        self.parser.parse_answer(self.completion)
+    }
+}
+
+/// A reward function over one rollout.
+pub type RewardFn = Arc<dyn Fn(&RewardCtx<'_>) -> f64 + Send + Sync>;
+/// A reward function over the rollouts of one prompt: one score each.
+pub type GroupFn = Arc<dyn Fn(&[RewardCtx<'_>]) -> Vec<f64> + Send + Sync>;
+
+/// One rubric entry as written in `env.toml`:
+/// `{ function = "math_equiv", weight = 1.0, name = "correct", args = {} }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardSpec {
+    /// Built-in function name (see [`Reward::from_spec`]).
+    pub function: String,
+    /// Weight in the reward; 0 = metric only.
+    #[serde(default = "one")]
+    pub weight: f64,
+    /// Metric name (defaults to the function name).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Function arguments.
+    #[serde(default)]
+    pub args: toml::Table,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+#[derive(Clone)]
+enum Kind {
+    Sync(RewardFn),
+    Judge(Arc<Judge>),
+    CodeTests(Arc<CodeTests>),
+}
+
+/// A named, weighted reward function.
+#[derive(Clone)]
+pub struct Reward {
+    name: String,
+    weight: f64,
+    kind: Kind,
+}
+
+impl std::fmt::Debug for Reward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Reward({} × {})", self.name, self.weight)
+    }
+}
+
+impl Reward {
+    /// A reward from a plain function.
+    pub fn new(
+        name: impl Into<String>,
+        weight: f64,
+        f: impl Fn(&RewardCtx<'_>) -> f64 + Send + Sync + 'static,
+    ) -> Self {
+        Reward {
+            name: name.into(),
+            weight,
+            kind: Kind::Sync(Arc::new(f)),
+        }
+    }
+
+    /// The metric name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Parsed answer equals the reference exactly (trimmed; `case_sensitive`
+    /// default false).
+    pub fn exact_match(weight: f64, case_sensitive: bool) -> Self {
+        Reward::new("exact_match", weight, move |c| {
+            let (Some(got), Some(want)) = (c.parsed(), c.answer) else {
+                return 0.0;
+            };
+            let eq = if case_sensitive {
+                got.trim() == want.trim()
+            } else {
+                got.trim().to_lowercase() == want.trim().to_lowercase()
+            };
+            f64::from(u8::from(eq))
+        })
+    }
+
+    /// The reference answer occurs in the last assistant message.
+    pub fn contains(weight: f64) -> Self {
+        Reward::new("contains", weight, |c| {
+            let text = crate::last_assistant_text(c.completion).to_lowercase();
+            match c.answer {
+                Some(a) if !a.trim().is_empty() => {
+                    f64::from(u8::from(text.contains(&a.trim().to_lowercase())))
+                }
+                _ => 0.0,
+            }
+        })
+    }
+
+    /// The parsed answer matches `pattern` (whole-answer match unless the
+    /// pattern says otherwise).
+    pub fn regex(weight: f64, pattern: &str) -> Result<Self, regex::Error> {
+        let re = regex::Regex::new(pattern)?;
+        Ok(Reward::new("regex", weight, move |c| {
+            c.parsed()
+                .map_or(0.0, |a| f64::from(u8::from(re.is_match(&a))))
+        }))
+    }
+
+    /// Parsed answer is mathematically equal to the reference
+    /// ([`math::math_equal`]).
+    pub fn math_equiv(weight: f64) -> Self {
+        Reward::new("math_equiv", weight, |c| match (c.parsed(), c.answer) {
+            (Some(got), Some(want)) => f64::from(u8::from(math::math_equal(&got, want))),
+            _ => 0.0,
+        })
+    }
+
+    /// Parsed answer is a number literal equal to the reference number.
+    pub fn numeric_match(weight: f64) -> Self {
+        Reward::new("numeric_match", weight, |c| {
+            let got = c.parsed().and_then(|a| math::parse_number_literal(&a));
+            let want = c.answer.and_then(math::parse_number_literal);
+            match (got, want) {
+                (Some(g), Some(w)) => f64::from(u8::from((g - w).abs() < 1e-9)),
+                _ => 0.0,
+            }
+        })
+    }
+
+    /// Longest-common-subsequence ratio of the parsed answer and the
+    /// reference: 2·LCS / (|a| + |b|).
+    pub fn lcs(weight: f64) -> Self {
+        Reward::new("lcs_ratio", weight, |c| match (c.parsed(), c.answer) {
+            (Some(got), Some(want)) => lcs_ratio(&got, want),
+            _ => 0.0,
+        })
+    }
+
+    /// The parsed answer is valid JSON.
+    pub fn json_valid(weight: f64) -> Self {
+        Reward::new("json_valid", weight, |c| {
+            c.parsed().map_or(0.0, |a| {
+                f64::from(u8::from(serde_json::from_str::<Value>(&a).is_ok()))
+            })
+        })
+    }
+
+    /// The parsed answer is JSON valid against `schema`, or against the
+    /// row's `info.schema` when `schema` is `None`.
+    pub fn json_schema(weight: f64, schema: Option<Value>) -> Result<Self, String> {
+        let fixed = match schema {
+            Some(s) => Some(Arc::new(
+                jsonschema::validator_for(&s).map_err(|e| e.to_string())?,
+            )),
+            None => None,
+        };
+        Ok(Reward::new("json_schema", weight, move |c| {
+            let Some(value) = c
+                .parsed()
+                .and_then(|a| serde_json::from_str::<Value>(&a).ok())
+            else {
+                return 0.0;
+            };
+            let ok = match &fixed {
+                Some(v) => v.is_valid(&value),
+                None => match c.info.get("schema") {
+                    Some(s) => jsonschema::validator_for(s).is_ok_and(|v| v.is_valid(&value)),
+                    None => false,
+                },
+            };
+            f64::from(u8::from(ok))
+        }))
+    }
+
+    /// The parser's format reward.
+    pub fn format(weight: f64) -> Self {
+        Reward::new("format", weight, |c| c.parser.format_reward(c.completion))
+    }
+
+    /// 0 up to `max_chars` characters of assistant text, then falling
+    /// linearly to −1 at twice that. Give it a positive weight.
+    pub fn length_penalty(weight: f64, max_chars: usize) -> Self {
+        Reward::new("length_penalty", weight, move |c| {
+            let len: usize = c
+                .completion
+                .iter()
+                .filter(|m| m.role == "assistant")
+                .map(|m| m.text().chars().count())
+                .sum();
+            let max = max_chars.max(1) as f64;
+            -((len as f64 - max) / max).clamp(0.0, 1.0)
+        })
+    }
+
+    /// An LLM judge.
+    pub fn judge(weight: f64, judge: Judge) -> Self {
+        Reward {
+            name: "judge".into(),
+            weight,
+            kind: Kind::Judge(Arc::new(judge)),
+        }
+    }
+
+    /// Unit tests in the sandbox service.
+    pub fn code_tests(weight: f64, tests: CodeTests) -> Self {
+        Reward {
+            name: "code_tests".into(),
+            weight,
+            kind: Kind::CodeTests(Arc::new(tests)),
+        }
+    }
+
+    /// Rename (the metric key).
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// A built-in function from its `env.toml` entry.
+    pub fn from_spec(spec: &RewardSpec) -> Result<Self, String> {
+        let args = serde_json::to_value(&spec.args).map_err(|e| e.to_string())?;
+        let w = spec.weight;
+        let get_str = |k: &str| args.get(k).and_then(Value::as_str).map(str::to_string);
+        let r = match spec.function.as_str() {
+            "exact_match" => Reward::exact_match(
+                w,
+                args.get("case_sensitive")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
+            ),
+            "contains" => Reward::contains(w),
+            "regex" => {
+                let p = get_str("pattern").ok_or("regex needs args.pattern")?;
+                Reward::regex(w, &p).map_err(|e| e.to_string())?
+            }
+            "math_equiv" => Reward::math_equiv(w),
+            "numeric_match" => Reward::numeric_match(w),
+            "lcs_ratio" | "lcs" => Reward::lcs(w),
+            "json_valid" => Reward::json_valid(w),
+            "json_schema" => Reward::json_schema(w, args.get("schema").cloned())?,
+            "format" => Reward::format(w),
+            "length_penalty" => Reward::length_penalty(
+                w,
+                args.get("max_chars")
+                    .and_then(Value::as_u64)
+                    .ok_or("length_penalty needs args.max_chars")? as usize,
+            ),
+            "judge" => {
+                let cfg: JudgeConfig =
+                    serde_json::from_value(args.clone()).map_err(|e| e.to_string())?;
+                Reward::judge(w, Judge::from_config(cfg)?)
+            }
+            "code_tests" => {
+                let cfg: CodeTestsConfig =
+                    serde_json::from_value(args.clone()).map_err(|e| e.to_string())?;
+                Reward::code_tests(w, CodeTests::new(cfg))
+            }
+            other => {
+                return Err(format!(
+                    "unknown reward function `{other}` (built-ins: exact_match, contains, regex, math_equiv, numeric_match, lcs_ratio, json_valid, json_schema, format, length_penalty, judge, code_tests)"
+                ))
+            }
+        };
+        Ok(match &spec.name {
+            Some(n) => r.named(n.clone()),
+            None => r,
+        })
+    }
+
+    async fn score(&self, ctx: &RewardCtx<'_>) -> f64 {
+        match &self.kind {
+            Kind::Sync(f) => f(ctx),
+            Kind::Judge(j) => j.score(ctx).await,
+            Kind::CodeTests(t) => t.score(ctx).await,
+        }
+    }
+}
+
+/// A named, weighted group function.
+#[derive(Clone)]
+pub struct GroupReward {
+    name: String,
+    weight: f64,
+    f: GroupFn,
+}
+
+impl GroupReward {
+    /// A group function: one score per rollout of the group.
+    pub fn new(
+        name: impl Into<String>,
+        weight: f64,
+        f: impl Fn(&[RewardCtx<'_>]) -> Vec<f64> + Send + Sync + 'static,
+    ) -> Self {
+        GroupReward {
+            name: name.into(),
+            weight,
+            f: Arc::new(f),
+        }
+    }
+}
+
+/// Reward functions, group functions and the parser they read answers with.
+#[derive(Clone, Default)]
+pub struct Rubric {
+    /// The parser passed to every function.
+    pub parser: Parser,
+    funcs: Vec<Reward>,
+    group_funcs: Vec<GroupReward>,
+}
+
+impl std::fmt::Debug for Rubric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rubric")
+            .field("parser", &self.parser)
+            .field("funcs", &self.funcs)
+            .finish()
+    }
+}
+
+impl Rubric {
+    /// An empty rubric reading answers with `parser`.
+    pub fn new(parser: Parser) -> Self {
+        Rubric {
+            parser,
+            funcs: Vec::new(),
+            group_funcs: Vec::new(),
+        }
+    }
+
+    /// Add a reward function.
+    pub fn with(mut self, r: Reward) -> Self {
+        self.funcs.push(r);
+        self
+    }
+
+    /// Add a group function.
+    pub fn with_group(mut self, g: GroupReward) -> Self {
+        self.group_funcs.push(g);
+        self
+    }
+
+    /// Score the rollouts of one row. Functions run in order; each runs
+    /// concurrently across the group.
+    pub async fn score_group(&self, row: &Row, rollouts: &[Rollout]) -> Vec<Score> {
+        let ctxs: Vec<RewardCtx<'_>> = rollouts
+            .iter()
+            .map(|r| RewardCtx {
+                prompt: &row.prompt,
+                completion: &r.completion,
+                answer: row.answer.as_deref(),
+                info: &row.info,
+                parser: &self.parser,
+                rollout: r,
+            })
+            .collect();
+        let mut scores = vec![Score::default(); rollouts.len()];
+        for func in &self.funcs {
+            let values = futures::future::join_all(ctxs.iter().map(|c| func.score(c))).await;
+            for (s, v) in scores.iter_mut().zip(values) {
+                s.reward += func.weight * v;
+                s.metrics.insert(func.name.clone(), v);
+            }
+        }
+        for g in &self.group_funcs {
+            let values = (g.f)(&ctxs);
+            for (s, v) in scores.iter_mut().zip(values) {
+                s.reward += g.weight * v;
+                s.metrics.insert(g.name.clone(), v);
+            }
+        }
+        scores
+    }
+}
+
+/// 2·LCS / (|a| + |b|) over characters (1 for two empty strings).
+pub fn lcs_ratio(a: &str, b: &str) -> f64 {
+    let a: Vec<char> = a.chars().take(4096).collect();
+    let b: Vec<char> = b.chars().take(4096).collect();
+    if a.is_empty() && b.is_empty() {
+        return 1.0;
+    }
+    let mut prev = vec![0usize; b.len() + 1];
+    let mut cur = vec![0usize; b.len() + 1];
+    for &x in &a {
+        for (j, &y) in b.iter().enumerate() {
+            cur[j + 1] = if x == y {
+                prev[j] + 1
+            } else {
+                cur[j].max(prev[j + 1])
+            };
+        }
+        std::mem::swap(&mut prev, &mut cur);
+    }
+    2.0 * prev[b.len()] as f64 / (a.len() + b.len()) as f64
+}
+
+/// `judge` arguments.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JudgeConfig {
+    /// OpenAI-compatible base URL (`http://host:port/v1`).
+    pub base_url: String,
+    /// Judge model name.
+    pub model: String,
+    /// Environment variable holding the API key.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    /// Prompt template: `{question}`, `{answer}`, `{response}`.
+    #[serde(default = "default_judge_prompt")]
+    pub prompt: String,
+    /// Judge completion tokens.
+    #[serde(default = "default_judge_tokens")]
+    pub max_tokens: usize,
+}
+
+fn default_judge_prompt() -> String {
+    "Question:\n{question}\n\nReference answer:\n{answer}\n\nResponse:\n{response}\n\n\
+     Is the response correct and consistent with the reference answer? Reply yes or no."
+        .into()
+}
+
+fn default_judge_tokens() -> usize {
+    16
+}
+
+/// An LLM judge: asks a model whether a response is right; 1 for an
+/// answer starting with "yes". Verdicts are cached by prompt text, so a
+/// resumed or repeated evaluation asks once.
+pub struct Judge {
+    model: Arc<dyn ChatModel>,
+    prompt: String,
+    max_tokens: usize,
+    cache: Mutex<HashMap<String, f64>>,
+}
+
+impl Judge {
+    /// A judge over any [`ChatModel`]; `prompt` has `{question}`,
+    /// `{answer}` and `{response}` placeholders.
+    pub fn new(model: Arc<dyn ChatModel>, prompt: impl Into<String>) -> Self {
+        Judge {
+            model,
+            prompt: prompt.into(),
+            max_tokens: default_judge_tokens(),
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A judge on an OpenAI-compatible endpoint.
+    pub fn from_config(cfg: JudgeConfig) -> Result<Self, String> {
+        let key = match &cfg.api_key_env {
+            Some(var) => Some(std::env::var(var).map_err(|_| format!("judge: ${var} is not set"))?),
+            None => None,
+        };
+        let model = crate::openai::OpenAiChatModel::new(&cfg.base_url, &cfg.model, key)
+            .map_err(|e| e.to_string())?;
+        let mut j = Judge::new(Arc::new(model), cfg.prompt);
+        j.max_tokens = cfg.max_tokens;
+        Ok(j)
+    }
+
+    async fn score(&self, c: &RewardCtx<'_>) -> f64 {
+        let question = c
+            .prompt
+            .iter()
+            .rev()
+            .find(|m| m.role == "user")
+            .map(Message::text)
+            .unwrap_or_default();
+        let response = c
+            .parsed()
+            .unwrap_or_else(|| crate::last_assistant_text(c.completion));
+        let prompt = self
+            .prompt
+            .replace("{question}", &question)
+            .replace("{answer}", c.answer.unwrap_or(""))
+            .replace("{response}", &response);
+        if let Some(v) = self.cache.lock().ok().and_then(|m| m.get(&prompt).copied()) {
+            return v;
+        }
+        let req = ChatRequest {
+            messages: vec![Message::user(prompt.clone())],
+            tools: None,
+            sampling: SamplingArgs {
+                max_tokens: self.max_tokens,
+                temperature: 0.0,
+                ..SamplingArgs::default()
+            },
+        };
+        match self.model.chat(req).await {
+            Ok(turn) => {
+                let verdict = turn.message.text().trim().to_lowercase();
+                let v = f64::from(u8::from(verdict.starts_with("yes")));
+                if let Ok(mut m) = self.cache.lock() {
+                    m.insert(prompt, v);
+                }
+                v
+            }
+            Err(e) => {
+                tracing::warn!("judge call failed: {e}");
+                0.0
+            }
+        }
+    }
+}
+
+/// `code_tests` arguments.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CodeTestsConfig {
+    /// Sandbox service URL (default `$TEMPER_SANDBOX_URL`, else
+    /// `http://127.0.0.1:8080`).
+    #[serde(default)]
+    pub sandbox_url: Option<String>,
+    /// Seconds per test.
+    #[serde(default = "default_test_timeout")]
+    pub timeout_s: f64,
+}
+
+fn default_test_timeout() -> f64 {
+    10.0
+}
+
+/// Runs the completion's Python code against the row's tests in the
+/// sandbox service (`POST /run_code`): the score is the fraction of tests
+/// that pass. Tests come from `info.tests`, a list of Python snippets
+/// (usually `assert` lines) appended to the code one at a time.
+pub struct CodeTests {
+    client: temper_sandbox::Client,
+    timeout: Duration,
+}
+
+impl CodeTests {
+    /// A runner for the service named in `cfg`.
+    pub fn new(cfg: CodeTestsConfig) -> Self {
+        let url = cfg
+            .sandbox_url
+            .or_else(|| std::env::var("TEMPER_SANDBOX_URL").ok())
+            .unwrap_or_else(|| "http://127.0.0.1:8080".into());
+        let client = temper_sandbox::Client::local(url.clone(), None)
+            .unwrap_or_else(|_| temper_sandbox::Client::new(url, None));
+        CodeTests {
+            client,
+            timeout: Duration::from_secs_f64(cfg.timeout_s.max(0.1)),
+        }
+    }
+
+    /// Fraction of `tests` that pass after `code`.
+    pub async fn pass_rate(&self, code: &str, tests: &[String]) -> Result<f64, String> {
+        if tests.is_empty() {
+            return Ok(0.0);
+        }
+        let runs = tests.iter().map(|t| {
+            let req = temper_sandbox::service::RunCodeRequest {
+                code: format!("{code}\n\n{t}\n"),
+                language: "python".into(),
+                stdin: String::new(),
+                files: Default::default(),
+                run_timeout: Some(self.timeout.as_secs_f64()),
+                compile_timeout: None,
+                memory_limit_mb: None,
+                fetch_files: Vec::new(),
+            };
+            async move { self.client.run_code(&req).await }
+        });
+        let mut passed = 0usize;
+        for r in futures::future::join_all(runs).await {
+            let r = r.map_err(|e| e.to_string())?;
+            if r.status == "SandboxError" {
+                return Err(format!("sandbox error: {}", r.message));
+            }
+            passed += usize::from(r.status == "Success");
+        }
+        Ok(passed as f64 / tests.len() as f64)
+    }
+
+    async fn score(&self, c: &RewardCtx<'_>) -> f64 {
+        let text = crate::last_assistant_text(c.completion);
+        let code = extract_code(&text);
+        let tests: Vec<String> = c
+            .info
+            .get("tests")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default();
+        match self.pass_rate(&code, &tests).await {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!("code tests: {e}");
+                0.0
+            }
+        }
+    }
+}
+
+/// The last fenced code block (```python … ```), or the whole text.
+pub fn extract_code(text: &str) -> String {
+    let mut best = None;
+    let mut rest = text;
+    while let Some(start) = rest.find("```") {
+        let after = &rest[start + 3..];
+        let body_start = after.find('\n').map_or(after.len(), |i| i + 1);
+        let body = &after[body_start..];
+        match body.find("```") {
+            Some(end) => {
+                best = Some(body[..end].to_string());
+                rest = &body[end + 3..];
+            }
+            None => break,
+        }
+    }
+    best.unwrap_or_else(|| text.trim().to_string())
+}
+
+/// Check a rubric spec list before use.
+pub(crate) fn build_rubric(
+    parser: Parser,
+    specs: &[RewardSpec],
+    path: &str,
+) -> Result<Rubric, EnvError> {
+    let mut rubric = Rubric::new(parser);
+    for spec in specs {
+        let r = Reward::from_spec(spec).map_err(|message| EnvError::Manifest {
+            path: path.to_string(),
+            message,
+        })?;
+        rubric = rubric.with(r);
+    }
+    Ok(rubric)
+}

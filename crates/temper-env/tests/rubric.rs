@@ -1,0 +1,467 @@
+//! Reward functions as tables of cases, group functions, the judge and the
+//! code-tests reward against the real sandbox service.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::Scripted;
+use serde_json::{json, Value};
+use temper_env::rubric::{CodeTests, CodeTestsConfig, Judge};
+use temper_env::{GroupReward, Message, Parser, Reward, RewardCtx, Rollout, Row, Rubric};
+
+fn rollout(text: &str) -> Rollout {
+    Rollout {
+        completion: vec![Message::assistant(text)],
+        is_completed: true,
+        ..Rollout::default()
+    }
+}
+
+fn row(answer: Option<&str>, info: Value) -> Row {
+    Row {
+        example_id: 0,
+        prompt: vec![Message::user("q?")],
+        answer: answer.map(str::to_string),
+        info,
+    }
+}
+
+async fn score(r: Reward, parser: Parser, text: &str, answer: Option<&str>, info: Value) -> f64 {
+    let name = r.name().to_string();
+    let rubric = Rubric::new(parser).with(r);
+    let s = rubric
+        .score_group(&row(answer, info), &[rollout(text)])
+        .await;
+    s[0].metrics[&name]
+}
+
+#[tokio::test]
+async fn reward_function_table() {
+    let tag = Parser::answer_tag;
+    let schema =
+        json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+    let fifty = "x".repeat(50);
+    /// (reward, parser, completion text, reference answer, info, expected score)
+    type Case<'a> = (Reward, Parser, &'a str, Option<&'a str>, Value, f64);
+    let cases: Vec<Case<'_>> = vec![
+        (
+            Reward::exact_match(1.0, false),
+            tag(),
+            "<answer>Paris</answer>",
+            Some("paris"),
+            json!({}),
+            1.0,
+        ),
+        (
+            Reward::exact_match(1.0, true),
+            tag(),
+            "<answer>Paris</answer>",
+            Some("paris"),
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::exact_match(1.0, false),
+            tag(),
+            "Paris",
+            Some("Paris"),
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::exact_match(1.0, false),
+            Parser::Plain,
+            " Paris ",
+            Some("Paris"),
+            json!({}),
+            1.0,
+        ),
+        (
+            Reward::contains(1.0),
+            tag(),
+            "it is PARIS I think",
+            Some("Paris"),
+            json!({}),
+            1.0,
+        ),
+        (
+            Reward::contains(1.0),
+            tag(),
+            "it is Lyon",
+            Some("Paris"),
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::contains(1.0),
+            tag(),
+            "anything",
+            Some(""),
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::regex(1.0, r"^\d{3}-\d{4}$").unwrap(),
+            tag(),
+            "<answer>555-1234</answer>",
+            None,
+            json!({}),
+            1.0,
+        ),
+        (
+            Reward::regex(1.0, r"^\d{3}-\d{4}$").unwrap(),
+            tag(),
+            "<answer>5551234</answer>",
+            None,
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::math_equiv(1.0),
+            Parser::Boxed,
+            r"so \boxed{\frac{1}{2}}",
+            Some("0.5"),
+            json!({}),
+            1.0,
+        ),
+        (
+            Reward::math_equiv(1.0),
+            Parser::Boxed,
+            r"\boxed{0.25}",
+            Some("1/2"),
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::math_equiv(1.0),
+            Parser::LastNumber,
+            "first 3 then 7",
+            Some("7"),
+            json!({}),
+            1.0,
+        ),
+        (
+            Reward::numeric_match(1.0),
+            tag(),
+            "<answer>1,234</answer>",
+            Some("1234"),
+            json!({}),
+            1.0,
+        ),
+        (
+            Reward::numeric_match(1.0),
+            tag(),
+            "<answer>1000 + 234</answer>",
+            Some("1234"),
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::lcs(1.0),
+            tag(),
+            "<answer>abcd</answer>",
+            Some("abcd"),
+            json!({}),
+            1.0,
+        ),
+        (
+            Reward::lcs(1.0),
+            tag(),
+            "<answer>abcd</answer>",
+            Some("abxx"),
+            json!({}),
+            0.5,
+        ),
+        (
+            Reward::lcs(1.0),
+            tag(),
+            "<answer>zzzz</answer>",
+            Some("abcd"),
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::json_valid(1.0),
+            tag(),
+            r#"<answer>{"n": 1}</answer>"#,
+            None,
+            json!({}),
+            1.0,
+        ),
+        (
+            Reward::json_valid(1.0),
+            tag(),
+            r#"<answer>{"n": 1</answer>"#,
+            None,
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::json_schema(1.0, Some(schema.clone())).unwrap(),
+            tag(),
+            r#"<answer>{"n": 1}</answer>"#,
+            None,
+            json!({}),
+            1.0,
+        ),
+        (
+            Reward::json_schema(1.0, Some(schema.clone())).unwrap(),
+            tag(),
+            r#"<answer>{"n": "x"}</answer>"#,
+            None,
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::json_schema(1.0, None).unwrap(),
+            tag(),
+            r#"<answer>{"n": 2}</answer>"#,
+            None,
+            json!({"schema": schema}),
+            1.0,
+        ),
+        (
+            Reward::json_schema(1.0, None).unwrap(),
+            tag(),
+            r#"<answer>[]</answer>"#,
+            None,
+            json!({"schema": {"type": "object"}}),
+            0.0,
+        ),
+        (
+            Reward::json_schema(1.0, None).unwrap(),
+            tag(),
+            r#"<answer>{}</answer>"#,
+            None,
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::length_penalty(1.0, 10),
+            tag(),
+            "short",
+            None,
+            json!({}),
+            0.0,
+        ),
+        (
+            Reward::length_penalty(1.0, 10),
+            tag(),
+            "fifteen chars!!",
+            None,
+            json!({}),
+            -0.5,
+        ),
+        (
+            Reward::length_penalty(1.0, 10),
+            tag(),
+            &fifty,
+            None,
+            json!({}),
+            -1.0,
+        ),
+        (
+            Reward::format(1.0),
+            tag(),
+            "<answer>1</answer>",
+            None,
+            json!({}),
+            1.0,
+        ),
+        (Reward::format(1.0), tag(), "1", None, json!({}), 0.0),
+    ];
+    for (i, (r, p, text, answer, info, want)) in cases.into_iter().enumerate() {
+        let name = r.name().to_string();
+        let got = score(r, p, text, answer, info).await;
+        assert!(
+            (got - want).abs() < 1e-9,
+            "case {i} ({name}) on {text:?}: {got} != {want}"
+        );
+    }
+    assert!(Reward::regex(1.0, "(").is_err());
+    assert!(Reward::json_schema(1.0, Some(json!({"type": 5}))).is_err());
+}
+
+#[tokio::test]
+async fn reward_is_the_weighted_sum_and_zero_weight_is_a_metric() {
+    let rubric = Rubric::new(Parser::answer_tag())
+        .with(Reward::exact_match(2.0, false).named("correct"))
+        .with(Reward::format(0.5))
+        .with(Reward::lcs(0.0));
+    let s = rubric
+        .score_group(
+            &row(Some("ab"), json!({})),
+            &[
+                rollout("<answer>ab</answer>"),
+                rollout("x <answer>zz</answer>"),
+            ],
+        )
+        .await;
+    assert_eq!(s[0].reward, 2.0 + 0.5);
+    assert_eq!(s[0].metrics["lcs_ratio"], 1.0);
+    assert!((s[1].reward - 0.5 * 0.8).abs() < 1e-12);
+    assert_eq!(s[1].metrics["correct"], 0.0);
+}
+
+#[tokio::test]
+async fn group_functions_see_every_rollout_of_a_prompt() {
+    // 1 for the shortest correct completion of the group.
+    let shortest = GroupReward::new("shortest_correct", 1.0, |ctxs: &[RewardCtx<'_>]| {
+        let lens: Vec<Option<usize>> = ctxs
+            .iter()
+            .map(|c| (c.parsed().as_deref() == c.answer).then(|| c.completion[0].text().len()))
+            .collect();
+        let best = lens.iter().flatten().min().copied();
+        lens.iter()
+            .map(|l| f64::from(u8::from(l.is_some() && *l == best)))
+            .collect()
+    });
+    let rubric = Rubric::new(Parser::answer_tag()).with_group(shortest);
+    let s = rubric
+        .score_group(
+            &row(Some("7"), json!({})),
+            &[
+                rollout("long text <answer>7</answer>"),
+                rollout("<answer>7</answer>"),
+                rollout("<answer>8</answer>"),
+            ],
+        )
+        .await;
+    let rewards: Vec<f64> = s.iter().map(|s| s.reward).collect();
+    assert_eq!(rewards, [0.0, 1.0, 0.0]);
+}
+
+#[tokio::test]
+async fn judge_asks_once_per_distinct_prompt_and_reads_yes() {
+    let model = Arc::new(Scripted::texts(&["Yes, correct.", "no"]));
+    let judge = Judge::new(
+        model.clone(),
+        "Q: {question}\nRef: {answer}\nGot: {response}\nCorrect?",
+    );
+    let rubric = Rubric::new(Parser::answer_tag()).with(Reward::judge(1.0, judge));
+    let r = row(Some("Paris"), json!({}));
+    let s = rubric
+        .score_group(&r, &[rollout("<answer>Paris</answer>")])
+        .await;
+    assert_eq!(s[0].reward, 1.0);
+    // Same prompt again: cached, no second call.
+    let s = rubric
+        .score_group(&r, &[rollout("<answer>Paris</answer>")])
+        .await;
+    assert_eq!(s[0].reward, 1.0);
+    assert_eq!(model.requests().len(), 1);
+    let prompt = model.requests()[0].messages[0].text();
+    assert_eq!(prompt, "Q: q?\nRef: Paris\nGot: Paris\nCorrect?");
+    let s = rubric
+        .score_group(&r, &[rollout("<answer>Lyon</answer>")])
+        .await;
+    assert_eq!(s[0].reward, 0.0);
+    assert_eq!(model.requests().len(), 2);
+}
+
+#[test]
+fn code_block_extraction() {
+    let cases = [
+        (
+            "```python\ndef f():\n    return 1\n```",
+            "def f():\n    return 1\n",
+        ),
+        ("text\n```\nx = 1\n```\nmore\n```py\ny = 2\n```", "y = 2\n"),
+        ("def g(): pass", "def g(): pass"),
+        ("```python\nunclosed", "```python\nunclosed"),
+    ];
+    for (text, want) in cases {
+        assert_eq!(temper_env::rubric::extract_code(text), want, "{text:?}");
+    }
+}
+
+/// The sandbox service on a free port, or `None` where this host cannot
+/// create the namespaces it needs.
+async fn sandbox_service() -> Option<String> {
+    use temper_sandbox::service::{app, AppState, Runner};
+    use temper_sandbox::{ExecRequest, Language, Sandbox, SandboxConfig};
+    let sandbox = Sandbox::new(SandboxConfig::default()).ok()?;
+    if let Err(e) = sandbox.run(&ExecRequest::new(Language::Python, "print(1)")) {
+        eprintln!("SKIPPED: sandbox unavailable on this host: {e}");
+        return None;
+    }
+    let state = AppState::new(Runner::Cold(Arc::new(sandbox)), None, 4);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.ok()?;
+    let addr = listener.local_addr().ok()?;
+    tokio::spawn(async move { axum::serve(listener, app(state)).await });
+    Some(format!("http://{addr}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn code_tests_run_in_the_sandbox_service() {
+    let Some(url) = sandbox_service().await else {
+        return;
+    };
+    let tests = CodeTests::new(CodeTestsConfig {
+        sandbox_url: Some(url.clone()),
+        timeout_s: 5.0,
+    });
+    let asserts: Vec<String> = vec![
+        "assert add(1, 2) == 3".into(),
+        "assert add(-1, 1) == 0".into(),
+        "assert add(2, 2) == 5".into(),
+    ];
+    let rate = tests
+        .pass_rate("def add(a, b):\n    return a + b", &asserts)
+        .await
+        .unwrap();
+    assert!((rate - 2.0 / 3.0).abs() < 1e-9, "{rate}");
+    assert_eq!(
+        tests
+            .pass_rate("def add(a, b): while True: pass", &asserts)
+            .await
+            .unwrap(),
+        0.0
+    );
+
+    // The code-python environment end to end: a right and a wrong answer.
+    let env = temper_env::load_environment("code-python", &json!({"sandbox_url": url})).unwrap();
+    let row = env
+        .rows(temper_env::Split::Eval, 8, 0)
+        .unwrap()
+        .into_iter()
+        .find(|r| r.prompt.last().unwrap().text().contains("add_k"))
+        .expect("an add_k task");
+    let k: i64 = row.info["tests"][0]
+        .as_str()
+        .unwrap()
+        .rsplit("== ")
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let good = rollout(&format!(
+        "```python\ndef add_k(x):\n    return x + {k}\n```"
+    ));
+    let bad = rollout("```python\ndef add_k(x):\n    return x\n```");
+    let s = env.score_group(&row, &[good, bad]).await;
+    assert_eq!(s[0].reward, 1.0);
+    assert_eq!(s[1].reward, 0.0);
+}
+
+#[tokio::test]
+async fn code_tests_score_zero_when_the_sandbox_is_unreachable() {
+    let tests = CodeTests::new(CodeTestsConfig {
+        sandbox_url: Some("http://127.0.0.1:9".into()),
+        timeout_s: 1.0,
+    });
+    assert!(tests
+        .pass_rate("x = 1", &["assert x == 1".into()])
+        .await
+        .is_err());
+    let rubric = Rubric::new(Parser::Plain).with(Reward::code_tests(1.0, tests));
+    let s = rubric
+        .score_group(
+            &row(None, json!({"tests": ["assert True"]})),
+            &[rollout("x = 1")],
+        )
+        .await;
+    assert_eq!(s[0].reward, 0.0);
+}
