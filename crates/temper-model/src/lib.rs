@@ -8,6 +8,10 @@
 //!   ([`Model::score`]: per-token logprobs and entropy of target tokens),
 //!   prefill and KV-cached decode ([`Sampler`]) all go through it, and it is
 //!   built from differentiable candle primitives only.
+//! - [`Model::forward_decode`] is the server's batched decode step (one token
+//!   per sequence, attention batched over padded caches); inference only, it
+//!   equals `forward_hidden`'s decode to float rounding, and logprobs are
+//!   still reported by [`Model::score`].
 //! - [`LoraAdapter`] holds trainable low-rank updates for a frozen base and
 //!   saves/loads the PEFT layout; [`Model::make_trainable`] switches to
 //!   full-parameter training instead.
@@ -41,6 +45,7 @@ mod rope;
 pub mod sampling;
 pub mod scoring;
 mod tokenizer;
+mod top_logprobs;
 mod weights;
 
 pub use chat::ChatTemplate;
@@ -53,6 +58,7 @@ pub use rope::{inv_freq, Rope};
 pub use sampling::{Completion, FinishReason, GenerationRequest, Sampler, SamplingParams};
 pub use scoring::{ScoreInput, TokenScores};
 pub use tokenizer::{load_chat_template, Tokenizer};
+pub use top_logprobs::TopLogprobs;
 pub use weights::Checkpoint;
 
 /// Re-exported so callers can name devices, dtypes and tensors.

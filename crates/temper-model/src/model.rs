@@ -586,6 +586,109 @@ impl Model {
     }
 }
 
+impl Model {
+    /// Batched decode for serving: one new token per sequence (`ids[i]`
+    /// continues `caches[i]`), appended to each cache; returns the final-norm
+    /// hidden states `[ids.len(), hidden]`. Linear layers *and attention* run
+    /// over all sequences at once — attention on the caches padded to the
+    /// longest and masked — instead of one attention per sequence as in
+    /// [`Model::forward_hidden`], whose decode results these equal to float
+    /// rounding. Inference only (no autograd use intended); reported logprobs
+    /// still come from [`Model::score`].
+    pub fn forward_decode(
+        &self,
+        ids: &[u32],
+        caches: &mut [&mut KvCache],
+        lora: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        let b = ids.len();
+        if b == 0 || caches.len() != b {
+            return Err(ModelError::InvalidInput(format!(
+                "batched decode: {b} ids for {} caches",
+                caches.len()
+            )));
+        }
+        self.check_ids(ids)?;
+        let max_pos = self.cfg.max_position_embeddings;
+        if let Some(c) = caches.iter().find(|c| c.len >= max_pos) {
+            return Err(ModelError::InvalidInput(format!(
+                "sequence of {} tokens exceeds the model's context length {max_pos}",
+                c.len + 1
+            )));
+        }
+        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        let groups = nh / nkv;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let eps = self.cfg.rms_norm_eps;
+        let positions: Vec<u32> = caches.iter().map(|c| c.len as u32).collect();
+        let pos = Tensor::new(positions.as_slice(), &self.device)?;
+        let kv_len: Vec<usize> = caches.iter().map(|c| c.len + 1).collect();
+        let lmax = kv_len.iter().copied().max().unwrap_or(1);
+        let mask: Vec<f32> = kv_len
+            .iter()
+            .flat_map(|&l| (0..lmax).map(move |j| if j < l { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (b, 1, 1, lmax), &self.device)?.to_dtype(self.dtype)?;
+        let idx = Tensor::new(ids, &self.device)?;
+        let mut x = self.embed.index_select(&idx, 0)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let at = &layer.attn;
+            let h = rms_norm(&x, &layer.input_norm, eps)?;
+            let mut q =
+                at.q.forward(&h, Self::lora_of(lora, li, Target::Q))?
+                    .reshape((b, nh, hd))?;
+            let mut k =
+                at.k.forward(&h, Self::lora_of(lora, li, Target::K))?
+                    .reshape((b, nkv, hd))?;
+            let v =
+                at.v.forward(&h, Self::lora_of(lora, li, Target::V))?
+                    .reshape((b, nkv, hd))?;
+            if let (Some(qn), Some(kn)) = (&at.q_norm, &at.k_norm) {
+                q = rms_norm(&q, qn, eps)?;
+                k = rms_norm(&k, kn, eps)?;
+            }
+            let q = self.rope.apply_rows(&q.contiguous()?, &pos)?;
+            let k = self.rope.apply_rows(&k.contiguous()?, &pos)?;
+            let mut ks = Vec::with_capacity(b);
+            let mut vs = Vec::with_capacity(b);
+            for (i, c) in caches.iter_mut().enumerate() {
+                let ki = k.get(i)?.unsqueeze(1)?.contiguous()?;
+                let vi = v.get(i)?.unsqueeze(1)?.contiguous()?;
+                let (kc, vc) = match &c.layers[li] {
+                    Some((pk, pv)) => (Tensor::cat(&[pk, &ki], 1)?, Tensor::cat(&[pv, &vi], 1)?),
+                    None => (ki, vi),
+                };
+                c.layers[li] = Some((kc.clone(), vc.clone()));
+                let pad = lmax - kv_len[i];
+                if pad > 0 {
+                    ks.push(kc.pad_with_zeros(1, 0, pad)?);
+                    vs.push(vc.pad_with_zeros(1, 0, pad)?);
+                } else {
+                    ks.push(kc);
+                    vs.push(vc);
+                }
+            }
+            let kb = Tensor::stack(&ks, 0)?; // [b, nkv, lmax, hd]
+            let vb = Tensor::stack(&vs, 0)?;
+            // Query head h uses kv head h / groups, as in `attention`.
+            let qg = q.reshape((b, nkv, groups, hd))?;
+            let scores = qg
+                .matmul(&kb.transpose(2, 3)?)?
+                .affine(scale, 0.0)?
+                .broadcast_add(&mask)?;
+            let probs = softmax_last(&scores)?;
+            let o = probs.matmul(&vb)?.reshape((b, nh * hd))?;
+            x = (x + at.o.forward(&o, Self::lora_of(lora, li, Target::O))?)?;
+            let h = rms_norm(&x, &layer.post_norm, eps)?;
+            x = (x + self.mlp(li, &layer.mlp, &h, lora)?)?;
+        }
+        for c in caches.iter_mut() {
+            c.len += 1;
+        }
+        rms_norm(&x, &self.norm, eps)
+    }
+}
+
 /// `[len, pos+len]` additive mask: query i (at position pos+i) sees keys 0..=pos+i.
 fn causal_mask(len: usize, pos: usize, device: &Device, dtype: DType) -> Result<Tensor> {
     let kv = pos + len;

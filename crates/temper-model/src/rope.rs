@@ -92,4 +92,17 @@ impl Rope {
         let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
         Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
     }
+
+    /// Rotate `x` of shape `[rows, heads, head_dim]` whose row `i` holds
+    /// position `positions[i]` (u32 `[rows]`, each below the context length):
+    /// batched decode, one token per sequence. Same formula as [`Rope::apply`].
+    pub fn apply_rows(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        let (_, _, hd) = x.dims3()?;
+        let cos = self.cos.index_select(positions, 0)?.unsqueeze(1)?;
+        let sin = self.sin.index_select(positions, 0)?.unsqueeze(1)?;
+        let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
+        let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
+    }
 }

@@ -21,6 +21,9 @@ pub enum BenchCommand {
     /// forward_backward + optim_step steps/s in process vs through the
     /// training API (HTTP on loopback): the API's overhead.
     Api(crate::bench_api::ApiBenchArgs),
+    /// Generated tokens/s of `temper serve` at several concurrencies vs HF
+    /// transformers `generate` on the same model and work.
+    Serve(crate::bench_serve::ServeBenchArgs),
 }
 
 /// Arguments of `temper bench model`.
@@ -51,6 +54,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Model(a) => model(a),
         BenchCommand::Api(a) => crate::bench_api::run(a),
+        BenchCommand::Serve(a) => crate::bench_serve::run(a),
     }
 }
 

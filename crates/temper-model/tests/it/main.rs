@@ -1,7 +1,9 @@
 //! Integration tests of temper-model, one module per topic.
 
 mod common;
+mod decode;
 mod golden;
 mod loading;
 mod sampling;
+mod top_logprobs;
 mod training;

@@ -1,0 +1,704 @@
+//! Continuous batching: one engine thread owns the model's compute and runs
+//! a loop of steps. Each step
+//!
+//! 1. takes new jobs off the queue (FIFO) while they fit — at most
+//!    `max_running` sequences, and the KV-cache tokens in use plus the new
+//!    prompts within a budget — and prefills them in one packed forward per
+//!    adapter; the `n` samples of a prompt share that prefill (their caches
+//!    start as clones);
+//! 2. samples the next token of every running sequence, streams text deltas
+//!    and retires finished sequences, whose slots the next step reuses;
+//! 3. if the caches would outgrow the budget, evicts the most recently
+//!    admitted sequences (vLLM's recompute preemption): they keep their
+//!    tokens and random state and resume, before any new job, by prefilling
+//!    prompt + tokens again;
+//! 4. runs one batched decode forward per adapter
+//!    ([`temper_model::Model::forward_decode`]: linear layers and attention
+//!    over all sequences at once) on the last token of every surviving
+//!    sequence.
+//!
+//! So requests join and leave the batch at every step. A job whose client
+//! went away (its event receiver dropped) is retired at the next step.
+//! Sampling is [`sample_token`] with a ChaCha8 stream per sample, seeded as
+//! [`temper_model::Sampler`] seeds it: same seed, same prompt, same weights ⇒
+//! same tokens, whatever else is running. Logprobs are not computed here:
+//! callers score finished sequences with [`temper_model::Model::score_with_top`], the
+//! trainer's own forward, so reported logprobs match training bit for bit.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use temper_model::candle_core::{DType, Tensor};
+use temper_model::sampling::sample_token;
+use temper_model::{FinishReason, KvCache, LoraAdapter, Pretrained, SamplingParams, Segment};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::metrics::Metrics;
+
+/// A LoRA adapter as served: a name, the version (1 for the first load of
+/// that name, +1 per reload) and the weights (an inference view).
+#[derive(Debug)]
+pub struct LoadedAdapter {
+    /// Name clients put in `model`.
+    pub name: String,
+    /// Load count of this name.
+    pub version: u64,
+    /// The weights.
+    pub lora: LoraAdapter,
+}
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Most sequences decoded at once.
+    pub max_running: usize,
+    /// KV-cache tokens that running sequences may reserve in total.
+    pub kv_budget_tokens: usize,
+    /// Most requests waiting for admission; more are refused (503).
+    pub max_queue: usize,
+    /// Longest sequence (prompt + completion) in tokens.
+    pub max_model_len: usize,
+    /// Prompt tokens prefilled per step (at least one job is always admitted).
+    pub max_prefill_tokens: usize,
+}
+
+/// A prompt to continue `n` times.
+pub struct Job {
+    /// Prompt token ids (non-empty, checked by the caller).
+    pub prompt: Vec<u32>,
+    /// Number of samples.
+    pub n: usize,
+    /// Events of sample `j` carry index `first_index + j` (several jobs
+    /// may share one event channel).
+    pub first_index: usize,
+    /// How to sample; `logprobs` is ignored (callers score).
+    pub params: SamplingParams,
+    /// `None`: the base model.
+    pub adapter: Option<Arc<LoadedAdapter>>,
+    /// Send [`Event::Delta`]s as text is generated.
+    pub stream: bool,
+    /// Where events go; dropping the receiver cancels the job.
+    pub events: UnboundedSender<Event>,
+}
+
+/// What a job hears back.
+#[derive(Debug)]
+pub enum Event {
+    /// New text of sample `index` (streaming jobs only). Text that could be
+    /// the start of a stop string, or an incomplete UTF-8 character, is held
+    /// back until it is resolved.
+    Delta {
+        /// Sample index in `0..n`.
+        index: usize,
+        /// Text to append.
+        text: String,
+    },
+    /// Sample `index` is finished.
+    Done(Finished),
+    /// The job failed (an internal error; already logged).
+    Failed(String),
+}
+
+/// A finished sample.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// Sample index in `0..n`.
+    pub index: usize,
+    /// Generated token ids (a final stop token included).
+    pub tokens: Vec<u32>,
+    /// Text without special tokens, cut before a matched stop string, without
+    /// a final stop token.
+    pub text: String,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+}
+
+/// Why a job was not queued.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// The queue is full.
+    #[error("the server is overloaded: {waiting} requests are waiting (limit {max}); retry later")]
+    Overloaded {
+        /// Requests waiting.
+        waiting: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The job could never fit the KV-cache budget.
+    #[error("the request needs {need} KV-cache tokens ({n} × (prompt {prompt} + max_tokens {max_tokens})), more than the server's budget of {budget}; lower n or max_tokens")]
+    TooLarge {
+        /// Tokens it would reserve.
+        need: usize,
+        /// Samples.
+        n: usize,
+        /// Prompt tokens.
+        prompt: usize,
+        /// Completion tokens.
+        max_tokens: usize,
+        /// The budget.
+        budget: usize,
+    },
+    /// The engine thread is gone.
+    #[error("the inference engine stopped")]
+    Stopped,
+}
+
+/// Handle to the engine thread; dropping every handle stops it.
+pub struct Scheduler {
+    tx: mpsc::Sender<Job>,
+    waiting: Arc<AtomicUsize>,
+    cfg: SchedulerConfig,
+    metrics: Arc<Metrics>,
+}
+
+impl Scheduler {
+    /// Start the engine thread over `model`.
+    pub fn start(model: Arc<Pretrained>, cfg: SchedulerConfig, metrics: Arc<Metrics>) -> Self {
+        let (tx, rx) = mpsc::channel();
+        let waiting = Arc::new(AtomicUsize::new(0));
+        metrics
+            .kv_budget
+            .store(cfg.kv_budget_tokens as u64, Ordering::Relaxed);
+        let engine = Engine {
+            model,
+            cfg: cfg.clone(),
+            rx,
+            waiting_count: waiting.clone(),
+            metrics: metrics.clone(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            preempted: VecDeque::new(),
+        };
+        let spawned = std::thread::Builder::new()
+            .name("temper-engine".into())
+            .spawn(move || engine.run());
+        if let Err(e) = spawned {
+            // The sender's receiver is gone with the closure: submits fail
+            // with `Stopped` instead of hanging.
+            tracing::error!("cannot start the engine thread: {e}");
+        }
+        Self {
+            tx,
+            waiting,
+            cfg,
+            metrics,
+        }
+    }
+
+    /// The limits.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// KV-cache tokens a job needs at most (all samples at full length).
+    pub fn reservation(&self, prompt: usize, max_tokens: usize, n: usize) -> usize {
+        n * (prompt + max_tokens).min(self.cfg.max_model_len)
+    }
+
+    /// Queue a job, or refuse it at once.
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        let need = self.reservation(job.prompt.len(), job.params.max_tokens, job.n);
+        if need > self.cfg.kv_budget_tokens {
+            return Err(SubmitError::TooLarge {
+                need,
+                n: job.n,
+                prompt: job.prompt.len(),
+                max_tokens: job.params.max_tokens,
+                budget: self.cfg.kv_budget_tokens,
+            });
+        }
+        let waiting = self.waiting.fetch_add(1, Ordering::SeqCst);
+        if waiting >= self.cfg.max_queue {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            self.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+            return Err(SubmitError::Overloaded {
+                waiting,
+                max: self.cfg.max_queue,
+            });
+        }
+        self.metrics
+            .waiting
+            .store((waiting + 1) as u64, Ordering::Relaxed);
+        self.tx.send(job).map_err(|_| {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            SubmitError::Stopped
+        })
+    }
+}
+
+struct JobCtx {
+    first_index: usize,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    adapter: Option<Arc<LoadedAdapter>>,
+    stream: bool,
+    events: UnboundedSender<Event>,
+}
+
+impl Job {
+    fn adapter_key(&self) -> usize {
+        self.adapter.as_ref().map_or(0, |a| Arc::as_ptr(a) as usize)
+    }
+}
+
+/// The distinct values of `keys`, in first-seen order.
+fn distinct(keys: impl Iterator<Item = usize>) -> Vec<usize> {
+    let mut out: Vec<usize> = Vec::new();
+    for k in keys {
+        if !out.contains(&k) {
+            out.push(k);
+        }
+    }
+    out
+}
+
+impl JobCtx {
+    fn adapter_key(&self) -> usize {
+        self.adapter.as_ref().map_or(0, |a| Arc::as_ptr(a) as usize)
+    }
+}
+
+struct Seq {
+    job: Arc<JobCtx>,
+    index: usize,
+    cache: KvCache,
+    logits: Vec<f32>,
+    tokens: Vec<u32>,
+    rng: ChaCha8Rng,
+    sent: String,
+}
+
+struct Engine {
+    model: Arc<Pretrained>,
+    cfg: SchedulerConfig,
+    rx: mpsc::Receiver<Job>,
+    waiting_count: Arc<AtomicUsize>,
+    metrics: Arc<Metrics>,
+    waiting: VecDeque<Job>,
+    running: Vec<Seq>,
+    /// Evicted sequences waiting to resume (before any new job).
+    preempted: VecDeque<Seq>,
+}
+
+impl Engine {
+    fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() && self.preempted.is_empty() {
+                match self.rx.recv() {
+                    Ok(j) => self.waiting.push_back(j),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(j) = self.rx.try_recv() {
+                self.waiting.push_back(j);
+            }
+            self.drop_cancelled_waiting();
+            self.admit();
+            self.sample_all();
+            self.preempt();
+            self.decode();
+            self.publish();
+        }
+    }
+
+    fn dequeued(&self, k: usize) {
+        let left = self.waiting_count.fetch_sub(k, Ordering::SeqCst) - k;
+        self.metrics.waiting.store(left as u64, Ordering::Relaxed);
+    }
+
+    /// KV-cache tokens held by running sequences.
+    fn kv_used(&self) -> usize {
+        self.running.iter().map(|s| s.cache.len()).sum()
+    }
+
+    fn publish(&self) {
+        self.metrics
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        self.metrics
+            .kv_used
+            .store(self.kv_used() as u64, Ordering::Relaxed);
+    }
+
+    fn drop_cancelled_waiting(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|j| !j.events.is_closed());
+        let gone = before - self.waiting.len();
+        if gone > 0 {
+            self.dequeued(gone);
+        }
+        self.preempted.retain(|s| !s.job.events.is_closed());
+    }
+
+    /// Resume preempted sequences, then admit waiting jobs in order, while
+    /// they fit: at most `max_running` sequences, and KV-cache tokens in use
+    /// plus the new prompts plus one token of growth per sequence within the
+    /// budget. Each group is prefilled in one packed forward per adapter.
+    fn admit(&mut self) {
+        let budget = self.cfg.kv_budget_tokens;
+        let mut used = self.kv_used();
+        let mut seqs = self.running.len();
+        let mut prefill = 0;
+        let mut resumed = Vec::new();
+        while let Some(s) = self.preempted.front() {
+            let len = s.job.prompt.len() + s.tokens.len();
+            let fits = seqs < self.cfg.max_running && used + len + seqs < budget;
+            let alone = seqs == 0;
+            if !(alone || (fits && prefill + len <= self.cfg.max_prefill_tokens)) {
+                break;
+            }
+            let Some(s) = self.preempted.pop_front() else {
+                break;
+            };
+            used += len;
+            seqs += 1;
+            prefill += len;
+            resumed.push(s);
+        }
+        let mut admitted = Vec::new();
+        if self.preempted.is_empty() {
+            while let Some(job) = self.waiting.front() {
+                let need = job.prompt.len() * job.n;
+                let fits = seqs + job.n <= self.cfg.max_running
+                    && used + need + seqs + job.n <= budget
+                    && (prefill == 0 || prefill + job.prompt.len() <= self.cfg.max_prefill_tokens);
+                if !(seqs == 0 || fits) {
+                    break;
+                }
+                let Some(job) = self.waiting.pop_front() else {
+                    break;
+                };
+                used += need;
+                seqs += job.n;
+                prefill += job.prompt.len();
+                self.metrics
+                    .prompt_tokens
+                    .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+                admitted.push(job);
+            }
+        }
+        if !admitted.is_empty() {
+            self.dequeued(admitted.len());
+        }
+        // Resumed sequences: re-prefill prompt + tokens so far; the logits of
+        // the last row are the ones the skipped decode step would have made.
+        let mut resumed: Vec<Option<Seq>> = resumed.into_iter().map(Some).collect();
+        for key in distinct(resumed.iter().flatten().map(|s| s.job.adapter_key())) {
+            let mut group: Vec<Seq> = resumed
+                .iter_mut()
+                .filter(|s| s.as_ref().is_some_and(|s| s.job.adapter_key() == key))
+                .filter_map(Option::take)
+                .collect();
+            let inputs: Vec<Vec<u32>> = group
+                .iter()
+                .map(|s| s.job.prompt.iter().chain(&s.tokens).copied().collect())
+                .collect();
+            let lora = group.first().and_then(|s| s.job.adapter.clone());
+            match self.prefill(&inputs, lora.as_ref().map(|a| &a.lora)) {
+                Ok((caches, logits)) => {
+                    for ((mut s, cache), row) in group.drain(..).zip(caches).zip(logits) {
+                        s.cache = cache;
+                        s.logits = row;
+                        self.running.push(s);
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("resume prefill failed: {e}");
+                    for s in group {
+                        let _ = s
+                            .job
+                            .events
+                            .send(Event::Failed(format!("prefill failed: {e}")));
+                    }
+                }
+            }
+        }
+        let mut admitted: Vec<Option<Job>> = admitted.into_iter().map(Some).collect();
+        for key in distinct(admitted.iter().flatten().map(Job::adapter_key)) {
+            let group: Vec<Job> = admitted
+                .iter_mut()
+                .filter(|j| j.as_ref().is_some_and(|j| j.adapter_key() == key))
+                .filter_map(Option::take)
+                .collect();
+            let inputs: Vec<Vec<u32>> = group.iter().map(|j| j.prompt.clone()).collect();
+            let lora = group.first().and_then(|j| j.adapter.clone());
+            match self.prefill(&inputs, lora.as_ref().map(|a| &a.lora)) {
+                Ok((caches, logits)) => {
+                    for ((job, cache), row) in group.into_iter().zip(caches).zip(logits) {
+                        self.start_job(job, cache, row);
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("prefill failed: {e}");
+                    for job in group {
+                        let _ = job
+                            .events
+                            .send(Event::Failed(format!("prefill failed: {e}")));
+                    }
+                }
+            }
+        }
+    }
+
+    /// When the next decode step would take the KV cache past the budget,
+    /// evict the most recently admitted sequences (their caches are dropped;
+    /// they resume by recomputation, first in line). One sequence always
+    /// stays: a job is only accepted if it fits the budget on its own.
+    fn preempt(&mut self) {
+        let budget = self.cfg.kv_budget_tokens;
+        let mut need = self.kv_used() + self.running.len();
+        while need > budget && self.running.len() > 1 {
+            let Some(mut s) = self.running.pop() else {
+                break;
+            };
+            need -= s.cache.len() + 1;
+            s.cache = KvCache::new(self.model.model.config().num_layers);
+            self.preempted.push_front(s);
+            self.metrics.preemptions.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// One packed forward over `inputs` (each a whole sequence): their caches
+    /// and the logits after each one's last token.
+    fn prefill(
+        &self,
+        inputs: &[Vec<u32>],
+        lora: Option<&LoraAdapter>,
+    ) -> temper_model::Result<(Vec<KvCache>, Vec<Vec<f32>>)> {
+        let model = &self.model.model;
+        let mut caches: Vec<KvCache> = inputs
+            .iter()
+            .map(|_| KvCache::new(model.config().num_layers))
+            .collect();
+        let ids: Vec<u32> = inputs.iter().flatten().copied().collect();
+        let mut end = 0;
+        let last_rows: Vec<u32> = inputs
+            .iter()
+            .map(|i| {
+                end += i.len();
+                (end - 1) as u32
+            })
+            .collect();
+        let mut segs: Vec<Segment<'_>> = inputs
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(i, c)| Segment {
+                len: i.len(),
+                cache: Some(c),
+            })
+            .collect();
+        let hidden = model.forward_hidden(&ids, &mut segs, lora)?;
+        drop(segs);
+        let rows = hidden.index_select(&Tensor::new(last_rows.as_slice(), model.device())?, 0)?;
+        let logits = model
+            .logits(&rows)?
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?;
+        Ok((caches, logits))
+    }
+
+    fn start_job(&mut self, job: Job, cache: KvCache, logits: Vec<f32>) {
+        let seed = job.params.seed.unwrap_or_else(|| rand::rng().random());
+        let ctx = Arc::new(JobCtx {
+            first_index: job.first_index,
+            prompt: job.prompt,
+            params: job.params,
+            adapter: job.adapter,
+            stream: job.stream,
+            events: job.events,
+        });
+        for index in 0..job.n {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            rng.set_stream(index as u64);
+            self.running.push(Seq {
+                job: ctx.clone(),
+                index,
+                cache: cache.clone(),
+                logits: logits.clone(),
+                tokens: Vec::new(),
+                rng,
+                sent: String::new(),
+            });
+        }
+    }
+
+    /// Draw the next token of every running sequence; retire the finished
+    /// and the cancelled.
+    fn sample_all(&mut self) {
+        let eos = self.model.generation.eos_token_ids.clone();
+        let mut keep = Vec::with_capacity(self.running.len());
+        let running = std::mem::take(&mut self.running);
+        let mut generated = 0u64;
+        for mut seq in running {
+            if seq.job.events.is_closed() {
+                continue;
+            }
+            generated += 1;
+            match self.sample_one(&mut seq, &eos) {
+                Ok(None) => keep.push(seq),
+                Ok(Some(done)) => {
+                    let _ = seq.job.events.send(Event::Done(done));
+                }
+                Err(e) => {
+                    tracing::error!("sampling failed: {e}");
+                    let _ = seq.job.events.send(Event::Failed(format!("{e}")));
+                }
+            }
+        }
+        self.metrics
+            .generation_tokens
+            .fetch_add(generated, Ordering::Relaxed);
+        self.running = keep;
+    }
+
+    fn sample_one(&self, seq: &mut Seq, eos: &[u32]) -> temper_model::Result<Option<Finished>> {
+        let tok_ = &self.model.tokenizer;
+        let p = &seq.job.params;
+        let tok = sample_token(&seq.logits, p, &mut seq.rng);
+        seq.tokens.push(tok);
+        let mut finish = None;
+        let mut stop_text = None;
+        if (!p.ignore_eos && eos.contains(&tok)) || p.stop_token_ids.contains(&tok) {
+            finish = Some(FinishReason::Stop);
+        } else if !p.stop.is_empty() || seq.job.stream {
+            let text = tok_.decode(&seq.tokens, true)?;
+            if let Some(cut) = p.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+                stop_text = Some(text[..cut].to_string());
+                finish = Some(FinishReason::Stop);
+            } else if seq.job.stream {
+                let end = streamable_len(&text, &p.stop);
+                if end > seq.sent.len() && text.starts_with(seq.sent.as_str()) {
+                    let delta = text[seq.sent.len()..end].to_string();
+                    seq.sent.push_str(&delta);
+                    let _ = seq.job.events.send(Event::Delta {
+                        index: seq.job.first_index + seq.index,
+                        text: delta,
+                    });
+                }
+            }
+        }
+        if finish.is_none()
+            && (seq.tokens.len() >= p.max_tokens || seq.cache.len() + 1 >= self.cfg.max_model_len)
+        {
+            finish = Some(FinishReason::Length);
+        }
+        let Some(finish_reason) = finish else {
+            return Ok(None);
+        };
+        let text = match stop_text {
+            Some(t) => t,
+            None => {
+                let visible = match finish_reason {
+                    FinishReason::Stop => &seq.tokens[..seq.tokens.len() - 1],
+                    FinishReason::Length => &seq.tokens[..],
+                };
+                tok_.decode(visible, true)?
+            }
+        };
+        Ok(Some(Finished {
+            index: seq.job.first_index + seq.index,
+            tokens: std::mem::take(&mut seq.tokens),
+            text,
+            finish_reason,
+        }))
+    }
+
+    /// One packed decode forward per adapter over every running sequence.
+    fn decode(&mut self) {
+        if self.running.is_empty() {
+            return;
+        }
+        self.metrics.batch_size.observe(self.running.len() as f64);
+        let mut keys: Vec<usize> = Vec::new();
+        for s in &self.running {
+            let k = s.job.adapter_key();
+            if !keys.contains(&k) {
+                keys.push(k);
+            }
+        }
+        let model = self.model.clone();
+        let mut failed: Vec<(usize, String)> = Vec::new();
+        for key in keys {
+            let mut group: Vec<&mut Seq> = self
+                .running
+                .iter_mut()
+                .filter(|s| s.job.adapter_key() == key)
+                .collect();
+            let adapter = group.first().and_then(|s| s.job.adapter.clone());
+            let lora = adapter.as_ref().map(|a| &a.lora);
+            let ids: Vec<u32> = group
+                .iter()
+                .map(|s| s.tokens.last().copied().unwrap_or(0))
+                .collect();
+            let result = (|| -> temper_model::Result<Vec<Vec<f32>>> {
+                let mut caches: Vec<&mut KvCache> =
+                    group.iter_mut().map(|s| &mut s.cache).collect();
+                let hidden = model.model.forward_decode(&ids, &mut caches, lora)?;
+                Ok(model
+                    .model
+                    .logits(&hidden)?
+                    .to_dtype(DType::F32)?
+                    .to_vec2::<f32>()?)
+            })();
+            match result {
+                Ok(rows) => {
+                    for (s, row) in group.into_iter().zip(rows) {
+                        s.logits = row;
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("decode step failed: {e}");
+                    failed.push((key, e.to_string()));
+                }
+            }
+        }
+        for (key, msg) in failed {
+            let mut keep = Vec::with_capacity(self.running.len());
+            for s in std::mem::take(&mut self.running) {
+                if s.job.adapter_key() == key {
+                    let _ = s.job.events.send(Event::Failed(msg.clone()));
+                } else {
+                    keep.push(s);
+                }
+            }
+            self.running = keep;
+        }
+    }
+}
+
+/// How much of `text` may be streamed now: all of it, less a trailing
+/// replacement character (an incomplete UTF-8 sequence that the next token
+/// may complete) and less the longest suffix that starts a stop string.
+pub fn streamable_len(text: &str, stops: &[String]) -> usize {
+    let mut end = text.len();
+    if text.ends_with('\u{FFFD}') {
+        end -= '\u{FFFD}'.len_utf8();
+    }
+    let head = &text[..end];
+    let mut hold = 0;
+    for s in stops {
+        for (i, _) in s.char_indices().skip(1) {
+            if i > hold && head.ends_with(&s[..i]) {
+                hold = i;
+            }
+        }
+    }
+    end - hold
+}
+
+#[cfg(test)]
+mod tests {
+    use super::streamable_len;
+
+    #[test]
+    fn stream_holds_back_possible_stop_prefixes() {
+        let stops = vec!["</end>".to_string()];
+        assert_eq!(streamable_len("hello </e", &stops), 6);
+        assert_eq!(streamable_len("hello", &stops), 5);
+        assert_eq!(streamable_len("ab\u{FFFD}", &[]), 2);
+    }
+}

@@ -1,0 +1,889 @@
+//! The OpenAI-compatible server driven in process with `oneshot` (no
+//! network). The official-`openai`-client test is
+//! `tests/python/test_openai_server.py`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use temper_model::candle_core::{Device, Tensor};
+use temper_model::{LoadOptions, LoraAdapter, Pretrained};
+use temper_server::openai::{app, OpenAiState, ServeConfig};
+use tower::ServiceExt;
+
+const MODEL: &str = "tiny";
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
+}
+
+fn adapter_dir() -> PathBuf {
+    fixtures().join("adapters/tiny-qwen3-lora")
+}
+
+fn load() -> Arc<Pretrained> {
+    Arc::new(
+        Pretrained::load(
+            &fixtures().join("models/tiny-qwen3"),
+            &LoadOptions::default(),
+        )
+        .expect("fixture model"),
+    )
+}
+
+fn server_with(model: Arc<Pretrained>, edit: impl FnOnce(&mut ServeConfig)) -> OpenAiState {
+    let mut cfg = ServeConfig::defaults(MODEL, &model);
+    cfg.scheduler.max_model_len = 512;
+    edit(&mut cfg);
+    OpenAiState::new(model, cfg)
+}
+
+fn server() -> (Arc<Pretrained>, OpenAiState) {
+    let m = load();
+    (m.clone(), server_with(m, |_| {}))
+}
+
+async fn send(router: &Router, req: Request<Body>) -> (StatusCode, Vec<u8>) {
+    let resp = router.clone().oneshot(req).await.expect("response");
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, bytes.to_vec())
+}
+
+async fn post(router: &Router, path: &str, body: Value) -> (StatusCode, Value) {
+    let req = Request::post(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let (status, bytes) = send(router, req).await;
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+async fn get_text(router: &Router, path: &str) -> String {
+    let (_, bytes) = send(router, Request::get(path).body(Body::empty()).expect("req")).await;
+    String::from_utf8(bytes).expect("utf8")
+}
+
+fn f32s(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_f64().expect("number") as f32)
+        .collect()
+}
+
+fn u32s(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("int") as u32)
+        .collect()
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// A second adapter: the fixture's tensors scaled, written in the PEFT layout.
+fn scaled_adapter(dir: &Path, factor: f64) {
+    std::fs::create_dir_all(dir).expect("dir");
+    std::fs::copy(
+        adapter_dir().join("adapter_config.json"),
+        dir.join("adapter_config.json"),
+    )
+    .expect("config");
+    let ts = temper_model::candle_core::safetensors::load(
+        adapter_dir().join("adapter_model.safetensors"),
+        &Device::Cpu,
+    )
+    .expect("tensors");
+    let scaled: HashMap<String, Tensor> = ts
+        .into_iter()
+        .map(|(k, t)| (k, t.affine(factor, 0.0).expect("scale")))
+        .collect();
+    temper_model::candle_core::safetensors::save(&scaled, dir.join("adapter_model.safetensors"))
+        .expect("save");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chat_completion_answers_in_openai_shape() {
+    let (_, s) = server();
+    let r = app(s);
+    let (status, v) = post(
+        &r,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+               "max_tokens": 8, "temperature": 0.7, "seed": 1, "n": 2}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], MODEL);
+    assert_eq!(v["version"], 0);
+    assert_eq!(v["system_fingerprint"], "tiny@v0");
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 2);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["message"]["role"], "assistant");
+        assert!(c["message"]["content"].is_string());
+        assert!(["stop", "length"].contains(&c["finish_reason"].as_str().expect("reason")));
+        assert!(c["logprobs"].is_null());
+    }
+    let u = &v["usage"];
+    assert!(u["prompt_tokens"].as_u64().expect("p") > 0);
+    assert_eq!(
+        u["total_tokens"].as_u64(),
+        Some(u["prompt_tokens"].as_u64().expect("p") + u["completion_tokens"].as_u64().expect("c"))
+    );
+    let (status, models) = post(&r, "/v1/models", json!({})).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{models}");
+    let models: Value =
+        serde_json::from_str(&get_text(&r, "/v1/models").await).expect("models json");
+    assert_eq!(models["data"][0]["id"], MODEL);
+    assert_eq!(get_text(&r, "/health").await, "{\"status\":\"ok\"}");
+}
+
+/// The zero-mismatch property end to end: logprobs over HTTP equal the
+/// training forward's (`Model::score`) for the same tokens, bit for bit —
+/// for the base model and an adapter, at two temperatures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_logprobs_equal_training_score() {
+    let (m, s) = server();
+    s.load_adapter("pol", &adapter_dir()).expect("adapter");
+    let lora = LoraAdapter::load_peft(&adapter_dir(), &m.config, m.model.dtype(), m.model.device())
+        .expect("adapter");
+    let r = app(s);
+    let prompt: Vec<u32> = vec![5, 17, 300, 42, 7, 99];
+    for (model, temperature, l) in [(MODEL, 1.0, None), ("pol", 0.7, Some(&lora))] {
+        let (status, v) = post(
+            &r,
+            "/v1/generate",
+            json!({"model": model, "prompt_token_ids": prompt, "n": 3, "max_tokens": 12,
+                   "temperature": temperature, "seed": 7}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        assert_eq!(v["version"], if l.is_some() { 1 } else { 0 });
+        for c in v["choices"].as_array().expect("choices") {
+            let toks = u32s(&c["token_ids"]);
+            let got = f32s(&c["logprobs"]);
+            assert_eq!(got.len(), toks.len());
+            let full: Vec<u32> = prompt.iter().chain(&toks).copied().collect();
+            let want: Vec<f32> = m
+                .model
+                .score(&full[..full.len() - 1], &full[1..], l, temperature)
+                .expect("score")
+                .logprobs
+                .to_vec1()
+                .expect("vec");
+            let want = &want[want.len() - toks.len()..];
+            for (a, b) in got.iter().zip(want) {
+                assert_eq!(a.to_bits(), b.to_bits(), "{model}: {got:?} vs {want:?}");
+            }
+        }
+    }
+    // Chat logprobs come from the same computation.
+    let (status, v) = post(
+        &r,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}],
+               "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 3}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("content");
+    assert!(!content.is_empty());
+    for e in content {
+        let top = e["top_logprobs"].as_array().expect("top");
+        assert_eq!(top.len(), 3);
+        // Greedy picks the most likely token: it heads the list.
+        assert_eq!(top[0]["token"], e["token"]);
+        assert_eq!(top[0]["logprob"], e["logprob"]);
+    }
+}
+
+/// 64 concurrent clients × 3 requests each, against the same requests sent
+/// one by one: every request answered, identical outputs (seeded sampling is
+/// independent of what else is in the batch), and the decode batch really
+/// held several sequences at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn concurrent_clients_match_one_by_one() {
+    let (_, s) = server();
+    let r = app(s);
+    let request = |client: usize, k: usize| -> (&'static str, Value) {
+        let seed = (client * 10 + k) as u64;
+        let prompt: Vec<u32> = (0..(3 + client % 7) as u32)
+            .map(|i| (i * 31 + client as u32 * 7) % 990)
+            .collect();
+        match k {
+            0 => (
+                "/v1/generate",
+                json!({"model": MODEL, "prompt_token_ids": prompt, "max_tokens": 10 + client % 9,
+                       "temperature": 1.0, "seed": seed, "n": 1 + client % 3}),
+            ),
+            1 => (
+                "/v1/completions",
+                json!({"model": MODEL, "prompt": format!("client {client} says"), "max_tokens": 12,
+                       "temperature": 0.9, "top_p": 0.95, "seed": seed}),
+            ),
+            _ => (
+                "/v1/chat/completions",
+                json!({"model": MODEL, "messages": [{"role": "user", "content": format!("question {client}")}],
+                       "max_tokens": 8 + client % 5, "temperature": 1.0, "top_k": 50, "seed": seed}),
+            ),
+        }
+    };
+    let strip = |v: &Value| -> Value {
+        v["choices"]
+            .as_array()
+            .expect("choices")
+            .iter()
+            .map(|c| {
+                json!([
+                    c.get("token_ids"),
+                    c.get("text"),
+                    c.pointer("/message/content"),
+                    c["finish_reason"]
+                ])
+            })
+            .collect()
+    };
+    let mut sequential = Vec::new();
+    for client in 0..64 {
+        for k in 0..3 {
+            let (path, body) = request(client, k);
+            let (status, v) = post(&r, path, body).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+            sequential.push(strip(&v));
+        }
+    }
+    let mut tasks = Vec::new();
+    for client in 0..64 {
+        let r = r.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for k in 0..3 {
+                let (path, body) = request(client, k);
+                out.push(post(&r, path, body).await);
+            }
+            out
+        }));
+    }
+    let mut concurrent = Vec::new();
+    for t in tasks {
+        for (status, v) in t.await.expect("task") {
+            assert_eq!(status, StatusCode::OK, "{v}");
+            concurrent.push(strip(&v));
+        }
+    }
+    assert_eq!(sequential.len(), 192);
+    for (i, (a, b)) in sequential.iter().zip(&concurrent).enumerate() {
+        assert_eq!(a, b, "request {i} differs");
+    }
+    let m = get_text(&r, "/metrics").await;
+    let steps = metric(&m, "temper_decode_batch_size_count");
+    let single = metric(&m, "temper_decode_batch_size_bucket{le=\"1\"}");
+    let wide = metric(&m, "temper_decode_batch_size_bucket{le=\"8\"}");
+    assert!(
+        steps > wide,
+        "no decode step ran more than 8 sequences:\n{m}"
+    );
+    assert!(single > 0.0, "{m}");
+    // Gauges are published at the end of each engine step.
+    let mut idle = false;
+    for _ in 0..100 {
+        let m = get_text(&r, "/metrics").await;
+        if metric(&m, "temper_running_sequences") == 0.0
+            && metric(&m, "temper_kv_cache_used_tokens") == 0.0
+        {
+            idle = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(idle, "sequences still running after every answer arrived");
+}
+
+/// Loading an adapter under a name in use swaps it atomically: requests
+/// already running finish on the old version and say so, later ones run the
+/// new one, none fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn hot_swap_under_load() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let v2_dir = tmp.path().join("v2");
+    scaled_adapter(&v2_dir, 3.0);
+    let (m, s) = server();
+    s.load_adapter("pol", &adapter_dir()).expect("v1");
+    let r = app(s);
+    let prompt: Vec<u32> = vec![11, 12, 13, 14];
+    let body = |seed: u64| {
+        json!({"model": "pol", "prompt_token_ids": prompt, "max_tokens": 48, "temperature": 1.0,
+               "seed": seed, "ignore_eos": true})
+    };
+    // Streams that have produced their first chunk are running on v1.
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut streams = Vec::new();
+    for i in 0..6u64 {
+        let r = r.clone();
+        let started = started_tx.clone();
+        streams.push(tokio::spawn(async move {
+            let req = Request::post("/v1/completions")
+                .header("content-type", "application/json")
+                .body(Body::from(
+                    json!({"model": "pol", "prompt": "swap", "max_tokens": 300, "seed": i,
+                           "ignore_eos": true, "stream": true})
+                    .to_string(),
+                ))
+                .expect("req");
+            let resp = r.oneshot(req).await.expect("resp");
+            assert_eq!(resp.status(), StatusCode::OK);
+            let mut body = resp.into_body();
+            let mut bytes = Vec::new();
+            let mut first = true;
+            while let Some(frame) = body.frame().await {
+                if let Ok(d) = frame.expect("frame").into_data() {
+                    bytes.extend_from_slice(&d);
+                    if first {
+                        first = false;
+                        let _ = started.send(());
+                    }
+                }
+            }
+            bytes
+        }));
+    }
+    for _ in 0..6 {
+        started_rx.recv().await.expect("a stream started");
+    }
+    let mut tasks = Vec::new();
+    for i in 0..24u64 {
+        let r = r.clone();
+        let b = body(i);
+        tasks.push(tokio::spawn(
+            async move { post(&r, "/v1/generate", b).await },
+        ));
+    }
+    let (status, v) = post(
+        &r,
+        "/v1/load_lora_adapter",
+        json!({"lora_name": "pol", "lora_path": v2_dir.display().to_string()}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["version"], 2);
+    for st in streams {
+        let events = sse_payloads(&st.await.expect("stream task"));
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        let mut tokens = 0;
+        for e in &events[..events.len() - 1] {
+            let v: Value = serde_json::from_str(e).expect("chunk");
+            assert_eq!(
+                v["system_fingerprint"], "pol@v1",
+                "a running stream changed version"
+            );
+            assert!(v.get("error").is_none(), "{v}");
+            if v["choices"][0]["finish_reason"] == "length" {
+                tokens += 1;
+            }
+        }
+        assert_eq!(tokens, 1, "the stream did not run to its end");
+    }
+    let mut seen = Vec::new();
+    for t in tasks {
+        let (status, v) = t.await.expect("task");
+        assert_eq!(status, StatusCode::OK, "{v}");
+        seen.push(v);
+    }
+    let after = post(&r, "/v1/generate", body(100)).await.1;
+    assert_eq!(after["version"], 2);
+    assert_eq!(after["system_fingerprint"], "pol@v2");
+    seen.push(after);
+    // Each answer's logprobs are those of the version it reports.
+    let v1 = LoraAdapter::load_peft(&adapter_dir(), &m.config, m.model.dtype(), m.model.device())
+        .expect("v1");
+    let v2 =
+        LoraAdapter::load_peft(&v2_dir, &m.config, m.model.dtype(), m.model.device()).expect("v2");
+    for v in &seen {
+        let lora = match v["version"].as_u64() {
+            Some(1) => &v1,
+            Some(2) => &v2,
+            other => panic!("version {other:?}"),
+        };
+        let c = &v["choices"][0];
+        let toks = u32s(&c["token_ids"]);
+        let full: Vec<u32> = prompt.iter().chain(&toks).copied().collect();
+        let want: Vec<f32> = m
+            .model
+            .score(&full[..full.len() - 1], &full[1..], Some(lora), 1.0)
+            .expect("score")
+            .logprobs
+            .to_vec1()
+            .expect("vec");
+        assert_eq!(
+            f32s(&c["logprobs"]),
+            want[want.len() - toks.len()..].to_vec()
+        );
+    }
+    // Unload: the name is gone, a second unload is a 404.
+    let (status, _) = post(&r, "/v1/unload_lora_adapter", json!({"lora_name": "pol"})).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = post(&r, "/v1/generate", body(1)).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = post(&r, "/v1/unload_lora_adapter", json!({"lora_name": "pol"})).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    // Reloading continues the version count.
+    let (_, v) = post(
+        &r,
+        "/v1/load_lora_adapter",
+        json!({"lora_name": "pol", "lora_path": adapter_dir().display().to_string()}),
+    )
+    .await;
+    assert_eq!(v["version"], 3);
+}
+
+fn sse_payloads(bytes: &[u8]) -> Vec<String> {
+    String::from_utf8(bytes.to_vec())
+        .expect("utf8")
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+/// Streaming sends the same text as a non-streamed request with the same
+/// seed, in chunks, ends with `[DONE]`, and can carry usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streaming_matches_non_streaming() {
+    let (_, s) = server();
+    let r = app(s);
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "tell me"}],
+                      "max_tokens": 24, "temperature": 1.0, "seed": 3, "n": 2,
+                      "stop": ["zz"], "logprobs": true});
+    let (_, whole) = post(&r, "/v1/chat/completions", body.clone()).await;
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let req = Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(sbody.to_string()))
+        .expect("req");
+    let (status, bytes) = send(&r, req).await;
+    assert_eq!(status, StatusCode::OK);
+    let events = sse_payloads(&bytes);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let mut text = ["".to_string(), "".to_string()];
+    let mut finish = [Value::Null, Value::Null];
+    let mut logprobs = [Value::Null, Value::Null];
+    let mut usage = Value::Null;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).expect("chunk json");
+        assert_eq!(v["object"], "chat.completion.chunk");
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+        for c in v["choices"].as_array().expect("choices") {
+            let i = c["index"].as_u64().expect("index") as usize;
+            if let Some(t) = c["delta"]["content"].as_str() {
+                text[i].push_str(t);
+            }
+            if !c["finish_reason"].is_null() {
+                finish[i] = c["finish_reason"].clone();
+                logprobs[i] = c["logprobs"].clone();
+            }
+        }
+    }
+    for i in 0..2 {
+        let c = &whole["choices"][i];
+        assert_eq!(text[i], c["message"]["content"].as_str().expect("content"));
+        assert_eq!(finish[i], c["finish_reason"]);
+        assert_eq!(logprobs[i], c["logprobs"]);
+    }
+    assert_eq!(usage, whole["usage"]);
+    // Completions stream too.
+    let req = Request::post("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(
+            json!({"model": MODEL, "prompt": "once upon", "max_tokens": 10, "seed": 5, "stream": true})
+                .to_string(),
+        ))
+        .expect("req");
+    let (_, bytes) = send(&r, req).await;
+    let (_, whole) = post(
+        &r,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "once upon", "max_tokens": 10, "seed": 5}),
+    )
+    .await;
+    let streamed: String = sse_payloads(&bytes)
+        .iter()
+        .filter(|e| e.as_str() != "[DONE]")
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).expect("json");
+            v["choices"][0]["text"].as_str().unwrap_or("").to_string()
+        })
+        .collect();
+    assert_eq!(
+        streamed,
+        whole["choices"][0]["text"].as_str().expect("text")
+    );
+}
+
+/// Completions: token-id prompts, several prompts, echo with prompt logprobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn completions_echo_and_multiple_prompts() {
+    let (m, s) = server();
+    let r = app(s);
+    let (status, v) = post(
+        &r,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": [[3, 4, 5], [6, 7]], "n": 2, "max_tokens": 4,
+               "temperature": 0, "logprobs": 2, "echo": true}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 4);
+    // Greedy: both samples of a prompt agree.
+    assert_eq!(choices[0]["text"], choices[1]["text"]);
+    let lp = &choices[2]["logprobs"];
+    let tokens = lp["tokens"].as_array().expect("tokens");
+    let token_lp = lp["token_logprobs"].as_array().expect("lps");
+    assert_eq!(tokens.len(), token_lp.len());
+    assert!(
+        token_lp[0].is_null(),
+        "the first prompt token has no logprob"
+    );
+    let prompt_text = m.tokenizer.decode(&[6, 7], false).expect("decode");
+    assert!(choices[2]["text"]
+        .as_str()
+        .expect("text")
+        .starts_with(&prompt_text));
+    // The prompt's second token is scored after the first.
+    let want: Vec<f32> = m
+        .model
+        .score(&[6], &[7], None, 1.0)
+        .expect("score")
+        .logprobs
+        .to_vec1()
+        .expect("vec");
+    assert_eq!(token_lp[1].as_f64().expect("lp") as f32, want[0]);
+    assert_eq!(v["usage"]["prompt_tokens"], 5);
+}
+
+/// Same seed ⇒ same output; n samples of one prompt are distinct streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn seeds_reproduce() {
+    let (_, s) = server();
+    let r = app(s);
+    let body = |seed: u64| {
+        json!({"model": MODEL, "prompt_token_ids": [1, 2, 3], "max_tokens": 16, "n": 4,
+               "temperature": 1.0, "seed": seed, "ignore_eos": true})
+    };
+    let a = post(&r, "/v1/generate", body(42)).await.1;
+    let b = post(&r, "/v1/generate", body(42)).await.1;
+    let c = post(&r, "/v1/generate", body(43)).await.1;
+    let toks = |v: &Value| -> Vec<Vec<u32>> {
+        v["choices"]
+            .as_array()
+            .expect("choices")
+            .iter()
+            .map(|c| u32s(&c["token_ids"]))
+            .collect()
+    };
+    assert_eq!(toks(&a), toks(&b));
+    assert_ne!(toks(&a), toks(&c));
+    // The whole u64 range is a valid seed (RL callers hash theirs).
+    let big = post(&r, "/v1/generate", body(u64::MAX - 5)).await;
+    assert_eq!(big.0, StatusCode::OK, "{}", big.1);
+    assert_eq!(
+        toks(&big.1),
+        toks(&post(&r, "/v1/generate", body(u64::MAX - 5)).await.1)
+    );
+    let samples = toks(&a);
+    assert!(samples.iter().any(|s| s != &samples[0]), "{samples:?}");
+}
+
+/// Every error class answers OpenAI-style JSON with the right status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn errors_are_openai_shaped() {
+    let m = load();
+    let s = server_with(m.clone(), |c| c.api_key = Some("sk-test".into()));
+    let r = app(s);
+    let req = |body: Value, key: Option<&str>| {
+        let mut b =
+            Request::post("/v1/chat/completions").header("content-type", "application/json");
+        if let Some(k) = key {
+            b = b.header("authorization", format!("Bearer {k}"));
+        }
+        b.body(Body::from(body.to_string())).expect("req")
+    };
+    let ok =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2});
+    let check = |status: StatusCode, bytes: Vec<u8>, want: StatusCode, needle: &str| {
+        assert_eq!(status, want, "{}", String::from_utf8_lossy(&bytes));
+        let v: Value = serde_json::from_slice(&bytes).expect("json error");
+        let msg = v["error"]["message"].as_str().expect("message");
+        assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
+        assert!(v["error"]["type"].is_string());
+    };
+    let (st, b) = send(&r, req(ok.clone(), None)).await;
+    check(st, b, StatusCode::UNAUTHORIZED, "API key");
+    let (st, b) = send(&r, req(ok.clone(), Some("wrong"))).await;
+    check(st, b, StatusCode::UNAUTHORIZED, "API key");
+    let (st, _) = send(&r, req(ok.clone(), Some("sk-test"))).await;
+    assert_eq!(st, StatusCode::OK);
+    // /health and /metrics are open.
+    assert_eq!(get_text(&r, "/health").await, "{\"status\":\"ok\"}");
+    let cases = [
+        (
+            json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+            StatusCode::NOT_FOUND,
+            "does not exist",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 3}),
+            StatusCode::BAD_REQUEST,
+            "temperature",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0}),
+            StatusCode::BAD_REQUEST,
+            "n must be",
+        ),
+        (
+            json!({"model": MODEL, "messages": []}),
+            StatusCode::BAD_REQUEST,
+            "messages",
+        ),
+        (json!({"model": MODEL}), StatusCode::BAD_REQUEST, "messages"),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}),
+            StatusCode::BAD_REQUEST,
+            "logprobs",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}),
+            StatusCode::BAD_REQUEST,
+            "maximum context length is 512",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x ".repeat(600)}]}),
+            StatusCode::BAD_REQUEST,
+            "maximum context length is 512",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}),
+            StatusCode::BAD_REQUEST,
+            "not supported",
+        ),
+    ];
+    for (body, want, needle) in cases {
+        let (st, b) = send(&r, req(body, Some("sk-test"))).await;
+        check(st, b, want, needle);
+    }
+    let bad_json = Request::post("/v1/completions")
+        .header("authorization", "Bearer sk-test")
+        .body(Body::from("{not json"))
+        .expect("req");
+    let (st, b) = send(&r, bad_json).await;
+    check(st, b, StatusCode::BAD_REQUEST, "invalid request body");
+    let bad_ids = Request::post("/v1/generate")
+        .header("authorization", "Bearer sk-test")
+        .body(Body::from(
+            json!({"model": MODEL, "prompt_token_ids": [1, 5000]}).to_string(),
+        ))
+        .expect("req");
+    let (st, b) = send(&r, bad_ids).await;
+    check(st, b, StatusCode::BAD_REQUEST, "out of range");
+    let bad_lora = Request::post("/v1/load_lora_adapter")
+        .header("authorization", "Bearer sk-test")
+        .body(Body::from(
+            json!({"lora_name": "x", "lora_path": "/no/such/dir"}).to_string(),
+        ))
+        .expect("req");
+    let (st, b) = send(&r, bad_lora).await;
+    check(st, b, StatusCode::BAD_REQUEST, "cannot load LoRA adapter");
+
+    // A full queue answers 503.
+    let s = server_with(m, |c| c.scheduler.max_queue = 0);
+    let (st, v) = post(
+        &app(s),
+        "/v1/generate",
+        json!({"model": MODEL, "prompt_token_ids": [1, 2], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .expect("msg")
+        .contains("overloaded"));
+}
+
+/// With room for 2 running sequences, 12 concurrent requests queue and all
+/// complete; a request that can never fit the KV budget is refused up front.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limits_queue_requests_and_refuse_impossible_ones() {
+    let s = server_with(load(), |c| {
+        c.scheduler.max_running = 2;
+        c.scheduler.kv_budget_tokens = 200;
+    });
+    let r = app(s);
+    let mut tasks = Vec::new();
+    for i in 0..12u32 {
+        let r = r.clone();
+        tasks.push(tokio::spawn(async move {
+            post(
+                &r,
+                "/v1/generate",
+                json!({"model": MODEL, "prompt_token_ids": [i + 1, 2, 3], "max_tokens": 20, "seed": i}),
+            )
+            .await
+        }));
+    }
+    for t in tasks {
+        let (st, v) = t.await.expect("task");
+        assert_eq!(st, StatusCode::OK, "{v}");
+    }
+    let m = get_text(&r, "/metrics").await;
+    assert!(
+        metric(&m, "temper_decode_batch_size_bucket{le=\"2\"}")
+            == metric(&m, "temper_decode_batch_size_count"),
+        "{m}"
+    );
+    let (st, v) = post(
+        &r,
+        "/v1/generate",
+        json!({"model": MODEL, "prompt_token_ids": [1, 2, 3], "max_tokens": 100, "n": 3}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .expect("m")
+        .contains("KV-cache"));
+}
+
+/// A streaming client that goes away frees its slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn disconnected_client_frees_its_slot() {
+    let (_, s) = server();
+    let r = app(s);
+    let req = Request::post("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(
+            json!({"model": MODEL, "prompt": "go", "max_tokens": 400, "ignore_eos": true, "stream": true})
+                .to_string(),
+        ))
+        .expect("req");
+    let resp = r.clone().oneshot(req).await.expect("resp");
+    let mut body = resp.into_body();
+    let first = body.frame().await.expect("a frame").expect("ok");
+    assert!(first.is_data());
+    let mut running = false;
+    for _ in 0..200 {
+        let m = get_text(&r, "/metrics").await;
+        if metric(&m, "temper_running_sequences") == 1.0 {
+            running = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(running, "the stream's sequence never showed as running");
+    drop(body);
+    let mut freed = false;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let m = get_text(&r, "/metrics").await;
+        if metric(&m, "temper_running_sequences") == 0.0
+            && metric(&m, "temper_kv_cache_used_tokens") == 0.0
+        {
+            freed = true;
+            break;
+        }
+    }
+    assert!(freed, "the slot was not freed");
+    let m = get_text(&r, "/metrics").await;
+    assert!(metric(&m, "temper_generation_tokens_total") < 400.0, "{m}");
+}
+
+/// Tool schemas reach the template, and a tool-call round trip (assistant
+/// `tool_calls` with JSON-string arguments, then a `tool` message) renders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tools_round_trip_renders() {
+    let (_, s) = server();
+    let r = app(s);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "Weather in a city", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let plain = json!({"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 2});
+    let mut with_tools = plain.clone();
+    with_tools["tools"] = tools.clone();
+    let a = post(&r, "/v1/chat/completions", plain).await.1;
+    let b = post(&r, "/v1/chat/completions", with_tools.clone()).await.1;
+    assert!(
+        b["usage"]["prompt_tokens"].as_u64() > a["usage"]["prompt_tokens"].as_u64(),
+        "tool schemas must be in the prompt"
+    );
+    let mut none = with_tools.clone();
+    none["tool_choice"] = json!("none");
+    let c = post(&r, "/v1/chat/completions", none).await.1;
+    assert_eq!(c["usage"]["prompt_tokens"], a["usage"]["prompt_tokens"]);
+    let round = json!({"model": MODEL, "tools": tools, "max_tokens": 3, "messages": [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]});
+    let (st, v) = post(&r, "/v1/chat/completions", round).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let mut required = with_tools;
+    required["tool_choice"] = json!("required");
+    let (st, _) = post(&r, "/v1/chat/completions", required).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+}
+
+/// A KV budget smaller than the running batch needs: sequences are evicted
+/// and recomputed, every request still completes in full, with the same
+/// tokens as when sent alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kv_budget_preempts_and_recomputes() {
+    let s = server_with(load(), |c| c.scheduler.kv_budget_tokens = 160);
+    let r = app(s);
+    let body = |i: u32| {
+        json!({"model": MODEL, "prompt_token_ids": [i + 1, 2, 3, 4], "max_tokens": 60,
+               "temperature": 1.0, "seed": i, "ignore_eos": true})
+    };
+    let mut alone = Vec::new();
+    for i in 0..6 {
+        let (st, v) = post(&r, "/v1/generate", body(i)).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        alone.push(v["choices"][0]["token_ids"].clone());
+    }
+    let mut tasks = Vec::new();
+    for i in 0..6 {
+        let r = r.clone();
+        tasks.push(tokio::spawn(async move {
+            post(&r, "/v1/generate", body(i)).await
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        let (st, v) = t.await.expect("task");
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["choices"][0]["token_ids"], alone[i], "request {i}");
+        assert_eq!(v["usage"]["completion_tokens"], 60);
+    }
+    let m = get_text(&r, "/metrics").await;
+    assert!(metric(&m, "temper_preemptions_total") > 0.0, "{m}");
+}

@@ -1,0 +1,260 @@
+//! `temper bench serve`: generated tokens/s of `temper serve` at several
+//! client concurrencies, against HF transformers `generate` on the same model
+//! and the same work (`scripts/bench_serve.py`).
+//!
+//! The model is a fixed random-weight f32 Llama (hidden 256, intermediate
+//! 768, 4 layers, 4 heads, 2 KV heads, vocab 1000 with the tiny-llama
+//! fixture's tokenizer), written as a Hugging Face directory and loaded by
+//! both sides through their real loaders. At concurrency C, C clients each
+//! send `rounds` `/v1/completions` requests over loopback HTTP (prompt of
+//! `prompt_len` token ids, exactly `max_tokens` new tokens, temperature 1,
+//! no truncation); transformers runs `rounds` batches of C same-length
+//! prompts (no padding: its best case). Each side reports the best of
+//! `repeats` measurements per level.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use temper_model::candle_core::{DType, Device, Tensor};
+use temper_model::{HfConfig, LoadOptions, Pretrained, Target};
+use temper_server::openai::{app, OpenAiState, ServeConfig};
+
+/// Arguments of `temper bench serve`.
+#[derive(Args)]
+pub struct ServeBenchArgs {
+    /// Client concurrencies, comma-separated.
+    #[arg(long, default_value = "1,8,32")]
+    concurrency: String,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = 16)]
+    prompt_len: usize,
+    /// Generated tokens per request.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Requests per client (batches for transformers).
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Measurements per level on each side; the best is reported (the
+    /// machine may be shared).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Python with torch + transformers for the comparison.
+    #[arg(long, default_value = "/opt/pyref/bin/python")]
+    python: String,
+    /// Skip the transformers half.
+    #[arg(long)]
+    no_peer: bool,
+}
+
+const HIDDEN: usize = 256;
+const INTER: usize = 768;
+const LAYERS: usize = 4;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const VOCAB: usize = 1000;
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Write the benchmark model as a Hugging Face directory.
+fn write_model(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+        "head_dim": HIDDEN / HEADS, "vocab_size": VOCAB, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false,
+        "hidden_act": "silu", "bos_token_id": 994, "eos_token_id": 998, "torch_dtype": "float32",
+    });
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    let fixture = repo_root().join("fixtures/models/tiny-llama");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture.join(f), dir.join(f))
+            .with_context(|| format!("copying {f} from {}", fixture.display()))?;
+    }
+    let hf: HfConfig = serde_json::from_value(config)?;
+    let cfg = hf.validate()?;
+    let dev = Device::Cpu;
+    let mut ts: HashMap<String, Tensor> = HashMap::new();
+    let rand = |shape: &[usize]| Tensor::randn(0f32, 0.05, shape, &dev);
+    ts.insert("model.embed_tokens.weight".into(), rand(&[VOCAB, HIDDEN])?);
+    ts.insert("lm_head.weight".into(), rand(&[VOCAB, HIDDEN])?);
+    ts.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(HIDDEN, DType::F32, &dev)?,
+    );
+    for l in 0..LAYERS {
+        let p = format!("model.layers.{l}");
+        for n in ["input_layernorm", "post_attention_layernorm"] {
+            ts.insert(
+                format!("{p}.{n}.weight"),
+                Tensor::ones(HIDDEN, DType::F32, &dev)?,
+            );
+        }
+        for t in Target::ALL {
+            let (o, i) = t.shape(&cfg);
+            ts.insert(format!("{p}.{}.weight", t.path()), rand(&[o, i])?);
+        }
+    }
+    temper_model::candle_core::safetensors::save(&ts, dir.join("model.safetensors"))?;
+    Ok(())
+}
+
+/// Tokens/s of the server at concurrency `c`.
+async fn measure(
+    url: &str,
+    c: usize,
+    args: &ServeBenchArgs,
+    http: &reqwest::Client,
+) -> Result<f64> {
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for client in 0..c {
+        let http = http.clone();
+        let url = url.to_string();
+        let (rounds, plen, max_tokens) = (args.rounds, args.prompt_len, args.max_tokens);
+        tasks.push(tokio::spawn(async move {
+            let mut tokens = 0u64;
+            for r in 0..rounds {
+                let prompt: Vec<u32> = (0..plen)
+                    .map(|i| ((client * 131 + r * 17 + i * 7) % (VOCAB - 8)) as u32)
+                    .collect();
+                let body = serde_json::json!({
+                    "model": "bench", "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 1.0, "top_p": 1.0, "seed": client * 1000 + r, "ignore_eos": true,
+                });
+                let v: serde_json::Value = http
+                    .post(format!("{url}/v1/completions"))
+                    .json(&body)
+                    .send()
+                    .await?
+                    .error_for_status()?
+                    .json()
+                    .await?;
+                let n = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                if n != max_tokens as u64 {
+                    anyhow::bail!("expected {max_tokens} tokens, got {v}");
+                }
+                tokens += n;
+            }
+            Ok::<u64, anyhow::Error>(tokens)
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.context("client task")??;
+    }
+    Ok(total as f64 / t0.elapsed().as_secs_f64())
+}
+
+/// Run the benchmark and print the table.
+pub fn run(args: ServeBenchArgs) -> Result<()> {
+    let levels: Vec<usize> = args
+        .concurrency
+        .split(',')
+        .map(|s| s.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .context("--concurrency expects comma-separated integers")?;
+    if levels.is_empty() || levels.contains(&0) || args.rounds == 0 || args.max_tokens == 0 {
+        bail!("concurrency levels, --rounds and --max-tokens must be >= 1");
+    }
+    let dir = std::env::temp_dir().join(format!("temper-bench-serve-{}", std::process::id()));
+    write_model(&dir)?;
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|s| s.parse::<usize>().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let result = bench(&dir, &levels, &args, threads);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn bench(dir: &Path, levels: &[usize], args: &ServeBenchArgs, threads: usize) -> Result<()> {
+    let model = Pretrained::load(dir, &LoadOptions::default())?;
+    let cfg = ServeConfig::defaults("bench", &model);
+    let state = OpenAiState::new(Arc::new(model), cfg);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let ours: Vec<f64> = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let server = tokio::spawn(async move { axum::serve(listener, app(state)).await });
+        let http = reqwest::Client::new();
+        // Warm-up.
+        let warm = ServeBenchArgs {
+            rounds: 1,
+            max_tokens: 8,
+            concurrency: String::new(),
+            python: String::new(),
+            ..*args
+        };
+        measure(&url, 1, &warm, &http).await?;
+        let mut out = Vec::new();
+        for &c in levels {
+            let mut best = 0f64;
+            for _ in 0..args.repeats.max(1) {
+                best = best.max(measure(&url, c, args, &http).await?);
+            }
+            out.push(best);
+        }
+        server.abort();
+        Ok::<_, anyhow::Error>(out)
+    })?;
+    drop(rt);
+    let peer: Option<HashMap<String, f64>> = if args.no_peer {
+        None
+    } else {
+        let script = repo_root().join("scripts/bench_serve.py");
+        let out = Command::new(&args.python)
+            .arg(&script)
+            .args(["--model", &dir.display().to_string()])
+            .args(["--concurrency", &args.concurrency])
+            .args(["--prompt-len", &args.prompt_len.to_string()])
+            .args(["--max-tokens", &args.max_tokens.to_string()])
+            .args(["--rounds", &args.rounds.to_string()])
+            .args(["--threads", &threads.to_string()])
+            .args(["--repeats", &args.repeats.to_string()])
+            .output()
+            .with_context(|| format!("running {} {}", args.python, script.display()))?;
+        if !out.status.success() {
+            bail!(
+                "{} failed:\n{}",
+                script.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text.lines().last().unwrap_or("");
+        Some(serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?)
+    };
+    println!(
+        "temper bench serve: random f32 Llama (hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB}), prompt {} tokens, {} new tokens per request, {} request(s) per client, {threads} threads, CPU, best of {}",
+        args.prompt_len, args.max_tokens, args.rounds, args.repeats.max(1)
+    );
+    println!(
+        "{:>11}  {:>15}  {:>22}  {:>6}",
+        "concurrency", "temper tok/s", "transformers tok/s", "ratio"
+    );
+    for (&c, ours) in levels.iter().zip(&ours) {
+        match peer.as_ref().and_then(|p| p.get(&c.to_string())) {
+            Some(theirs) => println!(
+                "{c:>11}  {ours:>15.1}  {theirs:>22.1}  {:>5.2}x",
+                ours / theirs
+            ),
+            None => println!("{c:>11}  {ours:>15.1}  {:>22}  {:>6}", "-", "-"),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,137 @@
+//! `temper serve`: the OpenAI-compatible inference server over one model
+//! directory, with optional LoRA adapters.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use temper_model::{default_device, default_dtype, LoadOptions, Pretrained};
+use temper_server::openai::{app, OpenAiState, ServeConfig};
+
+/// Arguments of `temper serve`.
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Name clients put in `model` for the base model (default: the
+    /// directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// A LoRA adapter to serve: NAME=DIR (PEFT layout). Repeatable. More can
+    /// be loaded and swapped at run time with POST /v1/load_lora_adapter.
+    #[arg(long = "lora")]
+    loras: Vec<String>,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind (0: any free port; the chosen one is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/*.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Most sequences decoded at once (default 256).
+    #[arg(long)]
+    max_running: Option<usize>,
+    /// KV-cache budget in tokens: running sequences' caches stay within it
+    /// (newest evicted and recomputed later when they would not); a request
+    /// must fit it alone, n × (prompt + max_tokens) (default: 4 GiB worth of
+    /// cache).
+    #[arg(long)]
+    kv_budget_tokens: Option<usize>,
+    /// Most requests waiting for a slot before new ones get 503 (default 1024).
+    #[arg(long)]
+    max_queue: Option<usize>,
+    /// Longest prompt + completion in tokens (default: the model's context).
+    #[arg(long)]
+    max_model_len: Option<usize>,
+}
+
+fn lora_arg(s: &str) -> Result<(String, PathBuf)> {
+    match s.split_once('=') {
+        Some((n, d)) if !n.is_empty() && !d.is_empty() => Ok((n.to_string(), PathBuf::from(d))),
+        _ => bail!("--lora expects NAME=DIR, got {s:?}"),
+    }
+}
+
+/// Load, bind, print the address, serve until Ctrl-C.
+pub fn run(args: ServeArgs) -> Result<()> {
+    let device = default_device()?;
+    let opts = LoadOptions {
+        dtype: default_dtype(&device),
+        device,
+    };
+    let model = Pretrained::load(&args.model, &opts)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let name = match &args.served_model_name {
+        Some(n) => n.clone(),
+        None => args
+            .model
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "model".into()),
+    };
+    let mut cfg = ServeConfig::defaults(name.clone(), &model);
+    cfg.api_key = args.api_key.clone();
+    if let Some(n) = args.max_running {
+        if n == 0 {
+            bail!("--max-running must be >= 1");
+        }
+        cfg.scheduler.max_running = n;
+    }
+    if let Some(n) = args.kv_budget_tokens {
+        cfg.scheduler.kv_budget_tokens = n;
+    }
+    if let Some(n) = args.max_queue {
+        cfg.scheduler.max_queue = n;
+    }
+    if let Some(n) = args.max_model_len {
+        if n > model.config.max_position_embeddings || n < 2 {
+            bail!(
+                "--max-model-len must be in 2..={}",
+                model.config.max_position_embeddings
+            );
+        }
+        cfg.scheduler.max_model_len = n;
+    }
+    let state = OpenAiState::new(Arc::new(model), cfg.clone());
+    for l in &args.loras {
+        let (n, dir) = lora_arg(l)?;
+        let v = state
+            .load_adapter(&n, &dir)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        eprintln!("adapter {n} v{v}: {}", dir.display());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        let local = listener.local_addr().context("reading the bound address")?;
+        eprintln!(
+            "model {name}: max_model_len {}, max_running {}, kv_budget_tokens {}{}",
+            cfg.scheduler.max_model_len,
+            cfg.scheduler.max_running,
+            cfg.scheduler.kv_budget_tokens,
+            if args.api_key.is_some() {
+                ", API key required"
+            } else {
+                ""
+            }
+        );
+        eprintln!("temper serve listening on http://{local}");
+        axum::serve(listener, app(state))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
+            .context("serving")
+    })
+}
