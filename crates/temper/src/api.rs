@@ -93,6 +93,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
+        let addr = listener.local_addr().context("reading the bound address")?;
         eprintln!(
             "temper training API on http://{addr} (TINKER_BASE_URL=http://{addr}){}",
             if args.api_key.is_some() {

@@ -3,8 +3,14 @@
 mod api;
 mod bench;
 mod bench_api;
+mod bench_serve;
+mod env_cmd;
+mod eval;
 mod generate;
 mod sandbox;
+mod serve;
+mod train;
+mod view;
 
 use std::process::ExitCode;
 
@@ -34,6 +40,25 @@ enum Command {
     /// The training API (tinker-SDK compatible).
     #[command(subcommand)]
     Api(api::ApiCommand),
+    /// The OpenAI-compatible inference server (continuous batching, LoRA hot-swap).
+    Serve(serve::ServeArgs),
+    /// Evaluate an environment against an OpenAI-compatible endpoint.
+    Eval(eval::EvalArgs),
+    /// Scaffold and list environments.
+    #[command(subcommand)]
+    Env(env_cmd::EnvCommand),
+    /// Summarise an eval run and write its HTML report.
+    View(view::ViewArgs),
+    /// A mock OpenAI-compatible server with fault injection (tests, benchmarks).
+    #[command(hide = true)]
+    MockOpenai(eval::MockArgs),
+    /// Train: async RL or SFT from a TOML config.
+    #[command(subcommand)]
+    Train(train::TrainCommand),
+    /// The whole loop on a tiny model in minutes: SFT, eval, async RL, eval.
+    Quickstart(train::QuickstartArgs),
+    /// Turn an eval's successful rollouts into an SFT dataset (chat JSONL).
+    GenerateSft(train::GenerateSftArgs),
 }
 
 fn main() -> ExitCode {
@@ -49,9 +74,17 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Train(cmd) => train::run(cmd),
+        Command::Quickstart(args) => train::run_quickstart(args),
+        Command::GenerateSft(args) => train::generate_sft(args),
+        Command::Eval(args) => eval::run(args),
+        Command::Env(cmd) => env_cmd::run(cmd),
+        Command::View(args) => view::run(args),
+        Command::MockOpenai(args) => eval::mock(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Sandbox(cmd) => sandbox::run(cmd),
         Command::Api(cmd) => api::run(cmd),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,50 @@
+//! The training loops' error type.
+
+use std::path::PathBuf;
+
+/// What can go wrong in a training loop.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RlError {
+    /// The config or a command-line override is invalid.
+    #[error("config: {0}")]
+    Config(String),
+    /// A dataset row or file is malformed.
+    #[error("data: {0}")]
+    Data(String),
+    /// The trainer or engine failed.
+    #[error(transparent)]
+    Engine(#[from] temper_engine::EngineError),
+    /// The model core failed.
+    #[error(transparent)]
+    Model(#[from] temper_model::ModelError),
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Candle(#[from] temper_model::candle_core::Error),
+    /// An environment failed.
+    #[error("environment: {0}")]
+    Env(String),
+    /// A sampler (e.g. a `temper serve` process) failed.
+    #[error("sampler: {0}")]
+    Sampler(String),
+    /// File I/O.
+    #[error("io error on {path}: {source}")]
+    Io {
+        /// Path involved.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+}
+
+/// Result alias.
+pub type Result<T> = std::result::Result<T, RlError>;
+
+impl RlError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        RlError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

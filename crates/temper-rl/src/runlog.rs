@@ -1,0 +1,240 @@
+//! The run directory's record: `metrics.jsonl` (one JSON object per step,
+//! flushed as written), `plots.html` (a self-contained page of line charts
+//! of chosen metrics, regenerated from the records) and small atomic file
+//! writes.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::error::{Result, RlError};
+
+/// Write `bytes` to `path` atomically: a temporary sibling, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let parent = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| RlError::io(parent, e))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "file".into());
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    {
+        let mut f = std::fs::File::create(&tmp).map_err(|e| RlError::io(&tmp, e))?;
+        f.write_all(bytes).map_err(|e| RlError::io(&tmp, e))?;
+        f.sync_all().map_err(|e| RlError::io(&tmp, e))?;
+    }
+    std::fs::rename(&tmp, path).map_err(|e| RlError::io(path, e))
+}
+
+/// Appends step records to `metrics.jsonl` and keeps them for plotting.
+pub struct MetricsLog {
+    path: PathBuf,
+    file: std::fs::File,
+    records: Vec<Map<String, Value>>,
+}
+
+impl MetricsLog {
+    /// Open `dir/metrics.jsonl`. With `keep_until_step`, records of later
+    /// steps (written after the checkpoint a run resumes from) are dropped,
+    /// so a resumed run's log has each step once.
+    pub fn open(dir: &Path, keep_until_step: Option<u64>) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(|e| RlError::io(dir, e))?;
+        let path = dir.join("metrics.jsonl");
+        let mut records = Vec::new();
+        if let Some(last) = keep_until_step {
+            if let Ok(text) = std::fs::read_to_string(&path) {
+                for line in text.lines() {
+                    // A torn last line from a kill is skipped.
+                    if let Ok(Value::Object(m)) = serde_json::from_str::<Value>(line) {
+                        let step = m.get("step").and_then(Value::as_u64).unwrap_or(0);
+                        if step <= last {
+                            records.push(m);
+                        }
+                    }
+                }
+            }
+            let mut text = String::new();
+            for r in &records {
+                text.push_str(&Value::Object(r.clone()).to_string());
+                text.push('\n');
+            }
+            write_atomic(&path, text.as_bytes())?;
+        } else if path.exists() {
+            std::fs::remove_file(&path).map_err(|e| RlError::io(&path, e))?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| RlError::io(&path, e))?;
+        Ok(Self {
+            path,
+            file,
+            records,
+        })
+    }
+
+    /// Append one record (flushed before returning).
+    pub fn write(&mut self, record: Map<String, Value>) -> Result<()> {
+        let mut line = Value::Object(record.clone()).to_string();
+        line.push('\n');
+        self.file
+            .write_all(line.as_bytes())
+            .and_then(|_| self.file.flush())
+            .map_err(|e| RlError::io(&self.path, e))?;
+        self.records.push(record);
+        Ok(())
+    }
+
+    /// Every record so far (including those kept from before a resume).
+    pub fn records(&self) -> &[Map<String, Value>] {
+        &self.records
+    }
+
+    /// Write `dir/plots.html`: one chart per metric in `keys` that appears
+    /// in the records, against `step`.
+    pub fn write_plots(&self, dir: &Path, title: &str, keys: &[&str]) -> Result<PathBuf> {
+        let path = dir.join("plots.html");
+        let html = plots_html(title, &self.records, keys);
+        write_atomic(&path, html.as_bytes())?;
+        Ok(path)
+    }
+}
+
+/// A self-contained HTML page with one SVG line chart per metric.
+pub fn plots_html(title: &str, records: &[Map<String, Value>], keys: &[&str]) -> String {
+    let mut series: BTreeMap<usize, Vec<(f64, f64)>> = BTreeMap::new();
+    for r in records {
+        let Some(step) = r.get("step").and_then(Value::as_f64) else {
+            continue;
+        };
+        for (i, k) in keys.iter().enumerate() {
+            if let Some(v) = r.get(*k).and_then(Value::as_f64) {
+                if v.is_finite() {
+                    series.entry(i).or_default().push((step, v));
+                }
+            }
+        }
+    }
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{t}</title><style>\
+         body{{font-family:sans-serif;margin:20px;background:#fafafa}}\
+         .c{{display:inline-block;margin:8px;background:#fff;border:1px solid #ddd;padding:8px}}\
+         h3{{margin:2px 0 6px;font-size:14px}}</style></head><body><h2>{t}</h2>",
+        t = escape(title)
+    );
+    for (i, pts) in &series {
+        out.push_str(&chart(keys[*i], pts));
+    }
+    if series.is_empty() {
+        out.push_str("<p>No metrics recorded yet.</p>");
+    }
+    out.push_str("</body></html>\n");
+    out
+}
+
+fn chart(name: &str, pts: &[(f64, f64)]) -> String {
+    let (w, h, pad) = (360.0, 200.0, 36.0);
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for &(x, y) in pts {
+        x0 = x0.min(x);
+        x1 = x1.max(x);
+        y0 = y0.min(y);
+        y1 = y1.max(y);
+    }
+    if x1 <= x0 {
+        x1 = x0 + 1.0;
+    }
+    if y1 <= y0 {
+        y1 = y0 + 1.0;
+    }
+    let sx = |x: f64| pad + (x - x0) / (x1 - x0) * (w - 2.0 * pad);
+    let sy = |y: f64| h - pad + (y - y0) / (y1 - y0) * (2.0 * pad - h);
+    let path: Vec<String> = pts
+        .iter()
+        .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+        .collect();
+    let last = pts.last().map(|p| p.1).unwrap_or(0.0);
+    format!(
+        "<div class=\"c\"><h3>{n} <small>(last {last:.4})</small></h3>\
+         <svg width=\"{w}\" height=\"{h}\" xmlns=\"http://www.w3.org/2000/svg\">\
+         <rect x=\"{pad}\" y=\"{pad}\" width=\"{iw}\" height=\"{ih}\" fill=\"none\" stroke=\"#ccc\"/>\
+         <polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{p}\"/>\
+         <text x=\"2\" y=\"{ty1}\" font-size=\"10\">{y1:.3}</text>\
+         <text x=\"2\" y=\"{ty0}\" font-size=\"10\">{y0:.3}</text>\
+         <text x=\"{pad}\" y=\"{tx}\" font-size=\"10\">step {x0}</text>\
+         <text x=\"{tx1}\" y=\"{tx}\" font-size=\"10\">{x1}</text></svg></div>",
+        n = escape(name),
+        iw = w - 2.0 * pad,
+        ih = h - 2.0 * pad,
+        p = path.join(" "),
+        ty1 = pad + 4.0,
+        ty0 = h - pad,
+        tx = h - 8.0,
+        tx1 = w - pad - 20.0,
+    )
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn rec(step: u64, reward: f64) -> Map<String, Value> {
+        json!({"step": step, "reward/mean": reward})
+            .as_object()
+            .cloned()
+            .unwrap()
+    }
+
+    #[test]
+    fn resuming_keeps_steps_up_to_the_checkpoint_and_skips_torn_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = MetricsLog::open(dir.path(), None).unwrap();
+        for s in 1..=5 {
+            log.write(rec(s, s as f64 / 10.0)).unwrap();
+        }
+        drop(log);
+        // A kill mid-write leaves half a line.
+        let p = dir.path().join("metrics.jsonl");
+        let mut text = std::fs::read_to_string(&p).unwrap();
+        text.push_str("{\"step\": 6, \"rew");
+        std::fs::write(&p, text).unwrap();
+        let mut log = MetricsLog::open(dir.path(), Some(3)).unwrap();
+        assert_eq!(log.records().len(), 3);
+        log.write(rec(4, 0.9)).unwrap();
+        let steps: Vec<u64> = std::fs::read_to_string(&p)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["step"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(steps, vec![1, 2, 3, 4]);
+        let html = std::fs::read_to_string(
+            log.write_plots(dir.path(), "run <1>", &["reward/mean", "absent"])
+                .unwrap(),
+        )
+        .unwrap();
+        assert!(html.contains("<polyline") && html.contains("reward/mean"));
+        assert!(html.contains("run &lt;1&gt;"));
+        assert!(
+            !html.contains("absent"),
+            "metrics never recorded get no chart"
+        );
+    }
+}

@@ -1,0 +1,528 @@
+//! Supervised fine-tuning data: chat conversations rendered through the
+//! model's chat template, with the loss on assistant tokens only.
+//!
+//! The assistant spans are found by rendering: for assistant message `i`,
+//! the template applied to `messages[..i]` with the generation prompt is a
+//! prefix of the full conversation, and the template applied to
+//! `messages[..=i]` ends where that message's turn ends (its end-of-turn
+//! token included, so the model learns to stop). Tokens whose character
+//! offsets fall inside a span get weight 1, all others 0. A template that
+//! rewrites earlier turns (so the prefixes do not line up) is reported as an
+//! error rather than silently mis-masked.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde_json::{json, Map, Value};
+use temper_engine::{AdamParams, Datum, Loss, LossInputs, Trainer};
+use temper_model::{ChatTemplate, Pretrained, Tokenizer};
+
+use crate::config::SftConfig;
+use crate::error::{Result, RlError};
+use crate::rl::{local_trainer, RunOptions};
+use crate::runlog::{write_atomic, MetricsLog};
+
+/// One tokenized conversation: the input tokens and, per position, the
+/// target (the next token) and its loss weight.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SftExample {
+    /// All tokens of the rendered conversation.
+    pub tokens: Vec<u32>,
+    /// `mask[i]` is true when `tokens[i]` belongs to an assistant turn.
+    pub mask: Vec<bool>,
+}
+
+impl SftExample {
+    /// Tokens that carry loss.
+    pub fn trained_tokens(&self) -> usize {
+        self.mask[1..].iter().filter(|m| **m).count()
+    }
+
+    /// The shifted training datum, each trained token weighted `weight`.
+    pub fn datum(&self, weight: f32) -> Datum {
+        let n = self.tokens.len();
+        Datum {
+            model_input: self.tokens[..n - 1].to_vec(),
+            loss_fn_inputs: LossInputs {
+                target_tokens: self.tokens[1..].to_vec(),
+                weights: Some(
+                    self.mask[1..]
+                        .iter()
+                        .map(|&m| if m { weight } else { 0.0 })
+                        .collect(),
+                ),
+                ..Default::default()
+            },
+        }
+    }
+}
+
+/// Render and tokenize `messages` (OpenAI chat messages), marking the
+/// assistant turns. Errors on an empty conversation, one with no assistant
+/// turn, or one longer than `max_len` tokens.
+pub fn tokenize_chat(
+    template: &ChatTemplate,
+    tokenizer: &Tokenizer,
+    messages: &[Value],
+    max_len: usize,
+) -> Result<SftExample> {
+    let extra = serde_json::Map::new();
+    let render = |m: &[Value], gen: bool| -> Result<String> {
+        Ok(template.render(&Value::Array(m.to_vec()), None, gen, &extra)?)
+    };
+    let full = render(messages, false)?;
+    let mut spans = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        if m.get("role").and_then(Value::as_str) != Some("assistant") {
+            continue;
+        }
+        let start = render(&messages[..i], true)?;
+        let end = render(&messages[..=i], false)?;
+        if !full.starts_with(&start) || !full.starts_with(&end) || end.len() < start.len() {
+            return Err(RlError::Data(format!(
+                "the chat template does not render assistant turn {i} as an extension of the \
+                 earlier turns, so its tokens cannot be located for the loss mask"
+            )));
+        }
+        spans.push(start.len()..end.len());
+    }
+    if spans.is_empty() {
+        return Err(RlError::Data(
+            "conversation has no assistant message to train on".into(),
+        ));
+    }
+    let enc = tokenizer
+        .inner()
+        .encode(full.as_str(), false)
+        .map_err(|e| RlError::Data(format!("tokenize: {e}")))?;
+    let tokens = enc.get_ids().to_vec();
+    if tokens.len() < 2 {
+        return Err(RlError::Data("conversation renders to < 2 tokens".into()));
+    }
+    if tokens.len() > max_len {
+        return Err(RlError::Data(format!(
+            "conversation is {} tokens, longer than max_seq_len {max_len}",
+            tokens.len()
+        )));
+    }
+    let mask = enc
+        .get_offsets()
+        .iter()
+        .map(|&(s, _)| spans.iter().any(|r| r.contains(&s)))
+        .collect();
+    Ok(SftExample { tokens, mask })
+}
+
+/// Messages of one dataset row: `{"messages": [...]}`, or `prompt` (a
+/// string or a message list) plus `completion` (a string or a message list),
+/// as in verifiers' and TRL's conversational formats.
+pub fn row_messages(row: &Value) -> Result<Vec<Value>> {
+    if let Some(m) = row.get("messages").and_then(Value::as_array) {
+        return Ok(m.clone());
+    }
+    let as_msgs = |v: &Value, role: &str| -> Option<Vec<Value>> {
+        match v {
+            Value::String(s) => Some(vec![serde_json::json!({"role": role, "content": s})]),
+            Value::Array(a) => Some(a.clone()),
+            _ => None,
+        }
+    };
+    match (
+        row.get("prompt").and_then(|p| as_msgs(p, "user")),
+        row.get("completion").and_then(|c| as_msgs(c, "assistant")),
+    ) {
+        (Some(mut p), Some(c)) => {
+            p.extend(c);
+            Ok(p)
+        }
+        _ => Err(RlError::Data(
+            "a row needs `messages`, or `prompt` and `completion`".into(),
+        )),
+    }
+}
+
+/// Read a chat JSONL file into message lists (blank lines skipped); errors
+/// name the line.
+pub fn read_jsonl(path: &Path) -> Result<Vec<Vec<Value>>> {
+    let text = std::fs::read_to_string(path).map_err(|e| RlError::io(path, e))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let row: Value = serde_json::from_str(line)
+            .map_err(|e| RlError::Data(format!("{}:{}: {e}", path.display(), i + 1)))?;
+        out.push(
+            row_messages(&row)
+                .map_err(|e| RlError::Data(format!("{}:{}: {e}", path.display(), i + 1)))?,
+        );
+    }
+    Ok(out)
+}
+
+/// What a finished SFT run reports.
+#[derive(Debug, Clone)]
+pub struct SftOutcome {
+    /// Steps completed.
+    pub steps: u64,
+    /// The trained adapter (LoRA) or model (full) directory.
+    pub output: PathBuf,
+    /// Mean per-token loss of the last step.
+    pub final_loss: f64,
+    /// Every step's metrics.
+    pub metrics: Vec<Map<String, Value>>,
+}
+
+/// The tokenized dataset of `cfg.data`: a chat JSONL file, or an
+/// environment's training rows with `answer_format` as the assistant turn.
+pub fn load_examples(cfg: &SftConfig, base: &Pretrained) -> Result<Vec<SftExample>> {
+    let template = base.chat_template.as_ref().ok_or_else(|| {
+        RlError::Config(format!("model {} has no chat template", base.dir.display()))
+    })?;
+    let conversations: Vec<Vec<Value>> = match (&cfg.data.path, &cfg.data.env) {
+        (Some(p), None) => {
+            if p.extension().is_some_and(|e| e == "parquet") {
+                read_parquet(p)?
+            } else {
+                read_jsonl(p)?
+            }
+        }
+        (None, Some(e)) => {
+            let env = temper_env::load_environment(&e.id, &e.args)
+                .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
+            let n = (cfg.trainer.max_steps as usize * cfg.trainer.batch_size).max(1);
+            let fmt = cfg.data.answer_format.as_deref().unwrap_or("{answer}");
+            let noise = cfg.data.teacher_noise;
+            if !(0.0..=1.0).contains(&noise) {
+                return Err(RlError::Config(
+                    "data.teacher_noise must be in [0, 1]".into(),
+                ));
+            }
+            let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x7EAC_4E25);
+            env.rows(temper_env::Split::Train, n, cfg.seed)
+                .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?
+                .into_iter()
+                .map(|row| {
+                    let answer = row.answer.clone().ok_or_else(|| {
+                        RlError::Data(format!("{} row {} has no answer", e.id, row.example_id))
+                    })?;
+                    let answer = near_miss(&answer, noise, &mut rng);
+                    let mut msgs: Vec<Value> = row
+                        .prompt
+                        .iter()
+                        .map(|m| serde_json::to_value(m).unwrap_or(Value::Null))
+                        .collect();
+                    msgs.push(serde_json::json!({
+                        "role": "assistant",
+                        "content": fmt.replace("{answer}", &answer),
+                    }));
+                    Ok(msgs)
+                })
+                .collect::<Result<Vec<_>>>()?
+        }
+        (Some(_), Some(_)) => {
+            return Err(RlError::Config(
+                "[data] has both `path` and `env`; pick one".into(),
+            ))
+        }
+        (None, None) => {
+            return Err(RlError::Config(
+                "[data] needs `path` (chat JSONL/Parquet) or `env`".into(),
+            ))
+        }
+    };
+    let mut out = Vec::with_capacity(conversations.len());
+    for (i, c) in conversations.iter().enumerate() {
+        out.push(
+            tokenize_chat(template, &base.tokenizer, c, cfg.trainer.max_seq_len)
+                .map_err(|e| RlError::Data(format!("example {i}: {e}")))?,
+        );
+    }
+    if out.is_empty() {
+        return Err(RlError::Data("the dataset is empty".into()));
+    }
+    Ok(out)
+}
+
+/// With probability `noise`, a numeric `answer` replaced by the simulated
+/// teacher's systematic mistake (one more than the truth); otherwise (or
+/// for a non-numeric answer) unchanged.
+fn near_miss(answer: &str, noise: f64, rng: &mut ChaCha8Rng) -> String {
+    use rand::Rng;
+    let roll: f64 = rng.random();
+    match answer.trim().parse::<i64>() {
+        Ok(v) if roll < noise => (v + 1).to_string(),
+        _ => answer.to_string(),
+    }
+}
+
+/// Turn evaluation results (`temper eval`'s `results.jsonl`) into an SFT
+/// dataset: one `{"messages": prompt + completion}` row per rollout with
+/// reward ≥ `min_reward` and no error — distilling a model's successful
+/// traces, the warm-up of the SFT-then-RL recipe. Returns the rows and how
+/// many results were read.
+pub fn successful_rollouts(results: &Path, min_reward: f64) -> Result<(Vec<Value>, usize)> {
+    let text = std::fs::read_to_string(results).map_err(|e| RlError::io(results, e))?;
+    let mut rows = Vec::new();
+    let mut read = 0;
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            // A torn last line of a killed eval: skip it, like --resume does.
+            if i + 1 == text.lines().count() {
+                continue;
+            }
+            return Err(RlError::Data(format!(
+                "{}:{}: not JSON",
+                results.display(),
+                i + 1
+            )));
+        };
+        read += 1;
+        let reward = v
+            .get("reward")
+            .and_then(Value::as_f64)
+            .unwrap_or(f64::NEG_INFINITY);
+        let failed = v.get("error").is_some_and(|e| !e.is_null());
+        if reward < min_reward || failed {
+            continue;
+        }
+        let (Some(Value::Array(p)), Some(Value::Array(c))) = (v.get("prompt"), v.get("completion"))
+        else {
+            return Err(RlError::Data(format!(
+                "{}:{}: needs `prompt` and `completion` message lists",
+                results.display(),
+                i + 1
+            )));
+        };
+        let mut messages = p.clone();
+        messages.extend(c.iter().cloned());
+        rows.push(json!({"messages": messages, "reward": reward}));
+    }
+    Ok((rows, read))
+}
+
+/// Chat rows from a Parquet file: a `messages` column (JSON text or a list
+/// of structs), or `prompt` + `completion`.
+fn read_parquet(path: &Path) -> Result<Vec<Vec<Value>>> {
+    let rows = temper_env::manifest::read_records(path)
+        .map_err(|e| RlError::Data(format!("{}: {e}", path.display())))?;
+    rows.iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let mut r = r.clone();
+            if let Some(Value::String(s)) = r.get("messages") {
+                if let Ok(v) = serde_json::from_str::<Value>(s) {
+                    r["messages"] = v;
+                }
+            }
+            row_messages(&r).map_err(|e| RlError::Data(format!("{}: row {i}: {e}", path.display())))
+        })
+        .collect()
+}
+
+/// `temper train sft`: cross-entropy on assistant tokens, mean over the
+/// batch's trained tokens; shuffled epochs (seeded); checkpoints and
+/// metrics like the RL loop; resumable.
+pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
+    let run_dir = cfg.log.dir.clone();
+    std::fs::create_dir_all(&run_dir).map_err(|e| RlError::io(&run_dir, e))?;
+    let latest = run_dir.join("checkpoints").join("latest.json");
+    if !opts.resume && latest.exists() {
+        return Err(RlError::Config(format!(
+            "{} already holds a run; pass --resume {0} to continue it, or choose another --log.dir",
+            run_dir.display()
+        )));
+    }
+    write_atomic(
+        &run_dir.join("config.toml"),
+        crate::config::to_toml(&cfg)?.as_bytes(),
+    )?;
+    let (base, trainer) = local_trainer(&cfg.model, &cfg.lora, cfg.seed, &run_dir)?;
+    let examples = load_examples(&cfg, &base)?;
+    let bs = cfg.trainer.batch_size.max(1);
+    let per_epoch = examples.len().div_ceil(bs) as u64;
+    let max_steps = match cfg.data.epochs {
+        Some(e) => cfg.trainer.max_steps.min(e * per_epoch),
+        None => cfg.trainer.max_steps,
+    };
+    let mut start = 0;
+    if opts.resume {
+        let text = std::fs::read_to_string(&latest).map_err(|e| RlError::io(&latest, e))?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| RlError::Config(format!("{}: {e}", latest.display())))?;
+        let path = v["state_path"].as_str().unwrap_or_default().to_string();
+        trainer.load_state(&path, true).await?;
+        start = v["step"].as_u64().unwrap_or(0);
+    }
+    let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
+    let end = opts
+        .stop_after
+        .map_or(max_steps, |n| (start + n).min(max_steps));
+    let mut final_loss = f64::NAN;
+    let t_run = Instant::now();
+    let mut step = start;
+    while step < end {
+        let t0 = Instant::now();
+        // Epoch e's order is a seeded shuffle; the position is a function of the step.
+        let epoch = step / per_epoch;
+        let mut order: Vec<usize> = (0..examples.len()).collect();
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(
+            cfg.seed ^ epoch.wrapping_mul(0x9E37),
+        ));
+        let k = (step % per_epoch) as usize;
+        let idx = &order[k * bs..((k + 1) * bs).min(order.len())];
+        let batch: Vec<&SftExample> = idx.iter().map(|&i| &examples[i]).collect();
+        let n_tok: usize = batch.iter().map(|e| e.trained_tokens()).sum();
+        let w = 1.0 / n_tok.max(1) as f32;
+        let data: Vec<Datum> = batch.iter().map(|e| e.datum(w)).collect();
+        let micro = if cfg.trainer.micro_batch == 0 {
+            data.len()
+        } else {
+            cfg.trainer.micro_batch
+        };
+        let mut loss = 0.0;
+        for chunk in data.chunks(micro.max(1)) {
+            let out = trainer
+                .forward_backward(chunk.to_vec(), Loss::CrossEntropy)
+                .await?;
+            loss += out.metrics.get("loss:sum").copied().unwrap_or(0.0);
+        }
+        let lr = crate::rl::learning_rate(cfg.trainer.lr, cfg.trainer.warmup_steps, step);
+        let stats = trainer
+            .optim_step(AdamParams {
+                learning_rate: lr,
+                weight_decay: cfg.trainer.weight_decay,
+                grad_clip_norm: cfg.trainer.grad_clip,
+                ..AdamParams::default()
+            })
+            .await?;
+        step += 1;
+        final_loss = loss;
+        let dt = t0.elapsed().as_secs_f64();
+        let tokens: usize = batch.iter().map(|e| e.tokens.len()).sum();
+        let mut m = Map::new();
+        m.insert("step".into(), json!(step));
+        m.insert("epoch".into(), json!(epoch));
+        m.insert("loss".into(), json!(loss));
+        m.insert("trained_tokens".into(), json!(n_tok));
+        m.insert("grad_norm".into(), json!(stats.grad_norm));
+        m.insert("lr".into(), json!(lr));
+        m.insert("tokens_per_s".into(), json!(tokens as f64 / dt.max(1e-9)));
+        m.insert("time/step".into(), json!(dt));
+        m.insert("time/elapsed".into(), json!(t_run.elapsed().as_secs_f64()));
+        if opts.progress && (step.is_multiple_of(10) || step == end) {
+            eprintln!(
+                "sft step {step:>4}/{max_steps}  loss {loss:.4}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s",
+                stats.grad_norm,
+                tokens as f64 / dt.max(1e-9)
+            );
+        }
+        log.write(m)?;
+        if (cfg.ckpt.interval > 0 && step.is_multiple_of(cfg.ckpt.interval)) || step == max_steps {
+            let path = trainer.save_state(&format!("step-{step:06}")).await?;
+            let v = json!({"step": step, "state_path": path});
+            write_atomic(&latest, v.to_string().as_bytes())?;
+        }
+    }
+    log.write_plots(
+        &run_dir,
+        "temper SFT run",
+        &["loss", "grad_norm", "lr", "tokens_per_s"],
+    )?;
+    let output = if cfg.lora.enabled {
+        let d = run_dir.join("adapter");
+        trainer.export_peft(&d).await?;
+        d
+    } else {
+        let d = run_dir.join("model");
+        trainer
+            .engine()
+            .export_model(trainer.run_id(), d.clone())
+            .await?;
+        d
+    };
+    Ok(SftOutcome {
+        steps: step,
+        output,
+        final_loss,
+        metrics: log.records().to_vec(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preset::TinyPreset;
+    use serde_json::json;
+    use temper_model::{LoadOptions, Pretrained};
+
+    fn tiny() -> (tempfile::TempDir, Pretrained) {
+        let dir = tempfile::tempdir().unwrap();
+        TinyPreset {
+            hidden_size: 32,
+            num_layers: 1,
+            num_heads: 2,
+            num_kv_heads: 1,
+            intermediate_size: 64,
+            max_position_embeddings: 256,
+        }
+        .write(dir.path(), 0)
+        .unwrap();
+        let p = Pretrained::load(dir.path(), &LoadOptions::default()).unwrap();
+        (dir, p)
+    }
+
+    #[test]
+    fn only_assistant_turns_and_their_end_of_turn_carry_loss() {
+        let (_d, p) = tiny();
+        let msgs = vec![
+            json!({"role": "user", "content": "1+1"}),
+            json!({"role": "assistant", "content": "2"}),
+            json!({"role": "user", "content": "2+2"}),
+            json!({"role": "assistant", "content": "4"}),
+        ];
+        let ex =
+            tokenize_chat(p.chat_template.as_ref().unwrap(), &p.tokenizer, &msgs, 256).unwrap();
+        let trained: String = ex
+            .tokens
+            .iter()
+            .zip(&ex.mask)
+            .filter(|(_, m)| **m)
+            .map(|(t, _)| p.tokenizer.decode(&[*t], false).unwrap())
+            .collect();
+        assert_eq!(trained, "2<|im_end|>\n4<|im_end|>\n");
+        let d = ex.datum(0.5);
+        assert_eq!(d.model_input.len() + 1, ex.tokens.len());
+        let w = d.loss_fn_inputs.weights.unwrap();
+        assert_eq!(w.iter().filter(|x| **x == 0.5).count(), ex.trained_tokens());
+    }
+
+    #[test]
+    fn rows_without_assistant_or_too_long_are_errors() {
+        let (_d, p) = tiny();
+        let t = p.chat_template.as_ref().unwrap();
+        let e = tokenize_chat(
+            t,
+            &p.tokenizer,
+            &[json!({"role": "user", "content": "x"})],
+            256,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("no assistant"), "{e}");
+        let msgs = vec![
+            json!({"role": "user", "content": "x".repeat(300)}),
+            json!({"role": "assistant", "content": "y"}),
+        ];
+        let e = tokenize_chat(t, &p.tokenizer, &msgs, 256).unwrap_err();
+        assert!(e.to_string().contains("max_seq_len"), "{e}");
+        assert!(row_messages(&json!({"text": "x"})).is_err());
+        let m = row_messages(&json!({"prompt": "q", "completion": "a"})).unwrap();
+        assert_eq!(m[1]["role"], "assistant");
+    }
+}

@@ -1,0 +1,123 @@
+//! SFT end to end on a tiny model, and distilling eval results into SFT data.
+
+use serde_json::{json, Value};
+use temper_model::{GenerationRequest, LoadOptions, Pretrained, Sampler, SamplingParams};
+use temper_rl::config::{self, SftConfig};
+use temper_rl::rl::RunOptions;
+use temper_rl::sft::{run_sft, successful_rollouts};
+
+#[test]
+fn sft_memorises_assistant_turns_and_exports_a_loadable_model() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("chat.jsonl");
+    let rows: String = ["red", "blue"]
+        .iter()
+        .map(|c| {
+            json!({"messages": [
+                {"role": "user", "content": format!("color {c}?")},
+                {"role": "assistant", "content": format!("<c>{c}</c>")}
+            ]})
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let text = format!(
+        r#"
+        [model]
+        preset = "tiny"
+        [model.tiny]
+        hidden_size = 64
+        num_layers = 2
+        num_heads = 2
+        num_kv_heads = 1
+        intermediate_size = 128
+        [lora]
+        enabled = false
+        [data]
+        path = "{}"
+        [trainer]
+        lr = 3e-3
+        batch_size = 2
+        max_steps = 60
+        [ckpt]
+        interval = 0
+        [log]
+        dir = "{}"
+        progress = false
+        "#,
+        data.display(),
+        d.path().join("run").display()
+    );
+    let cfg: SftConfig = config::resolve(&text, &[]).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let out = rt.block_on(run_sft(cfg, RunOptions::default())).unwrap();
+    assert_eq!(out.steps, 60);
+    let losses: Vec<f64> = out
+        .metrics
+        .iter()
+        .map(|m| m["loss"].as_f64().unwrap())
+        .collect();
+    assert!(
+        losses[59] < 0.1 * losses[0],
+        "loss {} -> {}",
+        losses[0],
+        losses[59]
+    );
+    // The exported directory is a model like any other: it answers greedily
+    // with what it was trained on.
+    let p = Pretrained::load(&out.output, &LoadOptions::default()).unwrap();
+    let tpl = p.chat_template.as_ref().unwrap();
+    let prompt = tpl
+        .render(
+            &json!([{"role": "user", "content": "color blue?"}]),
+            None,
+            true,
+            &Default::default(),
+        )
+        .unwrap();
+    let ids = p.tokenizer.encode(&prompt, false).unwrap();
+    let s = Sampler::new(&p.model, &p.tokenizer, p.generation.eos_token_ids.clone());
+    let c = s
+        .generate(
+            &[GenerationRequest {
+                prompt: ids,
+                n: 1,
+                params: SamplingParams {
+                    max_tokens: 16,
+                    temperature: 0.0,
+                    ..Default::default()
+                },
+            }],
+            None,
+        )
+        .unwrap();
+    assert_eq!(c[0][0].text, "<c>blue</c>");
+    assert!(d.path().join("run/plots.html").exists());
+}
+
+#[test]
+fn generate_sft_keeps_successful_rollouts_only() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("results.jsonl");
+    let line = |reward: f64, error: Value| {
+        json!({"example_id": 0, "prompt": [{"role": "user", "content": "q"}],
+               "completion": [{"role": "assistant", "content": "a"}],
+               "reward": reward, "error": error})
+        .to_string()
+    };
+    std::fs::write(
+        &p,
+        format!(
+            "{}\n{}\n{}\n{{\"torn",
+            line(1.0, Value::Null),
+            line(0.0, Value::Null),
+            line(1.0, json!("timeout"))
+        ),
+    )
+    .unwrap();
+    let (rows, read) = successful_rollouts(&p, 1.0).unwrap();
+    assert_eq!(read, 3);
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["messages"][1]["content"], "a");
+}

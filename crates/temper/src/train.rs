@@ -1,0 +1,265 @@
+//! `temper train rl|sft`, `temper quickstart` and `temper generate-sft`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use temper_rl::config::{self, RlConfig, SftConfig};
+use temper_rl::quickstart::{quickstart, QuickstartOptions};
+use temper_rl::rl::{run_rl, RunOptions};
+use temper_rl::sft::run_sft;
+
+/// Training commands.
+#[derive(Subcommand)]
+pub enum TrainCommand {
+    /// Async RL on one or more environments (see the README for the config).
+    Rl(TrainArgs),
+    /// Supervised fine-tuning on chat data (loss on assistant tokens).
+    Sft(TrainArgs),
+}
+
+/// A config file plus dotted-key overrides.
+#[derive(Args)]
+pub struct TrainArgs {
+    /// The TOML config (with --resume: optional; the run's saved config is used).
+    config: Option<PathBuf>,
+    /// Print the resolved config and exit.
+    #[arg(long)]
+    dry_run: bool,
+    /// Continue the run in this directory from its latest checkpoint.
+    #[arg(long, value_name = "RUN_DIR")]
+    resume: Option<PathBuf>,
+    /// Overrides: `--section.key VALUE` (e.g. `--trainer.lr 1e-4`,
+    /// `--env.0.args.digits 2`).
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "OVERRIDES"
+    )]
+    overrides: Vec<String>,
+}
+
+struct Resolved<T> {
+    cfg: T,
+    resume: bool,
+    dry_run: bool,
+}
+
+fn resolve<T: serde::de::DeserializeOwned + serde::Serialize>(
+    args: &TrainArgs,
+    set_dir: impl Fn(&mut T, PathBuf),
+) -> Result<Resolved<T>> {
+    // Flags written after an override land in the trailing list.
+    let mut words = Vec::new();
+    let mut dry_run = args.dry_run;
+    let mut resume = args.resume.clone();
+    let mut it = args.overrides.iter();
+    while let Some(w) = it.next() {
+        match w.as_str() {
+            "--dry-run" => dry_run = true,
+            "--resume" => resume = it.next().map(PathBuf::from),
+            _ => words.push(w.clone()),
+        }
+    }
+    let overrides = config::parse_overrides(&words)?;
+    let (path, resuming) = match (&args.config, &resume) {
+        (_, Some(dir)) => (
+            args.config
+                .clone()
+                .unwrap_or_else(|| dir.join("config.toml")),
+            true,
+        ),
+        (Some(p), None) => (p.clone(), false),
+        (None, None) => bail!("give a config file (or --resume RUN_DIR)"),
+    };
+    let mut cfg: T = config::load(&path, &overrides)?;
+    if let Some(dir) = resume {
+        set_dir(&mut cfg, dir);
+    }
+    Ok(Resolved {
+        cfg,
+        resume: resuming,
+        dry_run,
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// Run a training command.
+pub fn run(cmd: TrainCommand) -> Result<()> {
+    match cmd {
+        TrainCommand::Rl(args) => {
+            let r = resolve::<RlConfig>(&args, |c, d| c.log.dir = d)?;
+            if r.dry_run {
+                print!("{}", config::to_toml(&r.cfg)?);
+                return Ok(());
+            }
+            let progress = r.cfg.log.progress;
+            let out = runtime()?.block_on(run_rl(
+                r.cfg,
+                RunOptions {
+                    resume: r.resume,
+                    progress,
+                    stop_after: None,
+                },
+            ))?;
+            let acc = |e: &Option<temper_rl::rl::EvalResult>| {
+                e.as_ref()
+                    .map_or("-".to_string(), |e| format!("{:.1}%", 100.0 * e.accuracy))
+            };
+            println!(
+                "done: {} steps; held-out accuracy {} -> {}",
+                out.steps,
+                acc(&out.eval_before),
+                acc(&out.eval_after)
+            );
+            println!("  weights:  {}", out.output.display());
+            println!(
+                "  metrics:  {}",
+                out.run_dir.join("metrics.jsonl").display()
+            );
+            println!("  plots:    {}", out.run_dir.join("plots.html").display());
+            Ok(())
+        }
+        TrainCommand::Sft(args) => {
+            let r = resolve::<SftConfig>(&args, |c, d| c.log.dir = d)?;
+            if r.dry_run {
+                print!("{}", config::to_toml(&r.cfg)?);
+                return Ok(());
+            }
+            let progress = r.cfg.log.progress;
+            let dir = r.cfg.log.dir.clone();
+            let out = runtime()?.block_on(run_sft(
+                r.cfg,
+                RunOptions {
+                    resume: r.resume,
+                    progress,
+                    stop_after: None,
+                },
+            ))?;
+            println!("done: {} steps; last loss {:.4}", out.steps, out.final_loss);
+            println!("  weights:  {}", out.output.display());
+            println!("  metrics:  {}", dir.join("metrics.jsonl").display());
+            println!("  plots:    {}", dir.join("plots.html").display());
+            Ok(())
+        }
+    }
+}
+
+/// `temper quickstart` options.
+#[derive(Args)]
+pub struct QuickstartArgs {
+    /// Output directory (replaced).
+    #[arg(long, default_value = "runs/quickstart")]
+    dir: PathBuf,
+    /// SFT warm-up steps.
+    #[arg(long)]
+    sft_steps: Option<u64>,
+    /// RL steps.
+    #[arg(long)]
+    rl_steps: Option<u64>,
+    /// Held-out examples per evaluation.
+    #[arg(long)]
+    eval_examples: Option<usize>,
+    /// Fraction of SFT answers that are near misses (the simulated teacher's error rate).
+    #[arg(long)]
+    teacher_noise: Option<f64>,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// Run the quickstart and print what it measured.
+pub fn run_quickstart(args: QuickstartArgs) -> Result<()> {
+    let d = QuickstartOptions::default();
+    let o = QuickstartOptions {
+        dir: args.dir,
+        sft_steps: args.sft_steps.unwrap_or(d.sft_steps),
+        rl_steps: args.rl_steps.unwrap_or(d.rl_steps),
+        eval_examples: args.eval_examples.unwrap_or(d.eval_examples),
+        teacher_noise: args.teacher_noise.unwrap_or(d.teacher_noise),
+        seed: args.seed,
+        ..d
+    };
+    let r = runtime()?.block_on(quickstart(&o))?;
+    let (sft_s, rl_s, total) = r.seconds;
+    println!();
+    println!(
+        "before RL: accuracy {:.1}%  (the SFT model; {} greedy answers to {} distinct held-out questions)",
+        100.0 * r.before.accuracy,
+        r.before.n,
+        r.before.distinct
+    );
+    println!(
+        "after RL:  accuracy {:.1}%  ({:+.1} points)",
+        100.0 * r.after.accuracy,
+        100.0 * (r.after.accuracy - r.before.accuracy)
+    );
+    println!("time: SFT {sft_s:.0}s, RL {rl_s:.0}s, total {total:.0}s");
+    println!();
+    println!("  SFT model:  {}", r.sft_model.display());
+    println!("  adapter:    {}", r.rl_dir.join("adapter").display());
+    println!("  metrics:    {}", r.rl_dir.join("metrics.jsonl").display());
+    println!("  plots:      {}", r.rl_dir.join("plots.html").display());
+    println!("  evals:      {}", r.rl_dir.join("evals").display());
+    println!();
+    println!("next:");
+    println!(
+        "  temper serve --model {} --lora policy={}",
+        r.sft_model.display(),
+        r.rl_dir.join("adapter").display()
+    );
+    println!(
+        "  temper train rl {}          # the RL run's full config; edit and rerun",
+        r.rl_dir.join("config.toml").display()
+    );
+    println!("  temper view {}", r.after.dir.display());
+    Ok(())
+}
+
+/// `temper generate-sft` options.
+#[derive(Args)]
+pub struct GenerateSftArgs {
+    /// `results.jsonl` files (or eval run directories) from `temper eval`.
+    #[arg(required = true)]
+    results: Vec<PathBuf>,
+    /// Keep rollouts with at least this reward.
+    #[arg(long, default_value_t = 1.0)]
+    min_reward: f64,
+    /// Output chat JSONL (for `temper train sft`'s `[data] path`).
+    #[arg(short, long)]
+    output: PathBuf,
+}
+
+/// Write successful rollouts as an SFT dataset.
+pub fn generate_sft(args: GenerateSftArgs) -> Result<()> {
+    let mut out = String::new();
+    let (mut kept, mut read) = (0, 0);
+    for r in &args.results {
+        let path = if r.is_dir() {
+            r.join("results.jsonl")
+        } else {
+            r.clone()
+        };
+        let (rows, n) = temper_rl::sft::successful_rollouts(&path, args.min_reward)?;
+        read += n;
+        kept += rows.len();
+        for row in rows {
+            out.push_str(&row.to_string());
+            out.push('\n');
+        }
+    }
+    temper_rl::runlog::write_atomic(&args.output, out.as_bytes())?;
+    println!(
+        "kept {kept} of {read} rollouts with reward >= {} -> {}",
+        args.min_reward,
+        args.output.display()
+    );
+    Ok(())
+}

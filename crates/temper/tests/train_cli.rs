@@ -1,0 +1,369 @@
+//! `temper train rl` as a user runs it: kill -9 mid-run and `--resume`, and
+//! RL against an external `temper serve` sampler (adapter hot-swap over HTTP).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Map, Value};
+
+fn temper() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_temper"));
+    c.arg("--threads").arg("1");
+    c
+}
+
+/// A tiny random model and an environment with a graded reward (LCS of the
+/// raw completion), so every step trains.
+fn setup(dir: &Path) -> (PathBuf, PathBuf) {
+    let model = dir.join("model");
+    temper_rl::preset::TinyPreset {
+        hidden_size: 32,
+        num_layers: 1,
+        num_heads: 2,
+        num_kv_heads: 1,
+        intermediate_size: 64,
+        max_position_embeddings: 256,
+    }
+    .write(&model, 3)
+    .unwrap();
+    let env = dir.join("env");
+    std::fs::create_dir_all(&env).unwrap();
+    let rows: String = (0..40)
+        .map(|i| format!("{{\"question\": \"echo {i}\", \"answer\": \"aaaa{i}\"}}\n"))
+        .collect();
+    std::fs::write(env.join("train.jsonl"), rows).unwrap();
+    std::fs::write(
+        env.join("env.toml"),
+        "name = \"graded\"\n[dataset]\ntrain = \"train.jsonl\"\n[parser]\ntype = \"plain\"\n\
+         [[rubric]]\nfunction = \"lcs\"\nweight = 1.0\n",
+    )
+    .unwrap();
+    (model, env)
+}
+
+fn config(dir: &Path, model: &Path, env: &Path, run: &Path, extra: &str) -> PathBuf {
+    let text = format!(
+        r#"seed = 5
+[model]
+path = "{}"
+[lora]
+rank = 4
+alpha = 8.0
+[[env]]
+id = "{}"
+[sampling]
+max_tokens = 8
+group_size = 4
+[trainer]
+lr = 1e-2
+batch_size = 2
+max_steps = 8
+[async]
+max_off_policy_steps = 0
+[eval]
+num_examples = 0
+[ckpt]
+interval = 1
+keep = 2
+[log]
+dir = "{}"
+progress = false
+{extra}
+"#,
+        model.display(),
+        env.display(),
+        run.display()
+    );
+    let path = dir.join(format!(
+        "{}.toml",
+        run.file_name().unwrap().to_string_lossy()
+    ));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn metrics(run: &Path) -> Vec<Map<String, Value>> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l)
+                .unwrap()
+                .as_object()
+                .cloned()
+                .unwrap()
+        })
+        .map(|m| {
+            m.into_iter()
+                .filter(|(k, _)| !k.starts_with("time/") && k != "tokens_per_s")
+                .collect()
+        })
+        .collect()
+}
+
+fn latest_step(run: &Path) -> u64 {
+    std::fs::read_to_string(run.join("checkpoints/latest.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v["step"].as_u64())
+        .unwrap_or(0)
+}
+
+#[test]
+fn kill_nine_mid_run_then_resume_matches_an_uninterrupted_run() {
+    let d = tempfile::tempdir().unwrap();
+    let (model, env) = setup(d.path());
+    let whole = d.path().join("whole");
+    let cut = d.path().join("cut");
+    let cfg_whole = config(d.path(), &model, &env, &whole, "");
+    let cfg_cut = config(d.path(), &model, &env, &cut, "");
+
+    let st = temper()
+        .args(["train", "rl"])
+        .arg(&cfg_whole)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+
+    let mut child = temper()
+        .args(["train", "rl"])
+        .arg(&cfg_cut)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while latest_step(&cut) < 3 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no checkpoint appeared"
+        );
+        if child.try_wait().unwrap().is_some() {
+            panic!("the run finished before it could be killed; make it longer");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let killed_at = latest_step(&cut);
+    assert!(killed_at < 8, "killed after the end");
+
+    let st = temper()
+        .args(["train", "rl", "--resume"])
+        .arg(&cut)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let a = metrics(&whole);
+    let b = metrics(&cut);
+    let steps: Vec<u64> = b.iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (1..=8).collect::<Vec<_>>(), "each step exactly once");
+    assert_eq!(
+        a, b,
+        "resumed run differs from the uninterrupted one (killed at {killed_at})"
+    );
+    let adapter = |r: &Path| std::fs::read(r.join("adapter/adapter_model.safetensors")).unwrap();
+    assert_eq!(adapter(&whole), adapter(&cut));
+}
+
+struct Server(std::process::Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve(model: &Path) -> (Server, String) {
+    let mut child = temper()
+        .arg("serve")
+        .arg("--model")
+        .arg(model)
+        .args(["--port", "0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines();
+    let url = loop {
+        let line = lines.next().expect("serve exited").unwrap();
+        if let Some(u) = line.split("listening on ").nth(1) {
+            break u.trim().to_string();
+        }
+    };
+    // Keep draining stderr so the server never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    (Server(child), url)
+}
+
+#[test]
+fn rl_against_an_external_temper_serve_hot_swaps_the_adapter() {
+    let d = tempfile::tempdir().unwrap();
+    let (model, env) = setup(d.path());
+    let (_server, url) = serve(&model);
+    let run = d.path().join("ext");
+    let cfg = config(
+        d.path(),
+        &model,
+        &env,
+        &run,
+        &format!("[sampler]\nurl = \"{url}\"\nadapter_name = \"policy\"\n"),
+    );
+    let st = temper()
+        .args(["train", "rl"])
+        .arg(&cfg)
+        .args([
+            "--trainer.max_steps",
+            "4",
+            "--async.max_off_policy_steps",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let m = metrics(&run);
+    assert_eq!(m.len(), 4);
+    assert!(m
+        .iter()
+        .any(|r| r["trained_sequences"].as_u64().unwrap() > 0));
+    for r in &m {
+        assert!(r["policy_lag/max"].as_f64().unwrap() <= 1.0, "{r:?}");
+    }
+    // The server now serves the final published policy: initial load + one per step.
+    let models: Value = reqwest_get(&format!("{url}/v1/models"));
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert!(ids.contains(&"policy"), "{models}");
+    // A request to the adapter reports the version the trainer published last.
+    let body = serde_json::json!({"model": "policy", "prompt_token_ids": [1, 5, 6], "max_tokens": 2, "temperature": 0.0});
+    let out = reqwest_post(&format!("{url}/v1/generate"), &body);
+    assert_eq!(out["version"].as_u64(), Some(5), "{out}");
+}
+
+#[test]
+fn rl_trains_through_a_remote_training_api() {
+    let d = tempfile::tempdir().unwrap();
+    let (model, env) = setup(d.path());
+    let mut child = temper()
+        .args(["api", "serve", "--port", "0", "--model"])
+        .arg(format!("base={}", model.display()))
+        .arg("--checkpoints")
+        .arg(d.path().join("api-ckpt"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let url = loop {
+        let line = lines.next().expect("api serve exited").unwrap();
+        if let Some(rest) = line.split("API on ").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    let _server = Server(child);
+    let run = d.path().join("remote");
+    let cfg = config(
+        d.path(),
+        &model,
+        &env,
+        &run,
+        &format!("[remote_trainer]\nurl = \"{url}\"\nbase_model = \"base\"\n"),
+    );
+    let st = temper()
+        .args(["train", "rl"])
+        .arg(&cfg)
+        .args(["--trainer.max_steps", "3", "--lora.alpha", "32.0"])
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let m = metrics(&run);
+    assert_eq!(m.len(), 3);
+    assert!(m
+        .iter()
+        .any(|r| r["trained_sequences"].as_u64().unwrap() > 0));
+    for r in &m {
+        // Sampled and trained by the server's engine: still zero mismatch.
+        assert_eq!(r["mismatch/max"].as_f64(), Some(0.0), "{r:?}");
+    }
+    let latest = std::fs::read_to_string(run.join("checkpoints/latest.json")).unwrap();
+    assert!(
+        latest.contains("tinker://"),
+        "checkpoints live on the server: {latest}"
+    );
+}
+
+fn reqwest_get(url: &str) -> Value {
+    http("GET", url, None)
+}
+
+fn reqwest_post(url: &str, body: &Value) -> Value {
+    http("POST", url, Some(body))
+}
+
+/// A minimal blocking HTTP/1.1 client over std (the tests need no runtime).
+fn http(method: &str, url: &str, body: Option<&Value>) -> Value {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").unwrap();
+    let (host, path) = rest
+        .split_once('/')
+        .map_or((rest, "/".to_string()), |(h, p)| (h, format!("/{p}")));
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    let payload = body.map(|b| b.to_string()).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        payload.len()
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    serde_json::from_str(&body).unwrap()
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    loop {
+        let (len, rest) = s.split_once("\r\n").unwrap();
+        let n = usize::from_str_radix(len.trim(), 16).unwrap();
+        if n == 0 {
+            return out;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+}
