@@ -644,6 +644,9 @@ async fn train_step(
         "mismatch/mean".into(),
         json!(mismatch_sum / on_policy_tokens.max(1) as f64),
     );
+    // Mismatch is only defined on tokens sampled by the weights being
+    // trained (lag 0); this says how many there were.
+    m.insert("mismatch/tokens".into(), json!(on_policy_tokens));
     m.insert(
         "entropy".into(),
         json!(entropy_sum / n_tokens.max(1) as f64),
@@ -759,15 +762,19 @@ fn eval_env(cfg: &RlConfig) -> (String, Value) {
 
 fn progress_line(m: &Map<String, Value>, max_steps: u64, step_s: f64) -> String {
     let f = |k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+    let mismatch = if f("mismatch/tokens") > 0.0 {
+        format!("{:.1e}", f("mismatch/max"))
+    } else {
+        "n/a".into()
+    };
     format!(
-        "step {:>4}/{max_steps}  reward {:.3}  pass {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  mismatch {:.1e}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
+        "step {:>4}/{max_steps}  reward {:.3}  pass {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
         f("step") as u64,
         f("reward/mean"),
         100.0 * f("pass_rate"),
         f("seq_len/mean"),
         f("policy_lag/mean"),
         f("dropped_stale/total") as u64,
-        f("mismatch/max"),
         f("entropy"),
         f("grad_norm"),
         step_s,
