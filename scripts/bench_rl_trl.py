@@ -1,0 +1,531 @@
+#!/usr/bin/env python3
+"""Time-to-target-reward of RL: Hugging Face TRL's GRPOTrainer vs ``temper train rl``.
+
+Both sides run the same task (temper's built-in ``arithmetic`` environment:
+1-digit addition, user message ``What is 3 + 5?``, no system prompt, reward 1.0
+when the number in the last ``<answer>...</answer>`` equals the sum, else 0),
+from the same SFT-warmed tiny model directory, with the same batch shape and
+optimiser settings, on the CPU with the same number of threads:
+
+* LoRA r=16, alpha=32 on q,k,v,o,gate,up,down (base frozen, no dropout);
+* 16 prompts x 8 completions (group size 8) = 128 completions per optimiser
+  step; max 24 new tokens; temperature 1.0, no top-k / top-p;
+* advantage = reward - group mean (no std scaling), token-level loss
+  normalisation, no KL term / reference model (TRL: ``beta=0``,
+  ``scale_rewards="none"``, ``loss_type="dapo"``);
+* AdamW lr from the temper config (constant, no warm-up), betas (0.9, 0.95),
+  eps 1e-12, weight decay 0, grad-norm clip 1.0 (temper's defaults);
+* TRL: no gradient checkpointing (TRL's default turns it on; off is faster
+  here), generation with transformers' ``generate`` (no vLLM on a CPU).
+
+Differences that remain (by design of each tool, see the report): temper's
+loop is asynchronous (the sampler generates the next batch while the trainer
+trains, at most ``async.max_off_policy_steps`` = 1 behind, with importance-
+sampling correction) and skips zero-advantage groups; TRL is synchronous and
+fully on-policy. TRL's ``dapo`` loss normalises by all completion tokens of the
+batch, temper by the tokens it trains on; with Adam this barely matters.
+
+Time-to-target: the first optimiser step at which the rolling mean of the
+per-step mean training reward over the last ``--window`` steps is >= ``--target``;
+the time is the wall time from the start of the training loop to the end of
+that step (model loading is reported separately, not included). Each side
+stops as soon as it reaches the target (``--no-early-stop`` runs all steps).
+
+The per-step mean reward of 16 prompts is noisy (about +-0.1 step to step)
+and on this task both learning curves rise slowly (~0.45 -> ~0.6 over 40-50
+steps), so the step at which a rolling mean first crosses the target moves by
+many steps between seeds; the seconds-per-step ratio is the steadier number.
+``--also-targets`` reports other thresholds from the same runs, ``--json-out``
+saves every step, ``--from-json FILE`` re-prints a saved report.
+
+Setup (torch / transformers / peft from /opt/pyref are reused, only TRL and
+its small deps are added; see ``scripts/requirements-bench-rl.txt``; a
+``--system-site-packages`` venv made from /opt/pyref's venv python would NOT
+see /opt/pyref's packages, and pip would then pull a CUDA torch, hence the
+.pth file)::
+
+    /opt/pyref/bin/python -m venv /tmp/trlvenv
+    echo /opt/pyref/lib/python3.11/site-packages \\
+        > /tmp/trlvenv/lib/python3.11/site-packages/pyref.pth
+    /tmp/trlvenv/bin/pip install trl==1.16.0
+
+    # an SFT-warmed model + its RL config (~3 min on 2 cores)
+    target/release/temper quickstart --dir /tmp/qsb --sft-steps 200 --rl-steps 2 --eval-examples 20
+
+    /tmp/trlvenv/bin/python scripts/bench_rl_trl.py --temper target/release/temper \\
+        --model /tmp/qsb/sft/model --rl-config /tmp/qsb/rl/config.toml \\
+        --target 0.6 --max-steps 60 --threads 2
+
+Measured with trl 1.16.0, torch 2.15.0 (CPU), transformers 5.23.0, peft 0.21.2.
+temper runs first, then TRL in this process (torch is imported only after
+temper exits so the two never compete for cores). Run on an idle machine: with
+2+ threads, PyTorch's OpenMP pool on a model this small (thousands of tiny ops
+per step, each ending in a thread barrier) slows down 5-20x as soon as another
+process wants the same cores, so a busy machine makes TRL look far slower than
+it is. On a shared machine compare with ``--threads 1`` (no barriers); the
+"CPU s/step" row (CPU seconds of all threads per step) is a second check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+NUMBER_RE = re.compile(r"[+-]?\d+(\.\d+)?")
+
+
+# ---------------------------------------------------------------- shared rules
+
+
+def parse_number(s: str) -> float | None:
+    """Like temper's ``parse_number_literal`` for the integers of this task."""
+    t = s.strip().replace(",", "")
+    if not NUMBER_RE.fullmatch(t):
+        return None
+    return float(t)
+
+
+def arithmetic_reward(text: str, answer: int) -> float:
+    """1.0 iff the number in the LAST <answer>...</answer> equals ``answer``."""
+    found = ANSWER_RE.findall(text)
+    if not found:
+        return 0.0
+    got = parse_number(found[-1])
+    return 1.0 if got is not None and abs(got - answer) < 1e-9 else 0.0
+
+
+def time_to_target(steps: list[tuple[int, float, float]], target: float, window: int):
+    """steps: (step, reward, elapsed_s) in order. Returns (step, elapsed, rolling) or None."""
+    rewards: list[float] = []
+    for step, reward, elapsed in steps:
+        rewards.append(reward)
+        if len(rewards) >= window:
+            rolling = sum(rewards[-window:]) / window
+            if rolling >= target:
+                return step, elapsed, rolling
+    return None
+
+
+def summarise(name: str, steps, load_s: float, args) -> dict:
+    hit = time_to_target(steps, args.target, args.window)
+    n = len(steps)
+    total = steps[-1][2] if steps else float("nan")
+    # Seconds per step: over all steps but the first (warm-up), when there are several.
+    if n >= 3:
+        sps = (steps[-1][2] - steps[0][2]) / (n - 1)
+    elif n:
+        sps = total / n
+    else:
+        sps = float("nan")
+    return {
+        "name": name,
+        "steps_run": n,
+        "loop_s": total,
+        "first_step_s": steps[0][2] if steps else float("nan"),
+        "s_per_step": sps,
+        "s_per_step_incl_first": total / n if n else float("nan"),
+        "load_s": load_s,
+        "reached": hit is not None,
+        "steps_to_target": hit[0] if hit else None,
+        "time_to_target_s": hit[1] if hit else None,
+        "rolling_at_target": hit[2] if hit else None,
+        "first_reward": steps[0][1] if steps else None,
+        "last_rolling": (
+            sum(r for _, r, _ in steps[-args.window:]) / min(n, args.window) if n else None
+        ),
+        "per_step": [{"step": s, "reward": r, "elapsed_s": e} for s, r, e in steps],
+    }
+
+
+# ---------------------------------------------------------------------- temper
+
+
+def run_temper(args, workdir: Path) -> dict:
+    log_dir = workdir / "temper-run"
+    cmd = [
+        str(args.temper), "--threads", str(args.threads), "train", "rl", str(args.rl_config),
+        "--model.path", str(args.model),
+        "--log.dir", str(log_dir),
+        "--trainer.max_steps", str(args.max_steps),
+        "--eval.num_examples", "0",
+        "--ckpt.interval", "0",
+        "--log.progress", "false",
+        "--seed", str(args.seed),
+    ]
+    print("temper:", " ".join(cmd), flush=True)
+    metrics = log_dir / "metrics.jsonl"
+    log_path = workdir / "temper.log"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        steps: list[tuple[int, float, float]] = []
+        stopped_early = False
+        while True:
+            rc = proc.poll()
+            steps = read_temper_metrics(metrics)
+            if (
+                rc is None
+                and not args.no_early_stop
+                and time_to_target(steps, args.target, args.window) is not None
+            ):
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                stopped_early = True
+                break
+            if rc is not None:
+                break
+            time.sleep(0.2)
+    wall = time.perf_counter() - t0
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = ru.ru_utime + ru.ru_stime
+    steps = read_temper_metrics(metrics)
+    if proc.returncode != 0 and not stopped_early:
+        print(open(log_path).read()[-4000:], file=sys.stderr)
+        raise SystemExit(f"temper exited with status {proc.returncode} (log: {log_path})")
+    if not steps:
+        raise SystemExit(f"temper wrote no metrics (log: {log_path})")
+    # time/elapsed counts from the start of the RL loop; the rest of the process
+    # wall time up to the last step is start-up (model load, engine init).
+    load_s = max(0.0, wall - steps[-1][2]) if not stopped_early else float("nan")
+    out = summarise("temper", steps, load_s, args)
+    out["process_wall_s"] = wall
+    # CPU seconds of the whole process (start-up included) per step run.
+    out["cpu_s_per_step"] = cpu_s / len(steps)
+    out["stopped_early"] = stopped_early
+    out["version"] = subprocess.run(
+        [str(args.temper), "--version"], capture_output=True, text=True
+    ).stdout.strip()
+    return out
+
+
+def read_temper_metrics(path: Path) -> list[tuple[int, float, float]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line being written
+        rows.append((int(m["step"]), float(m["reward/mean"]), float(m["time/elapsed"])))
+    return rows
+
+
+# ------------------------------------------------------------------------- TRL
+
+
+def run_trl(args, rl_cfg: dict, workdir: Path) -> dict:
+    # Thread settings before torch is imported.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+    t_load = time.perf_counter()
+    import torch
+    import transformers
+    import peft
+    import trl
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(args.threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    transformers.logging.set_verbosity_error()
+
+    sampling = rl_cfg.get("sampling", {})
+    trainer_cfg = rl_cfg.get("trainer", {})
+    lora_cfg = rl_cfg.get("lora", {})
+    env_args = (rl_cfg.get("env") or [{}])[0].get("args", {})
+    if env_args.get("digits", 1) != 1 or env_args.get("ops", ["+"]) != ["+"] or env_args.get(
+        "system_prompt", ""
+    ):
+        raise SystemExit(
+            "this benchmark builds only temper's arithmetic task with digits=1, ops=['+'], "
+            f"no system prompt; the config has {env_args}"
+        )
+    group = int(sampling.get("group_size", 8))
+    prompts_per_step = int(trainer_cfg.get("batch_size", 16))
+    max_tokens = int(sampling.get("max_tokens", 24))
+    temperature = float(sampling.get("temperature", 1.0))
+    top_p = float(sampling.get("top_p", 1.0))
+    lr = float(trainer_cfg.get("lr", 2e-3))
+    grad_clip = float(trainer_cfg.get("grad_clip", 1.0))
+    weight_decay = float(trainer_cfg.get("weight_decay", 0.0))
+    rank = int(lora_cfg.get("rank", 16))
+    alpha = float(lora_cfg.get("alpha", 32.0))
+    targets = lora_cfg.get("targets") or LORA_TARGETS
+    if trainer_cfg.get("warmup_steps", 0):
+        raise SystemExit("trainer.warmup_steps > 0 is not mirrored on the TRL side")
+
+    # Prompts: like temper's arithmetic env, a and b uniform in 0..=9.
+    rng = random.Random(args.seed)
+    rows = []
+    for _ in range(prompts_per_step * args.max_steps):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append(
+            {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": a + b}
+        )
+    dataset = Dataset.from_list(rows)
+
+    def correct(prompts, completions, answer, **kwargs):
+        out = []
+        for c, ans in zip(completions, answer):
+            text = c[-1]["content"] if isinstance(c, list) else c
+            out.append(arithmetic_reward(text, int(ans)))
+        return out
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+
+    config = GRPOConfig(
+        output_dir=str(workdir / "trl-run"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=args.seed,
+        max_steps=args.max_steps,
+        num_generations=group,
+        per_device_train_batch_size=group * prompts_per_step,  # completions per step
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-12,
+        weight_decay=weight_decay,
+        max_grad_norm=grad_clip,
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="none",
+        mask_truncated_completions=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        log_completions=False,
+        # TRL defaults to gradient checkpointing; it only costs time on a model this small.
+        gradient_checkpointing=False,
+    )
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=list(targets),
+        task_type="CAUSAL_LM",
+        use_rslora=bool(lora_cfg.get("rslora", False)),
+    )
+
+    steps: list[tuple[int, float, float]] = []
+    state = {"t0": None}
+    target, window, early = args.target, args.window, not args.no_early_stop
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, a, s, control, **kw):
+            state["t0"] = time.perf_counter()
+            state["cpu0"] = time.process_time()
+
+        def on_log(self, a, s, control, logs=None, **kw):
+            if logs is None or "reward" not in logs or state["t0"] is None:
+                return
+            elapsed = time.perf_counter() - state["t0"]
+            steps.append((s.global_step, float(logs["reward"]), elapsed))
+            if args.verbose:
+                print(
+                    f"  trl step {s.global_step:3d}  reward {logs['reward']:.3f}  "
+                    f"t {elapsed:7.1f}s",
+                    flush=True,
+                )
+            if early and time_to_target(steps, target, window) is not None:
+                control.should_training_stop = True
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[correct],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora,
+        callbacks=[Timer()],
+    )
+    trainer.remove_callback(PrinterCallback)  # the per-step log dicts
+    load_s = time.perf_counter() - t_load
+    print(f"TRL: model + trainer ready in {load_s:.1f}s; training...", flush=True)
+    trainer.train()
+    cpu_s = time.process_time() - state["cpu0"]
+    out = summarise("TRL GRPOTrainer", steps, load_s, args)
+    # CPU seconds of the training loop (all threads of this process) per step.
+    out["cpu_s_per_step"] = cpu_s / max(1, len(steps))
+    out["versions"] = {
+        "trl": trl.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+    }
+    out["torch_threads"] = torch.get_num_threads()
+    return out
+
+
+# ----------------------------------------------------------------------- report
+
+
+def fmt(x, spec=".1f", none="-"):
+    if x is None or (isinstance(x, float) and x != x):
+        return none
+    return format(x, spec)
+
+
+def report(t: dict | None, r: dict | None, args) -> None:
+    print()
+    print(
+        f"RL time-to-target: arithmetic (1-digit +), target rolling mean reward "
+        f">= {args.target} over {args.window} steps, max {args.max_steps} steps, "
+        f"{args.threads} threads"
+    )
+    cols = [c for c in (t, r) if c]
+    w = 18
+    print(f"{'':28}" + "".join(f"{c['name']:>{w}}" for c in cols))
+
+    def row(label, key, spec=".2f"):
+        print(f"{label:28}" + "".join(f"{fmt(c.get(key), spec):>{w}}" for c in cols))
+
+    row("steps run", "steps_run", "d")
+    row("first step (s)", "first_step_s")
+    row("s/step (after the first)", "s_per_step")
+    row("s/step (all)", "s_per_step_incl_first")
+    row("CPU s/step (all threads)", "cpu_s_per_step")
+    row("reward at step 1", "first_reward", ".3f")
+    row("steps to target", "steps_to_target", "d")
+    row("time to target (s)", "time_to_target_s", ".1f")
+    row("last rolling reward", "last_rolling", ".3f")
+    row("load/start-up (s, excl.)", "load_s", ".1f")
+    extra = sorted({float(x) for x in args.also_targets.split(",") if x.strip()} - {args.target})
+    if extra:
+        print()
+        print(f"time to other rolling-reward targets (window {args.window}), s (step):")
+        for tgt in extra:
+            cells = []
+            for c in cols:
+                steps = [(d["step"], d["reward"], d["elapsed_s"]) for d in c["per_step"]]
+                hit = time_to_target(steps, tgt, args.window)
+                cells.append(f"{hit[1]:.1f} ({hit[0]})" if hit else "not reached")
+            ratio = ""
+            if len(cols) == 2 and all(x != "not reached" for x in cells):
+                a = time_to_target([(d["step"], d["reward"], d["elapsed_s"])
+                                    for d in cols[0]["per_step"]], tgt, args.window)
+                b = time_to_target([(d["step"], d["reward"], d["elapsed_s"])
+                                    for d in cols[1]["per_step"]], tgt, args.window)
+                ratio = f"   ratio {b[1] / a[1]:.1f}x"
+            print(f"  >= {tgt:<23}" + "".join(f"{x:>{w}}" for x in cells) + ratio)
+    if t and r:
+        print()
+        ratio_step = r["s_per_step"] / t["s_per_step"]
+        print(f"per-step speedup (TRL s/step / temper s/step):   {ratio_step:.1f}x  (>1: temper faster)")
+        ratio_all = r["s_per_step_incl_first"] / t["s_per_step_incl_first"]
+        print(f"per-step speedup incl. first step:               {ratio_all:.1f}x")
+        if t["reached"] and r["reached"]:
+            ratio = r["time_to_target_s"] / t["time_to_target_s"]
+            print(f"time-to-target speedup (TRL / temper):          {ratio:.1f}x  (>1: temper faster)")
+        elif t["reached"]:
+            lower = r["loop_s"] / t["time_to_target_s"]
+            print(
+                f"time-to-target speedup: TRL did not reach the target in "
+                f"{r['steps_run']} steps ({r['loop_s']:.1f}s); speedup > {lower:.1f}x"
+            )
+        elif r["reached"]:
+            print("time-to-target: temper did not reach the target, TRL did")
+        else:
+            print("time-to-target: neither side reached the target")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--temper", type=Path, default=Path("target/release/temper"))
+    p.add_argument("--model", type=Path, help="SFT model dir (HF format)")
+    p.add_argument("--rl-config", type=Path, help="temper RL config.toml")
+    p.add_argument("--target", type=float, default=0.6)
+    p.add_argument("--window", type=int, default=5, help="rolling window in steps")
+    p.add_argument("--also-targets", default="0.5,0.55",
+                   help="comma-separated extra targets reported from the same runs (no early stop on them)")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="re-print the report of an earlier --json-out file without running anything")
+    p.add_argument("--max-steps", type=int, default=60)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-early-stop", action="store_true", help="run max-steps on both sides")
+    p.add_argument("--skip-temper", action="store_true")
+    p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir")
+    p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("-v", "--verbose", action="store_true", help="print TRL steps as they go")
+    args = p.parse_args()
+
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        report(saved["temper"], saved["trl"], args)
+        return 0
+    if args.model is None or args.rl_config is None:
+        p.error("--model and --rl-config are required")
+    rl_cfg = tomllib.loads(args.rl_config.read_text())
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_rl_trl_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"workdir: {workdir}")
+    print(f"load average before: {os.getloadavg()}", flush=True)
+
+    t = None if args.skip_temper else run_temper(args, workdir)
+    if t:
+        print(
+            f"temper: {t['steps_run']} steps in {t['loop_s']:.1f}s "
+            f"(process {t['process_wall_s']:.1f}s)",
+            flush=True,
+        )
+    r = None if args.skip_trl else run_trl(args, rl_cfg, workdir)
+    report(t, r, args)
+    print(f"\nload average after: {os.getloadavg()}")
+    if r:
+        print("versions:", ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
+              f"| temper: {t['version'] if t else '-'} | python {platform.python_version()}")
+    if args.json_out:
+        args.json_out.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                        "temper": t, "trl": r, "loadavg_after": os.getloadavg()}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
