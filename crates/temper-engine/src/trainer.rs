@@ -84,6 +84,11 @@ pub trait Trainer: Send + Sync {
     }
     /// Logprobs of `tokens[1..]` under a sampler handle's weights.
     fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> TrainerFuture<Vec<f32>>;
+    /// Free the weights behind a sampler handle nobody will sample from
+    /// again (a long RL run publishes one per step). The default keeps them.
+    fn release_sampler(&self, _sampler: &str) -> TrainerFuture<()> {
+        Box::pin(async { Ok(()) })
+    }
     /// Write the trained LoRA adapter in the PEFT layout into `dir` (what an
     /// external sampler such as `temper serve` or vLLM loads). Trainers that
     /// keep weights remotely do not support it.
@@ -195,6 +200,10 @@ impl Trainer for LocalTrainer {
 
     fn export_peft(&self, dir: &Path) -> TrainerFuture<()> {
         Box::pin(self.engine.export_peft(&self.run, dir.to_path_buf()))
+    }
+
+    fn release_sampler(&self, sampler: &str) -> TrainerFuture<()> {
+        Box::pin(self.engine.drop_sampler(sampler))
     }
 
     fn save_state(&self, name: &str) -> TrainerFuture<String> {

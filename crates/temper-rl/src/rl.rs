@@ -208,7 +208,10 @@ enum Publisher {
         trainer: Arc<dyn Trainer>,
         renderer: Renderer,
         batcher: Batcher,
-        previous: Option<String>,
+        /// Handles still published, oldest first.
+        live: std::collections::VecDeque<String>,
+        /// How many to keep: every version a producer may still sample from.
+        keep: usize,
     },
     Http {
         trainer: Arc<dyn Trainer>,
@@ -225,13 +228,20 @@ impl Publisher {
                 trainer,
                 renderer,
                 batcher,
-                previous,
+                live,
+                keep,
             } => {
                 let handle = trainer
                     .save_weights_for_sampler(&format!("policy-{version}"))
                     .await?;
+                live.push_back(handle.clone());
+                // A long run would otherwise keep one weight snapshot per step.
+                while live.len() > *keep {
+                    if let Some(old) = live.pop_front() {
+                        trainer.release_sampler(&old).await?;
+                    }
+                }
                 let model = EnginePolicy::new(renderer.clone(), batcher.clone(), handle, version);
-                *previous = None;
                 Ok(Published {
                     version,
                     model: Arc::new(model),
@@ -916,7 +926,10 @@ pub async fn run_rl_with(
             batcher: batcher
                 .clone()
                 .ok_or_else(|| RlError::Sampler("no batcher".into()))?,
-            previous: None,
+            live: Default::default(),
+            // The producer may hold version j − max_off while j + 1 is
+            // published; one more for the batch being handed over.
+            keep: cfg.async_.max_off_policy_steps as usize + 3,
         },
         Some(url) => {
             if !cfg.lora.enabled {
