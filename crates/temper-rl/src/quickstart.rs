@@ -202,28 +202,14 @@ pub async fn quickstart(o: &QuickstartOptions) -> Result<QuickstartReport> {
         o.digits,
         100.0 * o.teacher_noise
     ));
-    let sft = run_sft(
-        sft_config(o),
-        RunOptions {
-            progress: o.progress,
-            ..Default::default()
-        },
-    )
-    .await?;
+    let sft = run_sft(sft_config(o), RunOptions::default()).await?;
     let t_sft = t0.elapsed().as_secs_f64();
     say(format!(
         "== 2/2 async RL against the environment's verifier (LoRA r=16, group-relative advantages, max 1 step off-policy), {} steps",
         o.rl_steps
     ));
     let t1 = Instant::now();
-    let rl = run_rl(
-        rl_config(o, &sft.output),
-        RunOptions {
-            progress: o.progress,
-            ..Default::default()
-        },
-    )
-    .await?;
+    let rl = run_rl(rl_config(o, &sft.output), RunOptions::default()).await?;
     let t_rl = t1.elapsed().as_secs_f64();
     let missing = || crate::RlError::Env("the RL run recorded no evaluation".into());
     let before = rl.eval_before.clone().ok_or_else(missing)?;

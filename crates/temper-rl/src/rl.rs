@@ -62,8 +62,6 @@ pub struct Batch {
 pub struct RunOptions {
     /// Continue from the run directory's latest checkpoint.
     pub resume: bool,
-    /// Print a progress line per step to stderr.
-    pub progress: bool,
     /// Stop (as if killed) after this many steps of this session — for
     /// tests of resumption; `None` runs to `max_steps`.
     pub stop_after: Option<u64>,
@@ -959,7 +957,7 @@ pub async fn run_rl_with(
 
     if eval_before.is_none() && cfg.eval.num_examples > 0 && start == 0 {
         let r = evaluate(&cfg, first.model.clone(), &run_dir, 0, batcher.as_ref()).await?;
-        if opts.progress {
+        if cfg.log.progress {
             eprintln!(
                 "eval before training: accuracy {:.1}%  reward {:.3}  ({} rollouts, {} distinct held-out questions)",
                 100.0 * r.accuracy,
@@ -1044,7 +1042,7 @@ pub async fn run_rl_with(
             "time/elapsed".into(),
             json!(run_started.elapsed().as_secs_f64()),
         );
-        if opts.progress {
+        if cfg.log.progress {
             eprintln!("{}", progress_line(&m, max_steps, step_s));
             if let Some(r) = last_eval.as_ref().filter(|_| eval_due) {
                 eprintln!(

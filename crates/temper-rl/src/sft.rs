@@ -144,25 +144,6 @@ pub fn row_messages(row: &Value) -> Result<Vec<Value>> {
     }
 }
 
-/// Read a chat JSONL file into message lists (blank lines skipped); errors
-/// name the line.
-pub fn read_jsonl(path: &Path) -> Result<Vec<Vec<Value>>> {
-    let text = std::fs::read_to_string(path).map_err(|e| RlError::io(path, e))?;
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let row: Value = serde_json::from_str(line)
-            .map_err(|e| RlError::Data(format!("{}:{}: {e}", path.display(), i + 1)))?;
-        out.push(
-            row_messages(&row)
-                .map_err(|e| RlError::Data(format!("{}:{}: {e}", path.display(), i + 1)))?,
-        );
-    }
-    Ok(out)
-}
-
 /// What a finished SFT run reports.
 #[derive(Debug, Clone)]
 pub struct SftOutcome {
@@ -183,13 +164,7 @@ pub fn load_examples(cfg: &SftConfig, base: &Pretrained) -> Result<Vec<SftExampl
         RlError::Config(format!("model {} has no chat template", base.dir.display()))
     })?;
     let conversations: Vec<Vec<Value>> = match (&cfg.data.path, &cfg.data.env) {
-        (Some(p), None) => {
-            if p.extension().is_some_and(|e| e == "parquet") {
-                read_parquet(p)?
-            } else {
-                read_jsonl(p)?
-            }
-        }
+        (Some(p), None) => read_conversations(p)?,
         (None, Some(e)) => {
             let env = temper_env::load_environment(&e.id, &e.args)
                 .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
@@ -307,9 +282,10 @@ pub fn successful_rollouts(results: &Path, min_reward: f64) -> Result<(Vec<Value
     Ok((rows, read))
 }
 
-/// Chat rows from a Parquet file: a `messages` column (JSON text or a list
-/// of structs), or `prompt` + `completion`.
-fn read_parquet(path: &Path) -> Result<Vec<Vec<Value>>> {
+/// Conversations of a chat JSONL or Parquet file (read by the same reader
+/// as environment datasets): a `messages` column (a list, or JSON text in
+/// Parquet), or `prompt` + `completion`; errors name the file and row.
+pub fn read_conversations(path: &Path) -> Result<Vec<Vec<Value>>> {
     let rows = temper_env::manifest::read_records(path)
         .map_err(|e| RlError::Data(format!("{}: {e}", path.display())))?;
     rows.iter()
@@ -321,7 +297,8 @@ fn read_parquet(path: &Path) -> Result<Vec<Vec<Value>>> {
                     r["messages"] = v;
                 }
             }
-            row_messages(&r).map_err(|e| RlError::Data(format!("{}: row {i}: {e}", path.display())))
+            row_messages(&r)
+                .map_err(|e| RlError::Data(format!("{}: row {}: {e}", path.display(), i + 1)))
         })
         .collect()
 }
@@ -416,7 +393,7 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         m.insert("tokens_per_s".into(), json!(tokens as f64 / dt.max(1e-9)));
         m.insert("time/step".into(), json!(dt));
         m.insert("time/elapsed".into(), json!(t_run.elapsed().as_secs_f64()));
-        if opts.progress && (step.is_multiple_of(10) || step == end) {
+        if cfg.log.progress && (step.is_multiple_of(10) || step == end) {
             eprintln!(
                 "sft step {step:>4}/{max_steps}  loss {loss:.4}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s",
                 stats.grad_norm,

@@ -100,12 +100,10 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                 print!("{}", config::to_toml(&r.cfg)?);
                 return Ok(());
             }
-            let progress = r.cfg.log.progress;
             let out = runtime()?.block_on(run_rl(
                 r.cfg,
                 RunOptions {
                     resume: r.resume,
-                    progress,
                     stop_after: None,
                 },
             ))?;
@@ -133,13 +131,11 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                 print!("{}", config::to_toml(&r.cfg)?);
                 return Ok(());
             }
-            let progress = r.cfg.log.progress;
             let dir = r.cfg.log.dir.clone();
             let out = runtime()?.block_on(run_sft(
                 r.cfg,
                 RunOptions {
                     resume: r.resume,
-                    progress,
                     stop_after: None,
                 },
             ))?;

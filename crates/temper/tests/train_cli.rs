@@ -120,16 +120,7 @@ fn kill_nine_mid_run_then_resume_matches_an_uninterrupted_run() {
     let cfg_whole = config(d.path(), &model, &env, &whole, "");
     let cfg_cut = config(d.path(), &model, &env, &cut, "");
 
-    let st = temper()
-        .args(["train", "rl"])
-        .arg(&cfg_whole)
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
-    );
+    let a = train_rl(&cfg_whole, &[], &whole);
 
     let mut child = temper()
         .args(["train", "rl"])
@@ -164,7 +155,6 @@ fn kill_nine_mid_run_then_resume_matches_an_uninterrupted_run() {
         "{}",
         String::from_utf8_lossy(&st.stderr)
     );
-    let a = metrics(&whole);
     let b = metrics(&cut);
     let steps: Vec<u64> = b.iter().map(|m| m["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, (1..=8).collect::<Vec<_>>(), "each step exactly once");
@@ -185,22 +175,21 @@ impl Drop for Server {
     }
 }
 
-fn serve(model: &Path) -> (Server, String) {
+/// Start a temper server command on a free port and wait for the line
+/// announcing its address (the URL is the first word after `marker`).
+fn spawn_server(args: &[String], marker: &str) -> (Server, String) {
     let mut child = temper()
-        .arg("serve")
-        .arg("--model")
-        .arg(model)
+        .args(args)
         .args(["--port", "0"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let mut lines = BufReader::new(stderr).lines();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let url = loop {
-        let line = lines.next().expect("serve exited").unwrap();
-        if let Some(u) = line.split("listening on ").nth(1) {
-            break u.trim().to_string();
+        let line = lines.next().expect("the server exited").unwrap();
+        if let Some(rest) = line.split(marker).nth(1) {
+            break rest.split_whitespace().next().unwrap().to_string();
         }
     };
     // Keep draining stderr so the server never blocks on a full pipe.
@@ -208,11 +197,34 @@ fn serve(model: &Path) -> (Server, String) {
     (Server(child), url)
 }
 
+/// `temper train rl CFG EXTRA...`, which must succeed; its step metrics.
+fn train_rl(cfg: &Path, extra: &[&str], run: &Path) -> Vec<Map<String, Value>> {
+    let st = temper()
+        .args(["train", "rl"])
+        .arg(cfg)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    metrics(run)
+}
+
 #[test]
 fn rl_against_an_external_temper_serve_hot_swaps_the_adapter() {
     let d = tempfile::tempdir().unwrap();
     let (model, env) = setup(d.path());
-    let (_server, url) = serve(&model);
+    let (_server, url) = spawn_server(
+        &[
+            "serve".into(),
+            "--model".into(),
+            model.display().to_string(),
+        ],
+        "listening on ",
+    );
     let run = d.path().join("ext");
     let cfg = config(
         d.path(),
@@ -221,23 +233,16 @@ fn rl_against_an_external_temper_serve_hot_swaps_the_adapter() {
         &run,
         &format!("[sampler]\nurl = \"{url}\"\nadapter_name = \"policy\"\n"),
     );
-    let st = temper()
-        .args(["train", "rl"])
-        .arg(&cfg)
-        .args([
+    let m = train_rl(
+        &cfg,
+        &[
             "--trainer.max_steps",
             "4",
             "--async.max_off_policy_steps",
             "1",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
+        ],
+        &run,
     );
-    let m = metrics(&run);
     assert_eq!(m.len(), 4);
     assert!(m
         .iter()
@@ -264,24 +269,17 @@ fn rl_against_an_external_temper_serve_hot_swaps_the_adapter() {
 fn rl_trains_through_a_remote_training_api() {
     let d = tempfile::tempdir().unwrap();
     let (model, env) = setup(d.path());
-    let mut child = temper()
-        .args(["api", "serve", "--port", "0", "--model"])
-        .arg(format!("base={}", model.display()))
-        .arg("--checkpoints")
-        .arg(d.path().join("api-ckpt"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let url = loop {
-        let line = lines.next().expect("api serve exited").unwrap();
-        if let Some(rest) = line.split("API on ").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines.by_ref() {});
-    let _server = Server(child);
+    let (_server, url) = spawn_server(
+        &[
+            "api".into(),
+            "serve".into(),
+            "--model".into(),
+            format!("base={}", model.display()),
+            "--checkpoints".into(),
+            d.path().join("api-ckpt").display().to_string(),
+        ],
+        "API on ",
+    );
     let run = d.path().join("remote");
     let cfg = config(
         d.path(),
@@ -290,18 +288,11 @@ fn rl_trains_through_a_remote_training_api() {
         &run,
         &format!("[remote_trainer]\nurl = \"{url}\"\nbase_model = \"base\"\n"),
     );
-    let st = temper()
-        .args(["train", "rl"])
-        .arg(&cfg)
-        .args(["--trainer.max_steps", "3", "--lora.alpha", "32.0"])
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
+    let m = train_rl(
+        &cfg,
+        &["--trainer.max_steps", "3", "--lora.alpha", "32.0"],
+        &run,
     );
-    let m = metrics(&run);
     assert_eq!(m.len(), 3);
     assert!(m
         .iter()
