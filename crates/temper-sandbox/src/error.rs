@@ -18,6 +18,12 @@ pub enum SandboxError {
         /// What was tried.
         reason: String,
     },
+    /// The cap on live sessions is reached.
+    #[error("at most {max} sessions may be live at once; delete one or wait for one to expire")]
+    SessionLimit {
+        /// The cap.
+        max: usize,
+    },
     /// The seccomp filter could not be compiled for this architecture.
     #[error("seccomp filter: {0}")]
     Seccomp(String),

@@ -22,7 +22,7 @@ use nix::sys::socket::{
 };
 use nix::unistd::pipe2;
 
-use crate::sandbox::{drain, fetch_from_dir, relative_path, to_result, Spawned};
+use crate::sandbox::{check_files, drain, fetch_from_dir, relative_path, to_result, Spawned};
 use crate::{ExecRequest, ExecResult, Language, Sandbox, SandboxError};
 
 const ZYGOTE: &str = include_str!("zygote.py");
@@ -217,16 +217,42 @@ impl Pool {
         let (frame, fetch) = encode(self.sandbox.config(), req, true)?;
         let mut worker = self.checkout()?;
         worker.runs += 1;
-        match exec(&self.sandbox, &mut worker, req, &frame, &fetch) {
-            Ok((result, healthy)) => {
-                self.checkin(healthy.then_some(worker));
-                result
-            }
+        let outcome = exec(&self.sandbox, &mut worker, req, &frame, &fetch);
+        let keep = matches!(&outcome, Ok((_, true)));
+        self.checkin(keep.then_some(worker));
+        if !keep {
+            // Heal now: the next request finds the pool at full size.
+            self.replenish();
+        }
+        outcome.and_then(|(result, _)| result)
+    }
+
+    /// Starts a worker when fewer than `size` are alive.
+    fn replenish(&self) {
+        let mut state = self.lock();
+        if state.live >= self.config.size {
+            return;
+        }
+        state.live += 1;
+        drop(state);
+        match start_worker(&self.sandbox) {
+            Ok(w) => self.lock().idle.push(w),
             Err(e) => {
-                self.checkin(None);
-                Err(e)
+                tracing::warn!("could not replace a sandbox worker: {e}");
+                self.lock().live -= 1;
             }
         }
+        self.freed.notify_one();
+    }
+
+    /// Workers alive now (busy or idle); `size` once the pool has healed.
+    pub fn workers(&self) -> usize {
+        self.lock().live
+    }
+
+    /// Workers idle now.
+    pub fn idle_workers(&self) -> usize {
+        self.lock().idle.len()
     }
 }
 
@@ -308,8 +334,8 @@ pub(crate) fn encode(
     body.extend_from_slice(&len32(req.code.len())?.to_le_bytes());
     body.extend_from_slice(req.code.as_bytes());
     body.extend_from_slice(&len32(req.files.len())?.to_le_bytes());
-    for (path, data) in &req.files {
-        let rel = relative_path(path)?;
+    let rels = check_files(req.files.keys())?;
+    for (rel, data) in rels.iter().zip(req.files.values()) {
         let rel = rel.to_string_lossy();
         body.extend_from_slice(&len32(rel.len())?.to_le_bytes());
         body.extend_from_slice(rel.as_bytes());
@@ -366,7 +392,7 @@ pub(crate) fn exec(
         timeout: req.timeout.saturating_add(WORKER_SLACK),
         ..req.clone()
     };
-    let io = drain(
+    let mut io = drain(
         &backstop,
         sandbox.config().limits.output_limit_bytes,
         Some(stdin_w),
@@ -376,6 +402,7 @@ pub(crate) fn exec(
         start,
     )?;
     let healthy = io.wait_status.is_some() && io.setup_error.is_none();
+    io.worker_lost();
     let files = if healthy && !fetch.is_empty() {
         fetch_from_dir(
             &worker.work_dir,

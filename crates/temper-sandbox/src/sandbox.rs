@@ -138,19 +138,67 @@ fn ancestors_of(path: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// Checks a user-supplied relative path: no root, no `..`, not empty.
+/// Longest accepted file name component, in bytes (`NAME_MAX`).
+pub const MAX_NAME_BYTES: usize = 255;
+/// Longest accepted relative file path, in bytes.
+pub const MAX_PATH_BYTES: usize = 1024;
+
+/// Checks a user-supplied relative path: no root, no `..`, no NUL, names
+/// at most [`MAX_NAME_BYTES`], at most [`MAX_PATH_BYTES`] in all, and at
+/// least one name (so `""`, `"."` and `"./"` are refused). Returns it
+/// normalised (`./` dropped).
 pub(crate) fn relative_path(p: &str) -> Result<PathBuf, SandboxError> {
-    let path = Path::new(p);
-    let ok = !p.is_empty()
-        && path
-            .components()
-            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
-    if !ok {
-        return Err(SandboxError::InvalidRequest(format!(
-            "file path {p:?} must be relative and must not contain `..`"
-        )));
+    let bad = |why: &str| {
+        let shown: String = p.chars().take(64).collect();
+        let more = if shown.len() < p.len() { "..." } else { "" };
+        Err(SandboxError::InvalidRequest(format!(
+            "file path {shown:?}{more} {why}"
+        )))
+    };
+    if p.contains('\0') {
+        return bad("contains a NUL byte");
     }
-    Ok(path.components().collect())
+    if p.len() > MAX_PATH_BYTES {
+        return bad(&format!("is longer than {MAX_PATH_BYTES} bytes"));
+    }
+    let path = Path::new(p);
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::Normal(name) if name.len() > MAX_NAME_BYTES => {
+                return bad(&format!("has a name longer than {MAX_NAME_BYTES} bytes"))
+            }
+            Component::Normal(name) => out.push(name),
+            Component::CurDir => {}
+            _ => return bad("must be relative and must not contain `..`"),
+        }
+    }
+    if out.as_os_str().is_empty() {
+        return bad("names no file");
+    }
+    Ok(out)
+}
+
+/// Checks every path of `files` and that none is also a directory of
+/// another (`a` and `a/b`), which could not both be written.
+pub(crate) fn check_files<'a>(
+    files: impl IntoIterator<Item = &'a String>,
+) -> Result<Vec<PathBuf>, SandboxError> {
+    let paths = files
+        .into_iter()
+        .map(|p| relative_path(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let set: std::collections::BTreeSet<&Path> = paths.iter().map(PathBuf::as_path).collect();
+    for p in &paths {
+        if let Some(dir) = p.ancestors().skip(1).find(|a| set.contains(a)) {
+            return Err(SandboxError::InvalidRequest(format!(
+                "file {:?} is also a directory of {:?}",
+                dir.display(),
+                p.display()
+            )));
+        }
+    }
+    Ok(paths)
 }
 
 impl Sandbox {
@@ -328,8 +376,8 @@ impl Sandbox {
 
         let mut request_steps = Vec::new();
         let work = Path::new("/work");
-        for (name, data) in &req.files {
-            let rel = relative_path(name)?;
+        let rels = check_files(req.files.keys())?;
+        for (rel, data) in rels.into_iter().zip(req.files.values()) {
             for dir in ancestors_of(&rel) {
                 request_steps.push(Step::Mkdir(staged(&work.join(dir))?));
             }
@@ -586,6 +634,21 @@ pub(crate) struct Drained {
     killed_on_timeout: bool,
 }
 
+impl Drained {
+    /// A warm worker vanished mid-run without a status or a timeout (the
+    /// program killed it, e.g. `os.kill(-1, 9)`): record the run as killed
+    /// by SIGKILL, which is what happened to it. True when that was so.
+    pub(crate) fn worker_lost(&mut self) -> bool {
+        if self.wait_status.is_some() || self.setup_error.is_some() || self.timed_out {
+            return false;
+        }
+        self.wait_status = Some(libc::SIGKILL);
+        self.stderr
+            .extend_from_slice(b"\n[sandbox: the run's worker was killed; it has been replaced]\n");
+        true
+    }
+}
+
 fn set_nonblocking(fd: &impl AsFd) -> Result<(), SandboxError> {
     fcntl(fd.as_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK))
         .map(drop)
@@ -827,10 +890,31 @@ mod tests {
     #[test]
     fn relative_paths_are_checked() {
         assert!(relative_path("a/b.txt").is_ok());
-        assert!(relative_path("./a").is_ok());
-        for bad in ["", "/etc/passwd", "../x", "a/../../x"] {
+        assert_eq!(relative_path("./a").ok(), Some(PathBuf::from("a")));
+        let long_name = "x".repeat(5000);
+        let long_path = "d/".repeat(600) + "f";
+        for bad in [
+            "",
+            ".",
+            "./",
+            "./.",
+            "/etc/passwd",
+            "../x",
+            "a/../../x",
+            "a\0b",
+            &long_name,
+            &long_path,
+        ] {
             assert!(relative_path(bad).is_err(), "{bad:?} accepted");
         }
+    }
+
+    #[test]
+    fn a_file_that_is_also_a_directory_is_refused() {
+        let files = ["a".to_string(), "a/b".to_string()];
+        assert!(check_files(&files).is_err());
+        let files = ["a/c".to_string(), "a/b".to_string()];
+        assert!(check_files(&files).is_ok());
     }
 
     #[test]

@@ -3,11 +3,17 @@
 //! `POST /sessions/{id}/exec`, `PUT`/`GET /sessions/{id}/files`),
 //! `GET /health` and Prometheus `GET /metrics`. [`app`] builds the router
 //! (tests drive it with `oneshot`); the binary only binds and serves.
+//!
+//! Limits: at most `concurrency` runs and session commands execute at once;
+//! at most `max_queue` more wait for a slot (beyond that: 429 with
+//! `Retry-After`); at most `max_sessions` sessions live. Sessions belong to
+//! the `X-Client-Token` that created them: another token (or none) gets 404
+//! for them and `GET /sessions` lists only the caller's own.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{rejection::JsonRejection, State};
 use axum::extract::{Path, Query};
@@ -17,7 +23,7 @@ use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::{
     ExecRequest, ExecResult, ExecStatus, Language, Pool, Sandbox, SandboxError, SessionConfig,
@@ -41,18 +47,21 @@ pub enum Runner {
 #[derive(Default)]
 struct Metrics {
     /// Indexed like [`Metrics::OUTCOMES`].
-    runs: [AtomicU64; 5],
+    runs: [AtomicU64; 6],
     run_micros: AtomicU64,
+    queue_micros: AtomicU64,
     in_flight: AtomicU64,
+    queued: AtomicU64,
 }
 
 impl Metrics {
-    const OUTCOMES: [&'static str; 5] = [
+    const OUTCOMES: [&'static str; 6] = [
         "success",
         "failed",
         "time_limit_exceeded",
         "bad_request",
         "sandbox_error",
+        "rejected_busy",
     ];
 
     fn count(&self, outcome: usize) {
@@ -73,15 +82,57 @@ impl Metrics {
             "# HELP temper_sandbox_run_seconds_total Wall time spent running programs.\n\
              # TYPE temper_sandbox_run_seconds_total counter\n\
              temper_sandbox_run_seconds_total {}\n\
+             # HELP temper_sandbox_queue_seconds_total Time requests waited for a run slot.\n\
+             # TYPE temper_sandbox_queue_seconds_total counter\n\
+             temper_sandbox_queue_seconds_total {}\n\
              # HELP temper_sandbox_in_flight Runs executing now.\n\
              # TYPE temper_sandbox_in_flight gauge\n\
-             temper_sandbox_in_flight {}\n",
+             temper_sandbox_in_flight {}\n\
+             # HELP temper_sandbox_queued Requests waiting for a run slot now.\n\
+             # TYPE temper_sandbox_queued gauge\n\
+             temper_sandbox_queued {}\n",
             self.run_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            self.queue_micros.load(Ordering::Relaxed) as f64 / 1e6,
             self.in_flight.load(Ordering::Relaxed),
+            self.queued.load(Ordering::Relaxed),
         );
         out
     }
 }
+
+/// Limits and the key of the service (`temper sandbox serve` flags).
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// Required as `Authorization: Bearer KEY` (or `X-API-Key`) on every
+    /// route but `/health` and `/metrics` when set.
+    pub api_key: Option<String>,
+    /// Runs and session commands executing at once.
+    pub concurrency: usize,
+    /// Requests waiting for a slot; one more gets 429 with `Retry-After`.
+    pub max_queue: usize,
+    /// Live sessions at once; one more gets 429.
+    pub max_sessions: usize,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            api_key: None,
+            concurrency: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            max_queue: DEFAULT_MAX_QUEUE,
+            max_sessions: crate::session::DEFAULT_MAX_SESSIONS,
+        }
+    }
+}
+
+/// Default of [`ServiceConfig::max_queue`].
+pub const DEFAULT_MAX_QUEUE: usize = 64;
+/// Seconds a client is told to wait (`Retry-After`) when the queue is full.
+pub const RETRY_AFTER_S: u64 = 1;
+/// Header naming the client that owns a session.
+pub const CLIENT_TOKEN_HEADER: &str = "x-client-token";
+/// Longest accepted client token.
+const MAX_CLIENT_TOKEN: usize = 256;
 
 /// Shared state of the service.
 #[derive(Clone)]
@@ -90,6 +141,8 @@ pub struct AppState {
     sessions: Arc<Sessions>,
     api_key: Option<Arc<str>>,
     slots: Arc<Semaphore>,
+    waiting: Arc<AtomicUsize>,
+    max_queue: usize,
     metrics: Arc<Metrics>,
 }
 
@@ -107,15 +160,69 @@ impl AppState {
     }
 
     /// `api_key`: required as `Authorization: Bearer KEY` (or `X-API-Key`)
-    /// on `/run_code` when set; `concurrency`: runs executing at once.
+    /// when set; `concurrency`: runs executing at once; other limits at
+    /// their defaults ([`ServiceConfig`]).
     pub fn new(runner: Runner, api_key: Option<String>, concurrency: usize) -> Self {
+        AppState::with_config(
+            runner,
+            ServiceConfig {
+                api_key,
+                concurrency,
+                ..ServiceConfig::default()
+            },
+        )
+    }
+
+    /// The state for `config`.
+    pub fn with_config(runner: Runner, config: ServiceConfig) -> Self {
         AppState {
             runner,
-            sessions: Arc::new(Sessions::default()),
-            api_key: api_key.map(Arc::from),
-            slots: Arc::new(Semaphore::new(concurrency.max(1))),
+            sessions: Arc::new(Sessions::with_limit(config.max_sessions)),
+            api_key: config.api_key.map(Arc::from),
+            slots: Arc::new(Semaphore::new(config.concurrency.max(1))),
+            waiting: Arc::new(AtomicUsize::new(0)),
+            max_queue: config.max_queue,
             metrics: Arc::new(Metrics::default()),
         }
+    }
+
+    /// A run slot, and how long we waited for it; 429 when `max_queue`
+    /// requests are already waiting.
+    async fn slot(&self) -> Result<(OwnedSemaphorePermit, Duration), ApiError> {
+        let start = Instant::now();
+        if let Ok(permit) = self.slots.clone().try_acquire_owned() {
+            return Ok((permit, Duration::ZERO));
+        }
+        /// Counts a waiter until dropped (also when the client goes away).
+        struct Waiting<'a>(&'a AtomicUsize, &'a AtomicU64);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+                self.1.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        if self.waiting.fetch_add(1, Ordering::Relaxed) >= self.max_queue {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(ApiError::Busy(format!(
+                "all run slots are busy and {} requests are queued; retry later",
+                self.max_queue
+            )));
+        }
+        self.metrics.queued.fetch_add(1, Ordering::Relaxed);
+        let guard = Waiting(&self.waiting, &self.metrics.queued);
+        let permit = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        drop(guard);
+        let waited = start.elapsed();
+        let micros = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
+        self.metrics
+            .queue_micros
+            .fetch_add(micros, Ordering::Relaxed);
+        Ok((permit, waited))
     }
 }
 
@@ -185,6 +292,10 @@ pub struct RunCodeResponse {
     pub run_result: Option<RunResult>,
     /// Fetched files, base64.
     pub files: BTreeMap<String, String>,
+    /// Seconds the request waited for a run slot (not part of
+    /// `run_result.execution_time`).
+    #[serde(default)]
+    pub queue_time: f64,
 }
 
 /// The service's error: client errors pass through with their message,
@@ -194,6 +305,10 @@ enum ApiError {
     BadRequest(String),
     Unauthorized,
     NotFound(String),
+    /// The queue is full: 429 with `Retry-After`.
+    Busy(String),
+    /// The session cap is reached: 429.
+    TooManySessions(String),
     Internal(String),
 }
 
@@ -201,6 +316,7 @@ impl From<SandboxError> for ApiError {
     fn from(e: SandboxError) -> Self {
         match e {
             SandboxError::InvalidRequest(m) => ApiError::BadRequest(m),
+            e @ SandboxError::SessionLimit { .. } => ApiError::TooManySessions(e.to_string()),
             other => ApiError::Internal(other.to_string()),
         }
     }
@@ -214,8 +330,14 @@ impl From<JsonRejection> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        let mut retry_after = false;
         let (code, message) = match self {
             ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, m),
+            ApiError::Busy(m) => {
+                retry_after = true;
+                (StatusCode::TOO_MANY_REQUESTS, m)
+            }
+            ApiError::TooManySessions(m) => (StatusCode::TOO_MANY_REQUESTS, m),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "missing or wrong API key".into()),
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, m),
             ApiError::Internal(m) => {
@@ -232,8 +354,16 @@ impl IntoResponse for ApiError {
             compile_result: None,
             run_result: None,
             files: BTreeMap::new(),
+            queue_time: 0.0,
         };
-        (code, Json(body)).into_response()
+        let mut response = (code, Json(body)).into_response();
+        if retry_after {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(RETRY_AFTER_S),
+            );
+        }
+        response
     }
 }
 
@@ -326,6 +456,7 @@ fn to_response(r: ExecResult) -> RunCodeResponse {
             .into_iter()
             .map(|(k, v)| (k, B64.encode(v)))
             .collect(),
+        queue_time: 0.0,
     }
 }
 
@@ -346,7 +477,13 @@ async fn run_code(
             2
         }
         Ok(_) => 1,
-        Err(ApiError::BadRequest(_) | ApiError::Unauthorized | ApiError::NotFound(_)) => 3,
+        Err(ApiError::Busy(_)) => 5,
+        Err(
+            ApiError::BadRequest(_)
+            | ApiError::Unauthorized
+            | ApiError::NotFound(_)
+            | ApiError::TooManySessions(_),
+        ) => 3,
         Err(ApiError::Internal(_)) => 4,
     };
     metrics.count(index);
@@ -363,12 +500,7 @@ async fn run_code_inner(
     }
     let Json(body) = body?;
     let req = to_exec_request(body)?;
-    let _slot = state
-        .slots
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let (_slot, queued) = state.slot().await?;
     let runner = state.runner.clone();
     state.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
     let result = tokio::task::spawn_blocking(move || match runner {
@@ -383,7 +515,9 @@ async fn run_code_inner(
         .metrics
         .run_micros
         .fetch_add(micros, Ordering::Relaxed);
-    Ok(Json(to_response(result)))
+    let mut response = to_response(result);
+    response.queue_time = queued.as_secs_f64();
+    Ok(Json(response))
 }
 
 /// `POST /sessions` body.
@@ -458,9 +592,32 @@ fn seconds(value: Option<f64>, default: f64, what: &str) -> Result<Duration, Api
     Ok(Duration::from_secs_f64(v))
 }
 
-async fn session(state: &AppState, id: String) -> Result<Arc<crate::Session>, ApiError> {
+/// The caller's `X-Client-Token` (which owns the sessions it creates).
+fn client_token(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get(CLIENT_TOKEN_HEADER) else {
+        return Ok(None);
+    };
+    let token = value
+        .to_str()
+        .map_err(|_| ApiError::BadRequest("X-Client-Token must be visible ASCII".into()))?;
+    if token.is_empty() || token.len() > MAX_CLIENT_TOKEN {
+        return Err(ApiError::BadRequest(format!(
+            "X-Client-Token must be 1 to {MAX_CLIENT_TOKEN} characters"
+        )));
+    }
+    Ok(Some(token.to_string()))
+}
+
+/// The session `id` when it belongs to the caller; 404 otherwise (the same
+/// answer as for an id that does not exist).
+async fn session(
+    state: &AppState,
+    headers: &HeaderMap,
+    id: String,
+) -> Result<Arc<crate::Session>, ApiError> {
+    let owner = client_token(headers)?;
     let sessions = state.sessions.clone();
-    blocking(move || Ok(sessions.get(&id).ok_or(id)))
+    blocking(move || Ok(sessions.get_owned(&id, owner.as_deref()).ok_or(id)))
         .await?
         .map_err(|id| ApiError::NotFound(format!("no session {id:?} (expired or deleted?)")))
 }
@@ -488,9 +645,10 @@ async fn create_session(
         timeout: seconds(body.timeout, 3600.0, "timeout")?,
         idle_timeout: seconds(body.idle_timeout, 600.0, "idle_timeout")?,
     };
+    let owner = client_token(&headers)?;
     let sandbox = state.sandbox();
     let sessions = state.sessions.clone();
-    let id = blocking(move || sessions.create(sandbox, config)).await?;
+    let id = blocking(move || sessions.create_owned(sandbox, config, owner.as_deref())).await?;
     Ok(Json(serde_json::json!({ "id": id })))
 }
 
@@ -501,8 +659,15 @@ async fn list_sessions(
     if !authorized(&state, &headers) {
         return Err(ApiError::Unauthorized);
     }
+    let Some(owner) = client_token(&headers)? else {
+        return Err(ApiError::BadRequest(
+            "GET /sessions lists the caller's own sessions: send the X-Client-Token \
+             the sessions were created with"
+                .into(),
+        ));
+    };
     Ok(Json(
-        serde_json::json!({ "sessions": state.sessions.list() }),
+        serde_json::json!({ "sessions": state.sessions.list_owned(&owner) }),
     ))
 }
 
@@ -514,9 +679,10 @@ async fn delete_session(
     if !authorized(&state, &headers) {
         return Err(ApiError::Unauthorized);
     }
+    let owner = client_token(&headers)?;
     let sessions = state.sessions.clone();
     // Dropping the session kills its sandbox: off the async threads.
-    let removed = blocking(move || Ok(sessions.delete(&id))).await?;
+    let removed = blocking(move || Ok(sessions.delete_owned(&id, owner.as_deref()))).await?;
     if removed {
         Ok(StatusCode::NO_CONTENT)
     } else {
@@ -535,7 +701,14 @@ async fn session_exec(
     }
     let Json(body) = body?;
     let timeout = seconds(body.timeout, 10.0, "timeout")?;
-    let session = session(&state, id).await?;
+    if timeout.as_secs_f64() > MAX_RUN_TIMEOUT_S {
+        return Err(ApiError::BadRequest(format!(
+            "timeout must be at most {MAX_RUN_TIMEOUT_S} seconds"
+        )));
+    }
+    let session = session(&state, &headers, id).await?;
+    // Session commands share the run slots (and queue) with /run_code.
+    let (_slot, _queued) = state.slot().await?;
     let r = blocking(move || session.exec(&body.command, body.cwd.as_deref(), &body.env, timeout))
         .await?;
     let (status, exit_code) = match r.status {
@@ -561,10 +734,12 @@ async fn session_upload(
         return Err(ApiError::Unauthorized);
     }
     let Json(file) = body?;
+    crate::sandbox::relative_path(&file.path)?;
     let data = B64
         .decode(file.content.as_bytes())
         .map_err(|e| ApiError::BadRequest(format!("content is not base64: {e}")))?;
-    let session = session(&state, id).await?;
+    let session = session(&state, &headers, id).await?;
+    let (_slot, _queued) = state.slot().await?;
     blocking(move || session.upload(&file.path, data)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -579,7 +754,7 @@ async fn session_download(
         return Err(ApiError::Unauthorized);
     }
     let Query(q) = query.map_err(|e| ApiError::BadRequest(e.body_text()))?;
-    let session = session(&state, id).await?;
+    let session = session(&state, &headers, id).await?;
     let path = q.path.clone();
     match blocking(move || session.download(&path)).await? {
         Some(data) => Ok(Json(SessionFile {

@@ -141,7 +141,9 @@ impl Session {
             }
             script += &format!("export {k}={}\n", quote(v));
         }
-        if let Some(cwd) = cwd.filter(|c| !c.is_empty() && *c != ".") {
+        // `""`, `"."` and `"./"` name /work itself.
+        let names_work = |c: &str| c.split('/').all(|part| part.is_empty() || part == ".");
+        if let Some(cwd) = cwd.filter(|c| !names_work(c)) {
             let rel = relative_path(cwd)?;
             script += &format!(
                 "cd -- {} || exit 1\n",
@@ -186,55 +188,133 @@ impl Session {
     }
 }
 
-/// Live sessions by id, with expiry.
-#[derive(Debug, Default)]
+/// Live sessions by id, with expiry, an owner each and a cap on how many.
+///
+/// Ids are 128-bit random capabilities. A session created with an owner
+/// token is reachable only with that token ([`Sessions::get_owned`]); the
+/// listing shows a caller only the sessions of its own token.
+#[derive(Debug)]
 pub struct Sessions {
-    by_id: Mutex<HashMap<String, Arc<Session>>>,
+    by_id: Mutex<HashMap<String, Entry>>,
+    max: usize,
 }
 
-fn new_id() -> String {
+#[derive(Debug)]
+struct Entry {
+    session: Arc<Session>,
+    owner: Option<String>,
+}
+
+/// Default for [`Sessions::with_limit`] (`temper sandbox serve --max-sessions`).
+pub const DEFAULT_MAX_SESSIONS: usize = 16;
+
+impl Default for Sessions {
+    fn default() -> Self {
+        Sessions::with_limit(DEFAULT_MAX_SESSIONS)
+    }
+}
+
+/// A 128-bit random id, hex.
+fn new_id() -> Result<String, SandboxError> {
     use std::io::Read;
     let mut bytes = [0u8; 16];
-    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
-    if random.is_err() {
-        // Unique even without randomness: time + counter.
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default();
-        bytes[..8].copy_from_slice(&n.to_le_bytes());
-        bytes[8..].copy_from_slice(&(t as u64).to_le_bytes());
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| SandboxError::host("read /dev/urandom for a session id", e))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Constant-time comparison of owner tokens.
+fn same_owner(a: Option<&str>, b: Option<&str>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => {
+            a.len() == b.len()
+                && a.bytes()
+                    .zip(b.bytes())
+                    .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+                    == 0
+        }
+        _ => false,
     }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Sessions {
-    /// Creates a session and returns its id.
+    /// At most `max` live sessions (at least one).
+    pub fn with_limit(max: usize) -> Self {
+        Sessions {
+            by_id: Mutex::new(HashMap::new()),
+            max: max.max(1),
+        }
+    }
+
+    /// The cap on live sessions.
+    pub fn limit(&self) -> usize {
+        self.max
+    }
+
+    /// Creates a session with no owner token and returns its id.
     pub fn create(
         &self,
         sandbox: Arc<Sandbox>,
         config: SessionConfig,
     ) -> Result<String, SandboxError> {
+        self.create_owned(sandbox, config, None)
+    }
+
+    /// Creates a session owned by `owner` and returns its id;
+    /// [`SandboxError::SessionLimit`] when `limit()` are live.
+    pub fn create_owned(
+        &self,
+        sandbox: Arc<Sandbox>,
+        config: SessionConfig,
+        owner: Option<&str>,
+    ) -> Result<String, SandboxError> {
         self.reap();
+        let id = new_id()?;
+        // Reserve the slot first so concurrent creates cannot overshoot.
+        {
+            let map = self.lock();
+            if map.len() >= self.max {
+                return Err(SandboxError::SessionLimit { max: self.max });
+            }
+        }
         let session = Arc::new(Session::new(sandbox, config)?);
-        let id = new_id();
-        self.lock().insert(id.clone(), session);
+        let mut map = self.lock();
+        if map.len() >= self.max {
+            drop(map);
+            return Err(SandboxError::SessionLimit { max: self.max });
+        }
+        map.insert(
+            id.clone(),
+            Entry {
+                session,
+                owner: owner.map(str::to_string),
+            },
+        );
         Ok(id)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Session>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
         self.by_id.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The live session `id`.
+    /// The live session `id`, whoever owns it (library use).
     pub fn get(&self, id: &str) -> Option<Arc<Session>> {
         self.reap();
-        self.lock().get(id).cloned()
+        self.lock().get(id).map(|e| e.session.clone())
     }
 
-    /// Ids of the live sessions.
+    /// The live session `id` when it belongs to `owner`.
+    pub fn get_owned(&self, id: &str, owner: Option<&str>) -> Option<Arc<Session>> {
+        self.reap();
+        self.lock()
+            .get(id)
+            .filter(|e| same_owner(e.owner.as_deref(), owner))
+            .map(|e| e.session.clone())
+    }
+
+    /// Ids of all live sessions (library use).
     pub fn list(&self) -> Vec<String> {
         self.reap();
         let mut ids: Vec<String> = self.lock().keys().cloned().collect();
@@ -242,9 +322,46 @@ impl Sessions {
         ids
     }
 
+    /// Ids of the live sessions owned by `owner`.
+    pub fn list_owned(&self, owner: &str) -> Vec<String> {
+        self.reap();
+        let mut ids: Vec<String> = self
+            .lock()
+            .iter()
+            .filter(|(_, e)| same_owner(e.owner.as_deref(), Some(owner)))
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    /// Number of live sessions.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// True when no session is live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Deletes `id` (its sandbox is killed); false when there was none.
     pub fn delete(&self, id: &str) -> bool {
         let removed = self.lock().remove(id);
+        removed.is_some()
+    }
+
+    /// Deletes `id` when it belongs to `owner`; false otherwise.
+    pub fn delete_owned(&self, id: &str, owner: Option<&str>) -> bool {
+        let mut map = self.lock();
+        if !map
+            .get(id)
+            .is_some_and(|e| same_owner(e.owner.as_deref(), owner))
+        {
+            return false;
+        }
+        let removed = map.remove(id);
+        drop(map);
         removed.is_some()
     }
 
@@ -254,10 +371,10 @@ impl Sessions {
         let mut map = self.lock();
         let expired: Vec<String> = map
             .iter()
-            .filter(|(_, s)| s.expired(now))
+            .filter(|(_, e)| e.session.expired(now))
             .map(|(id, _)| id.clone())
             .collect();
-        let dropped: Vec<Arc<Session>> = expired.iter().filter_map(|id| map.remove(id)).collect();
+        let dropped: Vec<Entry> = expired.iter().filter_map(|id| map.remove(id)).collect();
         drop(map);
         // Killing the sandboxes happens here, outside the lock.
         dropped.len()

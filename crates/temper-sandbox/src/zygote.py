@@ -12,6 +12,8 @@ libc = ctypes.CDLL(None)
 # Runs share our uid: keep /proc/<zygote>/mem and friends closed to them.
 libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 sock = socket.socket(fileno=3)
+# A file over RLIMIT_FSIZE is an error (EFBIG) for us, not a fatal signal.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 def recv_exact(n, head=b""):
@@ -41,6 +43,7 @@ def child(lang, mem, code, fds):
     rc = 1
     try:
         libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
         os.setsid()
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
@@ -100,6 +103,9 @@ while True:
     off += 4
     if flags & 1:
         clean()
+    # A file that cannot be written (disk full, a directory in the way) is
+    # the run's failure, reported on its stderr; never the zygote's.
+    failed = None
     for _ in range(nfiles):
         (plen,) = struct.unpack_from("<I", body, off)
         path = body[off + 4 : off + 4 + plen].decode()
@@ -107,10 +113,24 @@ while True:
         (dlen,) = struct.unpack_from("<I", body, off)
         data = body[off + 4 : off + 4 + dlen]
         off += 4 + dlen
-        full = os.path.join("/work", path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(full, "wb") as f:
-            f.write(data)
+        if failed:
+            continue
+        try:
+            full = os.path.join("/work", path)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            failed = "cannot write file %r: %s\n" % (path, e.strerror or e)
+    if failed:
+        try:
+            os.write(fds[2], failed.encode())
+        except OSError:
+            pass
+        for fd in fds:
+            os.close(fd)
+        sock.sendall(struct.pack("<Bii", 1, 1 << 8, 0))
+        continue
     pid = os.fork()
     if pid == 0:
         child(lang, mem, code, fds)

@@ -159,12 +159,25 @@ async fn rust_client_talks_to_a_served_app_on_loopback() {
 }
 
 async fn call(state: AppState, method: &str, uri: &str, body: &str) -> (StatusCode, String) {
-    let req = Request::builder()
+    call_as(state, None, method, uri, body).await
+}
+
+/// A call with `X-Client-Token: token` when given.
+async fn call_as(
+    state: AppState,
+    token: Option<&str>,
+    method: &str,
+    uri: &str,
+    body: &str,
+) -> (StatusCode, String) {
+    let mut req = Request::builder()
         .method(method)
         .uri(uri)
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
-        .expect("request");
+        .header("content-type", "application/json");
+    if let Some(t) = token {
+        req = req.header("x-client-token", t);
+    }
+    let req = req.body(Body::from(body.to_string())).expect("request");
     let resp = app(state).oneshot(req).await.expect("response");
     let status = resp.status();
     let bytes = resp.into_body().collect().await.expect("body").to_bytes();
@@ -211,8 +224,9 @@ async fn sessions_api_create_exec_upload_download_delete() {
     )
     .await;
     assert_eq!(code, StatusCode::NOT_FOUND);
-    let (_, text) = call(state.clone(), "GET", "/sessions", "").await;
-    assert!(text.contains(&id));
+    // Listing needs the client's token (these sessions have none).
+    let (code, text) = call(state.clone(), "GET", "/sessions", "").await;
+    assert_eq!(code, StatusCode::BAD_REQUEST, "{text}");
     let (code, _) = call(state.clone(), "POST", "/sessions", r#"{"timeout": -3}"#).await;
     assert_eq!(code, StatusCode::BAD_REQUEST);
     let (code, _) = call(state.clone(), "DELETE", &format!("/sessions/{id}"), "").await;
@@ -262,4 +276,88 @@ async fn huge_memory_limits_are_capped_not_overflowed() {
     let r: RunCodeResponse = serde_json::from_str(&text).expect("json");
     let cap = temper_sandbox::Limits::default().memory_mb;
     assert_eq!(r.run_result.expect("run").stdout, format!("{cap}\n"));
+}
+
+fn session_id(text: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(text).expect("json")["id"]
+        .as_str()
+        .expect("id")
+        .to_string()
+}
+
+#[tokio::test]
+async fn sessions_belong_to_the_client_that_created_them() {
+    let Some(state) = state(None) else { return };
+    let (alice, bob) = (Some("alice-token-1"), Some("bob-token-2"));
+    let (code, text) = call_as(state.clone(), alice, "POST", "/sessions", "{}").await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let a = session_id(&text);
+    assert_eq!(a.len(), 32, "128-bit hex capability id: {a}");
+    let (code, text) = call_as(state.clone(), bob, "POST", "/sessions", "{}").await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let b = session_id(&text);
+
+    // Each lists only its own.
+    let (code, text) = call_as(state.clone(), alice, "GET", "/sessions", "").await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    assert!(text.contains(&a) && !text.contains(&b), "{text}");
+    let (_, text) = call_as(state.clone(), bob, "GET", "/sessions", "").await;
+    assert!(text.contains(&b) && !text.contains(&a), "{text}");
+
+    // Alice writes a secret; Bob (or a caller with no token) cannot reach it.
+    let exec = r#"{"command": "echo secret > s.txt"}"#;
+    let (code, text) = call_as(
+        state.clone(),
+        alice,
+        "POST",
+        &format!("/sessions/{a}/exec"),
+        exec,
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    for who in [bob, None] {
+        for (method, uri, body) in [
+            (
+                "POST",
+                format!("/sessions/{a}/exec"),
+                r#"{"command": "cat s.txt"}"#,
+            ),
+            ("GET", format!("/sessions/{a}/files?path=s.txt"), ""),
+            (
+                "PUT",
+                format!("/sessions/{a}/files"),
+                r#"{"path": "x", "content": ""}"#,
+            ),
+            ("DELETE", format!("/sessions/{a}"), ""),
+        ] {
+            let (code, text) = call_as(state.clone(), who, method, &uri, body).await;
+            assert_eq!(
+                code,
+                StatusCode::NOT_FOUND,
+                "{who:?} {method} {uri}: {text}"
+            );
+            assert!(!text.contains("secret"), "{text}");
+        }
+    }
+    // Alice still has it, intact.
+    let (code, text) = call_as(
+        state.clone(),
+        alice,
+        "GET",
+        &format!("/sessions/{a}/files?path=s.txt"),
+        "",
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let (code, _) = call_as(
+        state.clone(),
+        alice,
+        "DELETE",
+        &format!("/sessions/{a}"),
+        "",
+    )
+    .await;
+    assert_eq!(code, StatusCode::NO_CONTENT);
+    let (code, _) = call_as(state, bob, "DELETE", &format!("/sessions/{b}"), "").await;
+    assert_eq!(code, StatusCode::NO_CONTENT);
 }

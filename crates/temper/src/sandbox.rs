@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
-use temper_sandbox::service::{app, AppState, Runner};
+use temper_sandbox::service::{app, AppState, Runner, ServiceConfig};
 use temper_sandbox::{ExecRequest, Language, Pool, PoolConfig, Sandbox, SandboxConfig};
 
 /// Isolated code execution.
@@ -49,18 +49,70 @@ pub struct ServeArgs {
     /// Address to bind.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
-    /// Port to bind.
+    /// Port to bind (0 = any free port; the address is printed).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Require `Authorization: Bearer KEY` on /run_code.
-    #[arg(long)]
+    /// Require `Authorization: Bearer KEY` (or `X-API-Key`) on every route
+    /// but /health and /metrics. Visible to `ps` on the host until start-up
+    /// scrubs it: prefer --api-key-file or $TEMPER_SANDBOX_API_KEY.
+    #[arg(long, conflicts_with = "api_key_file")]
     api_key: Option<String>,
-    /// Warm workers (0 = a fresh sandbox per run).
-    #[arg(long, default_value_t = 4)]
-    pool_size: usize,
-    /// Runs executing at once (others wait).
+    /// Read the API key from this file (first line, trimmed).
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
+    /// Warm workers (0 = a fresh sandbox per run); default: one per CPU.
+    #[arg(long)]
+    pool_size: Option<usize>,
+    /// Runs (and session commands) executing at once; default: the pool
+    /// size (one per CPU for a cold runner).
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Requests waiting for a slot before new ones get 429 + Retry-After.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Live sessions at once before `POST /sessions` gets 429.
     #[arg(long, default_value_t = 16)]
-    concurrency: usize,
+    max_sessions: usize,
+    /// Per-run memory limit in MiB over all processes of a run (cgroup), and
+    /// the most a request may ask for.
+    #[arg(long, default_value_t = 1024)]
+    memory_mb: u64,
+    /// Per-run limit on processes and threads.
+    #[arg(long, default_value_t = 64)]
+    max_processes: u64,
+}
+
+/// The API key from --api-key, --api-key-file or $TEMPER_SANDBOX_API_KEY,
+/// scrubbed from this process's argument and environment blocks so neither
+/// `ps` nor a sandbox (whose init is a clone of this process) can read it.
+fn api_key(args: &mut ServeArgs) -> Result<Option<String>> {
+    let env = std::env::var(temper_sandbox::API_KEY_ENV).ok();
+    let key = if let Some(key) = args.api_key.take() {
+        eprintln!(
+            "warning: --api-key is visible to `ps` on the host while the server starts; \
+             use --api-key-file or ${}",
+            temper_sandbox::API_KEY_ENV
+        );
+        Some(key)
+    } else if let Some(path) = &args.api_key_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the API key from {}", path.display()))?;
+        let key = text.lines().next().unwrap_or_default().trim().to_string();
+        if key.is_empty() {
+            bail!("{} holds no API key", path.display());
+        }
+        Some(key)
+    } else {
+        env.clone().filter(|k| !k.is_empty())
+    };
+    if env.is_some() {
+        std::env::remove_var(temper_sandbox::API_KEY_ENV);
+    }
+    for secret in key.iter().chain(env.iter()) {
+        temper_sandbox::scrub_from_process(secret)
+            .context("scrubbing the API key from the process's arguments")?;
+    }
+    Ok(key)
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -95,10 +147,10 @@ pub struct RunArgs {
 }
 
 pub fn run(cmd: SandboxCommand) -> Result<()> {
-    let sandbox = Sandbox::new(SandboxConfig::default()).context("building the sandbox")?;
+    let default_sandbox = || Sandbox::new(SandboxConfig::default()).context("building the sandbox");
     match cmd {
         SandboxCommand::Doctor => {
-            let layers = temper_sandbox::doctor(&sandbox);
+            let layers = temper_sandbox::doctor(&default_sandbox()?);
             for layer in &layers {
                 let mark = if layer.active { "ok  " } else { "MISS" };
                 println!("[{mark}] {:<32} {}", layer.name, layer.detail);
@@ -111,9 +163,10 @@ pub fn run(cmd: SandboxCommand) -> Result<()> {
             );
             Ok(())
         }
-        SandboxCommand::Run(args) => run_code(sandbox, args),
-        SandboxCommand::Serve(args) => serve(sandbox, args),
-        SandboxCommand::Bench(args) => bench(sandbox, args),
+        SandboxCommand::Run(args) => run_code(default_sandbox()?, args),
+        // Built from its flags (limits), after the API key is scrubbed.
+        SandboxCommand::Serve(args) => serve(args),
+        SandboxCommand::Bench(args) => bench(default_sandbox()?, args),
     }
 }
 
@@ -243,11 +296,17 @@ fn bench(sandbox: Sandbox, args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn serve(sandbox: Sandbox, args: ServeArgs) -> Result<()> {
-    let sandbox = Arc::new(sandbox);
-    let runner = if args.pool_size > 0 {
+fn serve(mut args: ServeArgs) -> Result<()> {
+    let api_key = api_key(&mut args)?;
+    let mut config = SandboxConfig::default();
+    config.limits.memory_mb = args.memory_mb;
+    config.limits.max_processes = args.max_processes;
+    let sandbox = Arc::new(Sandbox::new(config).context("building the sandbox")?);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pool_size = args.pool_size.unwrap_or(cpus);
+    let runner = if pool_size > 0 {
         let config = PoolConfig {
-            size: args.pool_size,
+            size: pool_size,
             ..PoolConfig::default()
         };
         Runner::Pool(Arc::new(
@@ -256,7 +315,27 @@ fn serve(sandbox: Sandbox, args: ServeArgs) -> Result<()> {
     } else {
         Runner::Cold(sandbox)
     };
-    let state = AppState::new(runner, args.api_key, args.concurrency);
+    let service = ServiceConfig {
+        api_key,
+        concurrency: args
+            .concurrency
+            .unwrap_or(if pool_size > 0 { pool_size } else { cpus }),
+        max_queue: args.max_queue,
+        max_sessions: args.max_sessions,
+    };
+    eprintln!(
+        "temper sandbox: {} warm workers, {} concurrent runs, queue {}, {} sessions, API key {}",
+        pool_size,
+        service.concurrency,
+        service.max_queue,
+        service.max_sessions,
+        if service.api_key.is_some() {
+            "required"
+        } else {
+            "not required"
+        }
+    );
+    let state = AppState::with_config(runner, service);
     let addr = format!("{}:{}", args.host, args.port);
     tokio::runtime::Runtime::new()?.block_on(async move {
         // Reclaim expired sessions even when nobody calls the API.
@@ -272,7 +351,10 @@ fn serve(sandbox: Sandbox, args: ServeArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
-        eprintln!("temper sandbox listening on http://{addr}");
+        eprintln!(
+            "temper sandbox listening on http://{}",
+            listener.local_addr()?
+        );
         axum::serve(listener, app(state))
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;
