@@ -9,8 +9,8 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use common::usable_sandbox;
 use http_body_util::BodyExt;
-use temper_sandbox::service::{app, AppState, RunCodeResponse, Runner};
-use temper_sandbox::Language;
+use temper_sandbox::service::{app, AppState, RunCodeResponse, Runner, ServiceConfig};
+use temper_sandbox::{Language, Pool, PoolConfig};
 use tower::ServiceExt;
 
 fn state(api_key: Option<&str>) -> Option<AppState> {
@@ -360,4 +360,233 @@ async fn sessions_belong_to_the_client_that_created_them() {
     assert_eq!(code, StatusCode::NO_CONTENT);
     let (code, _) = call_as(state, bob, "DELETE", &format!("/sessions/{b}"), "").await;
     assert_eq!(code, StatusCode::NO_CONTENT);
+}
+
+fn pool_state(config: ServiceConfig, size: usize) -> Option<(AppState, Arc<Pool>)> {
+    let sandbox = Arc::new(usable_sandbox("pool service test")?);
+    let pool = Arc::new(
+        Pool::new(
+            sandbox,
+            PoolConfig {
+                size,
+                ..PoolConfig::default()
+            },
+        )
+        .expect("pool"),
+    );
+    Some((
+        AppState::with_config(Runner::Pool(pool.clone()), config),
+        pool,
+    ))
+}
+
+const BAD_PATHS: [&str; 7] = ["", ".", "./", "/etc/passwd", "../x", "a/../../x", "a\u{0}b"];
+
+#[tokio::test]
+async fn bad_file_paths_are_a_400_and_never_kill_a_worker_or_session() {
+    let Some((state, pool)) = pool_state(ServiceConfig::default(), 2) else {
+        return;
+    };
+    let long = "x".repeat(5000);
+    let mut paths: Vec<&str> = BAD_PATHS.to_vec();
+    paths.push(&long);
+    for path in &paths {
+        let files = serde_json::json!({ "code": "print(1)", "language": "python",
+            "files": { *path: "aGk=" } });
+        let (code, text) = post(state.clone(), &files.to_string(), None).await;
+        assert_eq!(code, StatusCode::BAD_REQUEST, "files {path:?}: {text}");
+        let fetch = serde_json::json!({ "code": "print(1)", "language": "python",
+            "fetch_files": [path] });
+        let (code, text) = post(state.clone(), &fetch.to_string(), None).await;
+        assert_eq!(
+            code,
+            StatusCode::BAD_REQUEST,
+            "fetch_files {path:?}: {text}"
+        );
+    }
+    // A file that is also a directory of another cannot be written.
+    let both = r#"{"code": "print(1)", "language": "python", "files": {"a": "", "a/b": ""}}"#;
+    let (code, text) = post(state.clone(), both, None).await;
+    assert_eq!(code, StatusCode::BAD_REQUEST, "{text}");
+    assert_eq!(pool.workers(), 2);
+
+    let (code, text) = call(state.clone(), "POST", "/sessions", "{}").await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let id = session_id(&text);
+    for path in &paths {
+        let body = serde_json::json!({ "path": path, "content": "aGk=" });
+        let (code, text) = call(
+            state.clone(),
+            "PUT",
+            &format!("/sessions/{id}/files"),
+            &body.to_string(),
+        )
+        .await;
+        assert_eq!(code, StatusCode::BAD_REQUEST, "upload {path:?}: {text}");
+    }
+    // A directory in the way of an upload: a 400 too, and the session lives.
+    let (code, _) = call(
+        state.clone(),
+        "POST",
+        &format!("/sessions/{id}/exec"),
+        r#"{"command": "mkdir d"}"#,
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK);
+    let (code, text) = call(
+        state.clone(),
+        "PUT",
+        &format!("/sessions/{id}/files"),
+        r#"{"path": "d", "content": "aGk="}"#,
+    )
+    .await;
+    assert_eq!(code, StatusCode::BAD_REQUEST, "{text}");
+    let (code, text) = call(
+        state.clone(),
+        "POST",
+        &format!("/sessions/{id}/exec"),
+        r#"{"command": "echo alive"}"#,
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    assert!(text.contains("alive"), "{text}");
+    let (code, _) = call(state, "DELETE", &format!("/sessions/{id}"), "").await;
+    assert_eq!(code, StatusCode::NO_CONTENT);
+}
+
+#[tokio::test]
+async fn kill_minus_one_in_user_code_is_a_killed_result_and_the_pool_heals() {
+    let Some((state, pool)) = pool_state(ServiceConfig::default(), 3) else {
+        return;
+    };
+    let body = r#"{"code": "import os\nprint('before', flush=True)\nos.kill(-1, 9)", "language": "python"}"#;
+    for _ in 0..3 {
+        let (code, text) = post(state.clone(), body, None).await;
+        assert_eq!(code, StatusCode::OK, "{text}");
+        let r: RunCodeResponse = serde_json::from_str(&text).expect("json");
+        assert_eq!(r.status, "Failed", "{text}");
+        let run = r.run_result.expect("run");
+        assert_eq!(run.return_code, Some(-9), "{text}");
+        assert_eq!(pool.workers(), 3, "pool did not heal");
+    }
+    assert_eq!(pool.idle_workers(), 3);
+    let (code, text) = post(state, r#"{"code": "print(1)", "language": "python"}"#, None).await;
+    assert_eq!(code, StatusCode::OK);
+    assert!(text.contains("\"stdout\":\"1\\n\""), "{text}");
+}
+
+#[tokio::test]
+async fn the_session_cap_is_a_429() {
+    let config = ServiceConfig {
+        max_sessions: 2,
+        ..ServiceConfig::default()
+    };
+    let Some((state, _pool)) = pool_state(config, 1) else {
+        return;
+    };
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let (code, text) = call(state.clone(), "POST", "/sessions", "{}").await;
+        assert_eq!(code, StatusCode::OK, "{text}");
+        ids.push(session_id(&text));
+    }
+    let (code, text) = call(state.clone(), "POST", "/sessions", "{}").await;
+    assert_eq!(code, StatusCode::TOO_MANY_REQUESTS, "{text}");
+    assert!(text.contains("at most 2 sessions"), "{text}");
+    let (code, _) = call(
+        state.clone(),
+        "DELETE",
+        &format!("/sessions/{}", ids[0]),
+        "",
+    )
+    .await;
+    assert_eq!(code, StatusCode::NO_CONTENT);
+    let (code, text) = call(state, "POST", "/sessions", "{}").await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+}
+
+#[tokio::test]
+async fn a_full_queue_answers_429_with_retry_after_promptly() {
+    // One slot, no queue: a session command holding the slot makes both a
+    // run and another session command wait -> refused at once.
+    let config = ServiceConfig {
+        concurrency: 1,
+        max_queue: 0,
+        ..ServiceConfig::default()
+    };
+    let Some((state, _pool)) = pool_state(config, 1) else {
+        return;
+    };
+    let (_, text) = call(state.clone(), "POST", "/sessions", "{}").await;
+    let id = session_id(&text);
+    let exec_uri = format!("/sessions/{id}/exec");
+    let busy = call(
+        state.clone(),
+        "POST",
+        &exec_uri,
+        r#"{"command": "sleep 3"}"#,
+    );
+    let probe = async {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let t = std::time::Instant::now();
+        let req = Request::post("/run_code")
+            .header("content-type", "application/json")
+            .body(Body::from(r#"{"code": "print(1)", "language": "python"}"#))
+            .expect("request");
+        let resp = app(state.clone()).oneshot(req).await.expect("response");
+        let waited = t.elapsed();
+        let retry = resp
+            .headers()
+            .get("retry-after")
+            .map(|v| v.to_str().expect("ascii").to_string());
+        (resp.status(), retry, waited)
+    };
+    let ((code, text), (status, retry, waited)) = tokio::join!(busy, probe);
+    assert_eq!(code, StatusCode::OK, "{text}");
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(retry.as_deref(), Some("1"));
+    assert!(waited < std::time::Duration::from_secs(1), "{waited:?}");
+    // With the slot free again, a run answers and reports its queue time.
+    let (code, text) = post(state, r#"{"code": "print(1)", "language": "python"}"#, None).await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let r: RunCodeResponse = serde_json::from_str(&text).expect("json");
+    assert!(r.queue_time >= 0.0);
+}
+
+#[tokio::test]
+async fn queue_time_is_reported_apart_from_run_time() {
+    let config = ServiceConfig {
+        concurrency: 1,
+        ..ServiceConfig::default()
+    };
+    let Some((state, _pool)) = pool_state(config, 1) else {
+        return;
+    };
+    let sleeper = post(
+        state.clone(),
+        r#"{"code": "import time; time.sleep(1.5)", "language": "python"}"#,
+        None,
+    );
+    let quick = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        post(
+            state.clone(),
+            r#"{"code": "print(1)", "language": "python"}"#,
+            None,
+        )
+        .await
+    };
+    let (_, (code, text)) = tokio::join!(sleeper, quick);
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let r: RunCodeResponse = serde_json::from_str(&text).expect("json");
+    assert!(r.queue_time > 0.8, "queue_time {}", r.queue_time);
+    assert!(r.run_result.expect("run").execution_time < 0.8);
+    let (_, metrics) = call(state, "GET", "/metrics", "").await;
+    let queued: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("temper_sandbox_queue_seconds_total "))
+        .expect("queue metric")
+        .parse()
+        .expect("number");
+    assert!(queued > 0.8, "{metrics}");
 }
