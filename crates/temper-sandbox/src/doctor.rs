@@ -156,15 +156,11 @@ pub fn doctor(sandbox: &Sandbox) -> Vec<Layer> {
                 .unwrap_or_else(|| "?".into())
         ),
     ));
-    let cgroup2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let limits = sandbox.run_limits();
     layers.push(layer(
-        "cgroup v2 memory/pids limits",
-        false,
-        if cgroup2 {
-            "cgroup v2 is mounted but temper does not use it yet; limits come from RLIMIT_AS and RLIMIT_NPROC".to_string()
-        } else {
-            "no cgroup v2 at /sys/fs/cgroup (v1 or hybrid hierarchy only); limits come from RLIMIT_AS and RLIMIT_NPROC".to_string()
-        },
+        "per-run memory + pids limit",
+        !matches!(limits, crate::RunLimits::Rlimits(_)),
+        limits.to_string(),
     ));
     for lang in [Language::Python, Language::Bash] {
         let name = match lang {

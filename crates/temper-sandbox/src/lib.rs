@@ -36,6 +36,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod cgroup;
 mod child;
 mod client;
 mod doctor;
@@ -49,6 +50,7 @@ mod session;
 mod testcases;
 mod types;
 
+pub use cgroup::RunLimits;
 pub use client::{Client, ClientError};
 pub use doctor::{doctor, Layer};
 pub use error::SandboxError;

@@ -22,7 +22,9 @@ use nix::sys::socket::{
 };
 use nix::unistd::pipe2;
 
-use crate::sandbox::{check_files, drain, fetch_from_dir, relative_path, to_result, Spawned};
+use crate::sandbox::{
+    check_files, drain, fetch_from_dir, relative_path, to_result, Outputs, Spawned, WORKER_SLACK_MB,
+};
 use crate::{ExecRequest, ExecResult, Language, Sandbox, SandboxError};
 
 const ZYGOTE: &str = include_str!("zygote.py");
@@ -52,7 +54,7 @@ impl Default for PoolConfig {
 
 pub(crate) struct Worker {
     /// Held for its `Drop`: dropping it kills the worker's namespace.
-    _init: Spawned,
+    init: Spawned,
     sock: OwnedFd,
     /// `O_PATH` handle on the worker's `/work`, sent by the zygote.
     work_dir: OwnedFd,
@@ -91,10 +93,13 @@ fn start_failure(req: &ExecRequest, spawned: Spawned) -> SandboxError {
         req,
         4096,
         None,
-        &spawned.stdout_r,
-        &spawned.stderr_r,
-        &spawned.status_r,
+        Outputs {
+            stdout: &spawned.stdout_r,
+            stderr: &spawned.stderr_r,
+            status: &spawned.status_r,
+        },
         Instant::now(),
+        None,
     ) {
         Ok(io) => io,
         Err(e) => return e,
@@ -291,7 +296,7 @@ pub(crate) fn start_worker(sandbox: &Sandbox) -> Result<Worker, SandboxError> {
         _ => return Err(start_failure(&req, spawned)),
     };
     Ok(Worker {
-        _init: spawned,
+        init: spawned,
         sock: ours,
         work_dir,
         runs: 0,
@@ -371,6 +376,17 @@ pub(crate) fn exec(
         stdout_w.as_raw_fd(),
         stderr_w.as_raw_fd(),
     ];
+    if let Some(cg) = &worker.init.cgroup {
+        // This run's limit (and the zygote's slack) for the whole worker.
+        let limits = &sandbox.config().limits;
+        let mb = req
+            .memory_limit_mb
+            .unwrap_or(limits.memory_mb)
+            .min(limits.memory_mb)
+            .saturating_add(WORKER_SLACK_MB);
+        cg.set_memory(mb.saturating_mul(1024 * 1024))
+            .map_err(|e| SandboxError::host("set the run's memory limit", e))?;
+    }
     let start = Instant::now();
     let sent = sendmsg::<()>(
         worker.sock.as_raw_fd(),
@@ -396,12 +412,17 @@ pub(crate) fn exec(
         &backstop,
         sandbox.config().limits.output_limit_bytes,
         Some(stdin_w),
-        &stdout_r,
-        &stderr_r,
-        &worker.sock,
+        Outputs {
+            stdout: &stdout_r,
+            stderr: &stderr_r,
+            status: &worker.sock,
+        },
         start,
+        worker.init.cgroup.as_ref(),
     )?;
-    let healthy = io.wait_status.is_some() && io.setup_error.is_none();
+    // A run that hit the memory limit takes its worker with it: the worker
+    // is killed whole (on drop) and replaced.
+    let healthy = io.wait_status.is_some() && io.setup_error.is_none() && !io.oom;
     io.worker_lost();
     let files = if healthy && !fetch.is_empty() {
         fetch_from_dir(

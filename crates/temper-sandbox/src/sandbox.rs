@@ -17,6 +17,7 @@ use nix::sys::wait::waitpid;
 use nix::unistd::{pipe2, Pid};
 use seccompiler::BpfProgram;
 
+use crate::cgroup::{Cgroups, RunCgroup, RunLimits};
 use crate::child::{
     self, Plan, Step, FD_BINDS, INNER_ID, MAX_BINDS, MSG_EXITED, MSG_LEN, MSG_SETUP_ERROR, STAGES,
 };
@@ -33,6 +34,10 @@ const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom"];
 const STACK_SIZE: usize = 256 * 1024;
 /// How long to keep draining output after the program has exited.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
+/// How often a run's cgroup is checked for an OOM kill.
+const OOM_POLL: Duration = Duration::from_millis(50);
+/// Memory a warm worker's zygote may use beyond its run's limit.
+pub(crate) const WORKER_SLACK_MB: u64 = 64;
 
 /// An interpreter found on the host.
 #[derive(Debug, Clone)]
@@ -54,6 +59,7 @@ pub struct Sandbox {
     bind_fd_paths: Vec<CString>,
     filters: Vec<BpfProgram>,
     env: Vec<CString>,
+    cgroups: Cgroups,
 }
 
 impl std::fmt::Debug for Sandbox {
@@ -323,7 +329,14 @@ impl Sandbox {
             bind_fd_paths,
             filters,
             env,
+            cgroups: Cgroups::detect(),
         })
+    }
+
+    /// What enforces the per-run memory and process limits on this host
+    /// (cgroup v2, cgroup v1, or the rlimit fallback).
+    pub fn run_limits(&self) -> &RunLimits {
+        self.cgroups.mode()
     }
 
     /// The configuration this sandbox was built with.
@@ -485,10 +498,28 @@ impl Sandbox {
         drop((stdin_r, stdout_w, stderr_w, sync_r, status_w));
 
         write_id_maps(pid, self.config.host_uid_when_root)?;
+        // The whole run (or worker) in one cgroup, before anything starts.
+        let cg_mb = if extra_fd.is_some() {
+            memory_mb.saturating_add(WORKER_SLACK_MB)
+        } else {
+            memory_mb
+        };
+        let cgroup = self
+            .cgroups
+            .create(
+                cg_mb.saturating_mul(mib),
+                limits.max_processes.saturating_add(2),
+            )
+            .map_err(|e| SandboxError::host("create the run's cgroup", e))?;
+        if let Some(cg) = &cgroup {
+            cg.add(pid.as_raw())
+                .map_err(|e| SandboxError::host("move the run into its cgroup", e))?;
+        }
         let start = Instant::now();
         nix::unistd::write(&sync_w, &[1]).map_err(|e| SandboxError::host("start child", e))?;
         Ok(Spawned {
             child,
+            cgroup,
             stdin_w,
             stdout_r,
             stderr_r,
@@ -505,10 +536,13 @@ impl Sandbox {
             req,
             limits.output_limit_bytes,
             Some(s.stdin_w),
-            &s.stdout_r,
-            &s.stderr_r,
-            &s.status_r,
+            Outputs {
+                stdout: &s.stdout_r,
+                stderr: &s.stderr_r,
+                status: &s.status_r,
+            },
             s.start,
+            s.cgroup.as_ref(),
         )?;
         let files = if io.wait_status.is_some() && !s.fetch.is_empty() {
             fetch_files(s.child.pid, &s.fetch, limits.fetch_file_limit_bytes)
@@ -530,6 +564,8 @@ impl Sandbox {
 /// A started child: its init, the parent ends of its pipes.
 pub(crate) struct Spawned {
     pub child: Child,
+    /// Dropped after `child` (field order): removed once the run is gone.
+    pub cgroup: Option<RunCgroup>,
     pub stdin_w: OwnedFd,
     pub stdout_r: OwnedFd,
     pub stderr_r: OwnedFd,
@@ -554,6 +590,7 @@ pub(crate) fn to_result(
         });
     }
     let (status, return_code, signal) = match io.wait_status {
+        _ if io.oom => (ExecStatus::MemoryLimitExceeded, None, Some(libc::SIGKILL)),
         None if io.timed_out => (ExecStatus::TimeLimitExceeded, None, None),
         Some(_) if io.killed_on_timeout => (ExecStatus::TimeLimitExceeded, None, None),
         None => {
@@ -632,6 +669,8 @@ pub(crate) struct Drained {
     timed_out: bool,
     /// The worker killed the run at its timeout (warm pool, sessions).
     killed_on_timeout: bool,
+    /// The run's cgroup hit its memory limit (the run is killed whole).
+    pub oom: bool,
 }
 
 impl Drained {
@@ -639,7 +678,7 @@ impl Drained {
     /// program killed it, e.g. `os.kill(-1, 9)`): record the run as killed
     /// by SIGKILL, which is what happened to it. True when that was so.
     pub(crate) fn worker_lost(&mut self) -> bool {
-        if self.wait_status.is_some() || self.setup_error.is_some() || self.timed_out {
+        if self.wait_status.is_some() || self.setup_error.is_some() || self.timed_out || self.oom {
             return false;
         }
         self.wait_status = Some(libc::SIGKILL);
@@ -676,17 +715,34 @@ fn read_some(fd: &OwnedFd, buf: &mut Vec<u8>, cap: usize, truncated: &mut bool) 
     }
 }
 
+/// The read ends `drain` watches.
+pub(crate) struct Outputs<'a> {
+    pub stdout: &'a OwnedFd,
+    pub stderr: &'a OwnedFd,
+    /// Status messages (the init's pipe, or a worker's socket).
+    pub status: &'a OwnedFd,
+}
+
 /// Feeds stdin and collects stdout, stderr and the status messages until
 /// the program has exited and its output pipes closed, or the timeout.
 pub(crate) fn drain(
     req: &ExecRequest,
     cap: usize,
     stdin_w: Option<OwnedFd>,
-    stdout_r: &OwnedFd,
-    stderr_r: &OwnedFd,
-    status_r: &OwnedFd,
+    outputs: Outputs<'_>,
     start: Instant,
+    cgroup: Option<&RunCgroup>,
 ) -> Result<Drained, SandboxError> {
+    let Outputs {
+        stdout: stdout_r,
+        stderr: stderr_r,
+        status: status_r,
+    } = outputs;
+    let oom_before = cgroup.map(RunCgroup::oom_kills);
+    let oom_now = || match (cgroup, oom_before) {
+        (Some(cg), Some(before)) => cg.oom_kills() > before,
+        _ => false,
+    };
     for fd in [stdout_r, stderr_r, status_r] {
         set_nonblocking(fd)?;
     }
@@ -705,6 +761,11 @@ pub(crate) fn drain(
     loop {
         let done = out.wait_status.is_some() || !status_open;
         if done && !out_open && !err_open {
+            break;
+        }
+        if oom_now() {
+            // Stop here: the caller kills the whole run.
+            out.oom = true;
             break;
         }
         let now = Instant::now();
@@ -734,7 +795,11 @@ pub(crate) fn drain(
             fds.push(PollFd::new(w.as_fd(), PollFlags::POLLOUT));
             kinds.push(3);
         }
-        let wait_ms = (limit - now).as_millis().clamp(1, i32::MAX as u128) as i32;
+        let mut wait = limit - now;
+        if cgroup.is_some() {
+            wait = wait.min(OOM_POLL);
+        }
+        let wait_ms = wait.as_millis().clamp(1, i32::MAX as u128) as i32;
         match poll(
             &mut fds,
             PollTimeout::try_from(wait_ms).unwrap_or(PollTimeout::MAX),
@@ -796,6 +861,8 @@ pub(crate) fn drain(
             }
         }
     }
+    // An OOM kill just before the program exited still counts.
+    out.oom |= oom_now();
     Ok(out)
 }
 

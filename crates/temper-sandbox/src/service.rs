@@ -267,7 +267,9 @@ impl RunCodeRequest {
 /// `run_result` of a response.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct RunResult {
-    /// `Finished`, `TimeLimitExceeded` or `Error`.
+    /// `Finished`, `TimeLimitExceeded`, `MemoryLimitExceeded` (the run's
+    /// processes together went over its memory limit; return code -9) or
+    /// `Error`.
     pub status: String,
     /// Seconds.
     pub execution_time: f64,
@@ -436,6 +438,7 @@ fn to_exec_request(body: RunCodeRequest) -> Result<ExecRequest, ApiError> {
 fn to_response(r: ExecResult) -> RunCodeResponse {
     let (status, return_code) = match r.status {
         ExecStatus::TimeLimitExceeded => ("TimeLimitExceeded", None),
+        ExecStatus::MemoryLimitExceeded => ("MemoryLimitExceeded", Some(-libc::SIGKILL)),
         ExecStatus::Signaled => ("Finished", r.signal.map(|s| -s)),
         _ => ("Finished", r.return_code),
     };
@@ -556,7 +559,7 @@ pub struct SessionExecRequest {
 /// `POST /sessions/{id}/exec` response.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SessionExecResponse {
-    /// `Finished` or `TimeLimitExceeded`.
+    /// `Finished`, `TimeLimitExceeded` or `MemoryLimitExceeded`.
     pub status: String,
     /// Exit code (minus the signal number when killed by one).
     pub exit_code: Option<i32>,
@@ -713,6 +716,7 @@ async fn session_exec(
         .await?;
     let (status, exit_code) = match r.status {
         ExecStatus::TimeLimitExceeded => ("TimeLimitExceeded", None),
+        ExecStatus::MemoryLimitExceeded => ("MemoryLimitExceeded", Some(-libc::SIGKILL)),
         ExecStatus::Signaled => ("Finished", r.signal.map(|s| -s)),
         _ => ("Finished", r.return_code),
     };

@@ -82,6 +82,9 @@ pub enum ExecStatus {
     Signaled,
     /// The wall-clock timeout expired; everything was killed.
     TimeLimitExceeded,
+    /// The run's processes together exceeded its memory limit (cgroup);
+    /// everything was killed.
+    MemoryLimitExceeded,
 }
 
 /// What a run produced.

@@ -1,0 +1,346 @@
+//! Per-run memory and process limits over *all* processes of a run.
+//!
+//! `RLIMIT_AS` and `RLIMIT_NPROC` bound each process (and the sandbox
+//! user), so a run of many processes could hold many times the limit. When
+//! the host lets us, every sandbox (a one-shot run, or a warm worker and so
+//! each of its runs) gets its own cgroup, in this order of preference:
+//!
+//! - cgroup v2 with the `memory` and `pids` controllers: `memory.max`,
+//!   `memory.swap.max = 0`, `pids.max`, `memory.oom.group = 1`;
+//! - cgroup v1 `memory` (+ `pids` when mounted): `memory.limit_in_bytes`
+//!   (and `memory.memsw.limit_in_bytes`), `pids.max`;
+//! - neither writable: the documented fallback is the per-process
+//!   `RLIMIT_AS` plus the per-user `RLIMIT_NPROC`, which are always set.
+//!
+//! The cgroups live under the service's own cgroup, in a directory
+//! `temper-sandbox-PID-N` created at start-up and removed on drop. A run
+//! that hits the memory limit is killed whole and reported as
+//! [`crate::ExecStatus::MemoryLimitExceeded`].
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Which mechanism enforces the per-run limits on this host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RunLimits {
+    /// cgroup v2 (`memory` + `pids`) under this directory.
+    CgroupV2(PathBuf),
+    /// cgroup v1 `memory` under the first directory, `pids` under the
+    /// second when that controller is mounted.
+    CgroupV1 {
+        /// Our directory in the memory hierarchy.
+        memory: PathBuf,
+        /// Our directory in the pids hierarchy.
+        pids: Option<PathBuf>,
+    },
+    /// No writable cgroup: per-process `RLIMIT_AS` and per-user
+    /// `RLIMIT_NPROC` only; the reason is why cgroups are not used.
+    Rlimits(String),
+}
+
+impl std::fmt::Display for RunLimits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RunLimits::CgroupV2(dir) => {
+                write!(f, "cgroup v2 memory+pids per run under {}", dir.display())
+            }
+            RunLimits::CgroupV1 { memory, pids } => {
+                write!(f, "cgroup v1 memory per run under {}", memory.display())?;
+                match pids {
+                    Some(p) => write!(f, ", pids under {}", p.display()),
+                    None => write!(f, " (no pids controller: RLIMIT_NPROC for processes)"),
+                }
+            }
+            RunLimits::Rlimits(why) => write!(
+                f,
+                "fallback: RLIMIT_AS per process + RLIMIT_NPROC per user ({why})"
+            ),
+        }
+    }
+}
+
+/// The cgroup parent of this process's sandboxes; removed once the
+/// [`Cgroups`] and every [`RunCgroup`] in it are gone.
+#[derive(Debug)]
+pub(crate) struct Cgroups {
+    mode: RunLimits,
+    next: AtomicU64,
+    parent: Arc<ParentDirs>,
+}
+
+#[derive(Debug)]
+struct ParentDirs(Vec<PathBuf>);
+
+impl Drop for ParentDirs {
+    fn drop(&mut self) {
+        for d in &self.0 {
+            if let Err(e) = std::fs::remove_dir(d) {
+                tracing::debug!("removing {}: {e}", d.display());
+            }
+        }
+    }
+}
+
+/// `(mount root, mount point)` of the cgroup mount whose fs type is `fstype`
+/// and whose super options include `option` (None: any).
+fn find_mount(fstype: &str, option: Option<&str>) -> Option<(String, PathBuf)> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines().find_map(|line| {
+        let (pre, post) = line.split_once(" - ")?;
+        let pre: Vec<&str> = pre.split(' ').collect();
+        let mut post = post.split(' ');
+        let fs = post.next()?;
+        let _source = post.next()?;
+        let opts = post.next().unwrap_or("");
+        let matches = fs == fstype && option.is_none_or(|o| opts.split(',').any(|x| x == o));
+        if !matches {
+            return None;
+        }
+        Some((pre.get(3)?.to_string(), PathBuf::from(pre.get(4)?)))
+    })
+}
+
+/// This process's cgroup path in the v1 hierarchy holding `controller`, or
+/// in the v2 hierarchy when `controller` is None.
+fn own_path(controller: Option<&str>) -> Option<String> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    text.lines().find_map(|line| {
+        let mut parts = line.splitn(3, ':');
+        let hier = parts.next()?;
+        let ctrls = parts.next()?;
+        let path = parts.next()?;
+        let ok = match controller {
+            None => hier == "0" && ctrls.is_empty(),
+            Some(c) => ctrls.split(',').any(|x| x == c),
+        };
+        ok.then(|| path.to_string())
+    })
+}
+
+/// The directory of our cgroup in the mount `(root, point)`.
+fn own_dir(mount: &(String, PathBuf), path: &str) -> PathBuf {
+    let rel = path
+        .strip_prefix(mount.0.as_str())
+        .unwrap_or(path)
+        .trim_start_matches('/');
+    mount.1.join(rel)
+}
+
+static INSTANCE: AtomicU64 = AtomicU64::new(0);
+
+fn parent_name() -> String {
+    format!(
+        "temper-sandbox-{}-{}",
+        std::process::id(),
+        INSTANCE.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn write(path: &Path, value: &str) -> io::Result<()> {
+    std::fs::write(path, value)
+        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))
+}
+
+fn try_v2() -> Result<PathBuf, String> {
+    let mount = find_mount("cgroup2", None).ok_or("no cgroup2 mount")?;
+    let path = own_path(None).ok_or("no cgroup v2 entry in /proc/self/cgroup")?;
+    let ours = own_dir(&mount, &path);
+    let controllers = std::fs::read_to_string(ours.join("cgroup.controllers"))
+        .map_err(|e| format!("{}: {e}", ours.display()))?;
+    for c in ["memory", "pids"] {
+        if !controllers.split_whitespace().any(|x| x == c) {
+            return Err(format!("cgroup v2 has no {c} controller for us"));
+        }
+    }
+    let parent = ours.join(parent_name());
+    std::fs::create_dir(&parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    let enable = |dir: &Path| write(&dir.join("cgroup.subtree_control"), "+memory +pids");
+    let setup = (|| -> io::Result<()> {
+        if let Err(e) = enable(&ours) {
+            // "No internal processes": move ourselves into a leaf first.
+            if e.raw_os_error() != Some(libc::EBUSY) && e.kind() != io::ErrorKind::ResourceBusy {
+                return Err(e);
+            }
+            let leaf = ours.join(format!("temper-service-{}", std::process::id()));
+            match std::fs::create_dir(&leaf) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e),
+            }
+            write(&leaf.join("cgroup.procs"), &std::process::id().to_string())?;
+            enable(&ours)?;
+        }
+        enable(&parent)
+    })();
+    if let Err(e) = setup {
+        let _ = std::fs::remove_dir(&parent);
+        return Err(e.to_string());
+    }
+    Ok(parent)
+}
+
+fn try_v1() -> Result<RunLimits, String> {
+    let mount = find_mount("cgroup", Some("memory")).ok_or("no cgroup v1 memory mount")?;
+    let path = own_path(Some("memory")).ok_or("no memory entry in /proc/self/cgroup")?;
+    let name = parent_name();
+    let memory = own_dir(&mount, &path).join(&name);
+    std::fs::create_dir(&memory).map_err(|e| format!("{}: {e}", memory.display()))?;
+    // Child cgroups must count their descendants (the default on recent
+    // kernels; refused on some, where it is already on).
+    let _ = write(&memory.join("memory.use_hierarchy"), "1");
+    let pids = find_mount("cgroup", Some("pids")).and_then(|m| {
+        let dir = own_dir(&m, &own_path(Some("pids"))?).join(&name);
+        std::fs::create_dir(&dir).ok().map(|()| dir)
+    });
+    Ok(RunLimits::CgroupV1 { memory, pids })
+}
+
+impl Cgroups {
+    /// Finds the best mechanism this host allows (see the module docs).
+    pub(crate) fn detect() -> Cgroups {
+        let mode = match try_v2() {
+            Ok(dir) => RunLimits::CgroupV2(dir),
+            Err(v2) => match try_v1() {
+                Ok(mode) => mode,
+                Err(v1) => RunLimits::Rlimits(format!("{v2}; {v1}")),
+            },
+        };
+        let dirs = match &mode {
+            RunLimits::CgroupV2(d) => vec![d.clone()],
+            RunLimits::CgroupV1 { memory, pids } => {
+                std::iter::once(memory).chain(pids).cloned().collect()
+            }
+            RunLimits::Rlimits(_) => Vec::new(),
+        };
+        Cgroups {
+            mode,
+            next: AtomicU64::new(0),
+            parent: Arc::new(ParentDirs(dirs)),
+        }
+    }
+
+    pub(crate) fn mode(&self) -> &RunLimits {
+        &self.mode
+    }
+
+    /// A fresh cgroup limited to `memory_bytes` and `max_pids`; None in
+    /// the fallback mode.
+    pub(crate) fn create(&self, memory_bytes: u64, max_pids: u64) -> io::Result<Option<RunCgroup>> {
+        let name = format!("run-{}", self.next.fetch_add(1, Ordering::Relaxed));
+        let cg = match &self.mode {
+            RunLimits::Rlimits(_) => return Ok(None),
+            RunLimits::CgroupV2(parent) => {
+                let dir = parent.join(&name);
+                std::fs::create_dir(&dir)?;
+                let cg = RunCgroup {
+                    v2: true,
+                    dirs: vec![dir.clone()],
+                    _parent: self.parent.clone(),
+                };
+                write(&dir.join("pids.max"), &max_pids.to_string())?;
+                let _ = write(&dir.join("memory.swap.max"), "0");
+                let _ = write(&dir.join("memory.oom.group"), "1");
+                cg.set_memory(memory_bytes)?;
+                cg
+            }
+            RunLimits::CgroupV1 { memory, pids } => {
+                let dir = memory.join(&name);
+                std::fs::create_dir(&dir)?;
+                let mut cg = RunCgroup {
+                    v2: false,
+                    dirs: vec![dir],
+                    _parent: self.parent.clone(),
+                };
+                if let Some(p) = pids {
+                    let dir = p.join(&name);
+                    std::fs::create_dir(&dir)?;
+                    cg.dirs.push(dir.clone());
+                    write(&dir.join("pids.max"), &max_pids.to_string())?;
+                }
+                cg.set_memory(memory_bytes)?;
+                cg
+            }
+        };
+        Ok(Some(cg))
+    }
+}
+
+/// One sandbox's cgroup (one per controller hierarchy in v1); removed on
+/// drop once its processes are gone.
+#[derive(Debug)]
+pub(crate) struct RunCgroup {
+    v2: bool,
+    /// The memory (or v2) directory first.
+    dirs: Vec<PathBuf>,
+    /// Keeps the parent directory until this cgroup is removed.
+    _parent: Arc<ParentDirs>,
+}
+
+impl RunCgroup {
+    /// Moves `pid` (and so everything it will start) into the cgroup.
+    pub(crate) fn add(&self, pid: i32) -> io::Result<()> {
+        for d in &self.dirs {
+            write(&d.join("cgroup.procs"), &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Sets the memory limit (also between runs of a warm worker).
+    pub(crate) fn set_memory(&self, bytes: u64) -> io::Result<()> {
+        let dir = &self.dirs[0];
+        if self.v2 {
+            write(&dir.join("memory.max"), &bytes.to_string())
+        } else {
+            // memsw (memory + swap) must stay >= memory: order matters.
+            let memsw = dir.join("memory.memsw.limit_in_bytes");
+            let has_memsw = memsw.exists();
+            if has_memsw {
+                let _ = write(&memsw, "-1");
+            }
+            write(&dir.join("memory.limit_in_bytes"), &bytes.to_string())?;
+            if has_memsw {
+                write(&memsw, &bytes.to_string())?;
+            }
+            Ok(())
+        }
+    }
+
+    /// How many times the kernel's OOM killer has fired in this cgroup.
+    pub(crate) fn oom_kills(&self) -> u64 {
+        let file = if self.v2 {
+            "memory.events"
+        } else {
+            "memory.oom_control"
+        };
+        std::fs::read_to_string(self.dirs[0].join(file))
+            .ok()
+            .and_then(|t| {
+                t.lines().find_map(|l| {
+                    l.strip_prefix("oom_kill ")
+                        .and_then(|n| n.trim().parse().ok())
+                })
+            })
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for RunCgroup {
+    fn drop(&mut self) {
+        for d in &self.dirs {
+            // Processes of a killed namespace take a moment to leave.
+            let mut tries = 0;
+            while let Err(e) = std::fs::remove_dir(d) {
+                tries += 1;
+                if tries > 50 {
+                    tracing::warn!("could not remove cgroup {}: {e}", d.display());
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+}
