@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use common::{serial, usable_sandbox};
+use common::usable_sandbox;
 use http_body_util::BodyExt;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
@@ -352,7 +352,6 @@ fn env_or(name: &str, default: u64) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_route_survives_the_fuzz_without_a_5xx_and_the_pool_heals() {
-    let _serial = serial();
     let Some(sandbox) = usable_sandbox("fuzz") else {
         return;
     };
