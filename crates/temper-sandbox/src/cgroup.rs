@@ -140,6 +140,37 @@ fn parent_name() -> String {
     )
 }
 
+/// Removes the empty cgroups a killed service left under `ours` (names
+/// `temper-sandbox-PID-N` whose PID no longer runs).
+fn remove_stale(ours: &Path) {
+    let Ok(entries) = std::fs::read_dir(ours) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("temper-sandbox-"))
+            .and_then(|rest| rest.split('-').next())
+        else {
+            continue;
+        };
+        if Path::new("/proc").join(pid).exists() {
+            continue;
+        }
+        let dir = entry.path();
+        if let Ok(runs) = std::fs::read_dir(&dir) {
+            for run in runs.flatten().filter(|r| r.path().is_dir()) {
+                let _ = std::fs::remove_dir(run.path());
+            }
+        }
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => tracing::info!("removed stale cgroup {}", dir.display()),
+            Err(e) => tracing::debug!("stale cgroup {}: {e}", dir.display()),
+        }
+    }
+}
+
 fn write(path: &Path, value: &str) -> io::Result<()> {
     std::fs::write(path, value)
         .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))
@@ -149,6 +180,7 @@ fn try_v2() -> Result<PathBuf, String> {
     let mount = find_mount("cgroup2", None).ok_or("no cgroup2 mount")?;
     let path = own_path(None).ok_or("no cgroup v2 entry in /proc/self/cgroup")?;
     let ours = own_dir(&mount, &path);
+    remove_stale(&ours);
     let controllers = std::fs::read_to_string(ours.join("cgroup.controllers"))
         .map_err(|e| format!("{}: {e}", ours.display()))?;
     for c in ["memory", "pids"] {
@@ -187,13 +219,17 @@ fn try_v1() -> Result<RunLimits, String> {
     let mount = find_mount("cgroup", Some("memory")).ok_or("no cgroup v1 memory mount")?;
     let path = own_path(Some("memory")).ok_or("no memory entry in /proc/self/cgroup")?;
     let name = parent_name();
-    let memory = own_dir(&mount, &path).join(&name);
+    let ours = own_dir(&mount, &path);
+    remove_stale(&ours);
+    let memory = ours.join(&name);
     std::fs::create_dir(&memory).map_err(|e| format!("{}: {e}", memory.display()))?;
     // Child cgroups must count their descendants (the default on recent
     // kernels; refused on some, where it is already on).
     let _ = write(&memory.join("memory.use_hierarchy"), "1");
     let pids = find_mount("cgroup", Some("pids")).and_then(|m| {
-        let dir = own_dir(&m, &own_path(Some("pids"))?).join(&name);
+        let ours = own_dir(&m, &own_path(Some("pids"))?);
+        remove_stale(&ours);
+        let dir = ours.join(&name);
         std::fs::create_dir(&dir).ok().map(|()| dir)
     });
     Ok(RunLimits::CgroupV1 { memory, pids })
