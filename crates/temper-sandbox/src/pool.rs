@@ -37,7 +37,8 @@ const WORKER_SLACK: Duration = Duration::from_secs(2);
 /// Warm-pool settings.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
-    /// Most workers alive at once; a run waits when all are busy.
+    /// Most workers alive at once; a run waits when all are busy. Default:
+    /// one per CPU.
     pub size: usize,
     /// A worker is replaced after this many runs.
     pub max_runs_per_worker: u32,
@@ -46,7 +47,8 @@ pub struct PoolConfig {
 impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
-            size: 2,
+            // One warm worker per CPU: more only queue inside the pool.
+            size: std::thread::available_parallelism().map_or(1, |n| n.get()),
             max_runs_per_worker: 100,
         }
     }
