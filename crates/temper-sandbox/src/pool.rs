@@ -381,13 +381,21 @@ pub(crate) fn exec(
     if let Some(cg) = &worker.init.cgroup {
         // This run's limit (and the zygote's slack) for the whole worker.
         let limits = &sandbox.config().limits;
+        let mib = 1024 * 1024;
         let mb = req
             .memory_limit_mb
             .unwrap_or(limits.memory_mb)
             .min(limits.memory_mb)
             .saturating_add(WORKER_SLACK_MB);
-        cg.set_memory(mb.saturating_mul(1024 * 1024))
-            .map_err(|e| SandboxError::host("set the run's memory limit", e))?;
+        if let Err(e) = cg.set_memory(mb.saturating_mul(mib)) {
+            // Below what the worker holds now (the last run's files are
+            // emptied only when this one starts): the server's limit for
+            // this run, with RLIMIT_AS still at the requested size.
+            tracing::debug!("run memory limit {mb} MiB not settable now: {e}");
+            let max = limits.memory_mb.saturating_add(WORKER_SLACK_MB);
+            cg.set_memory(max.saturating_mul(mib))
+                .map_err(|e| SandboxError::host("set the run's memory limit", e))?;
+        }
     }
     let start = Instant::now();
     let sent = sendmsg::<()>(

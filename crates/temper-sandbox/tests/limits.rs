@@ -99,3 +99,30 @@ fn a_run_may_not_exceed_its_process_limit_across_processes() {
     let n: u64 = r.stdout.trim().parse().expect("count");
     assert!(n < max, "{n} threads under a limit of {max}");
 }
+
+#[test]
+fn a_small_memory_request_after_a_run_that_filled_the_tmpfs_still_runs() {
+    let _serial = serial();
+    let Some(sandbox) = cgroup_sandbox("small_after_full") else {
+        return;
+    };
+    let pool = Pool::new(
+        Arc::new(sandbox),
+        PoolConfig {
+            size: 1,
+            ..PoolConfig::default()
+        },
+    )
+    .expect("pool");
+    // Leaves ~60 MiB in each of /work, /tmp and /dev/shm (charged to the
+    // worker's cgroup until the next run empties them).
+    let fill = "for d in ('/work', '/tmp', '/dev/shm'):\n    open(d + '/f', 'wb').write(b'0' * (60 << 20))";
+    let r = pool
+        .run(&ExecRequest::new(Language::Python, fill))
+        .expect("run");
+    assert_eq!(r.return_code, Some(0), "{r:?}");
+    let mut small = ExecRequest::new(Language::Python, "print(1)");
+    small.memory_limit_mb = Some(16);
+    let r = pool.run(&small).expect("a small limit after a full tmpfs");
+    assert_eq!(r.stdout, "1\n", "{r:?}");
+}
