@@ -2,7 +2,8 @@
 //! `temper sandbox serve` serves): malformed bodies, extreme values, bad
 //! paths and ids, wrong or missing keys and client tokens, run in batches
 //! so some requests queue. Asserts: no 5xx, the pool back at full size, the
-//! session cap held, and a plain `print(1)` still answers afterwards.
+//! session cap held, the service's peak memory under 1 GiB, and a plain
+//! `print(1)` still answers afterwards.
 //!
 //! `TEMPER_FUZZ_CASES` (default 600) and `TEMPER_FUZZ_SEED` (default 13)
 //! size and reproduce a run; a failure prints the seed and the request.
@@ -412,6 +413,16 @@ async fn every_route_survives_the_fuzz_without_a_5xx_and_the_pool_heals() {
         assert!(state.sessions().len() <= MAX_SESSIONS, "session cap broken");
     }
     eprintln!("fuzz seed {seed}: {done} requests, statuses {statuses:?}");
+    // The service's own memory stayed bounded (sandboxes are other
+    // processes, in their own cgroups).
+    let status = std::fs::read_to_string("/proc/self/status").expect("status");
+    let peak_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM");
+    eprintln!("service peak RSS {} MiB", peak_kib >> 10);
+    assert!(peak_kib < 1 << 20, "service peak RSS {peak_kib} KiB");
 
     // The pool heals to full size (a replacement may still be starting).
     let mut waited = 0;

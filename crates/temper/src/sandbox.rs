@@ -87,30 +87,44 @@ pub struct ServeArgs {
 /// `ps` nor a sandbox (whose init is a clone of this process) can read it.
 fn api_key(args: &mut ServeArgs) -> Result<Option<String>> {
     let env = std::env::var(temper_sandbox::API_KEY_ENV).ok();
-    let key = if let Some(key) = args.api_key.take() {
+    if env.as_deref() == Some("") {
+        bail!(
+            "${} is set but empty: unset it to serve without a key",
+            temper_sandbox::API_KEY_ENV
+        );
+    }
+    let flag = args.api_key.take();
+    if flag.as_deref() == Some("") {
+        bail!("--api-key is empty");
+    }
+    let key = if let Some(key) = &flag {
         eprintln!(
             "warning: --api-key is visible to `ps` on the host while the server starts; \
              use --api-key-file or ${}",
             temper_sandbox::API_KEY_ENV
         );
-        Some(key)
+        Some(key.clone())
     } else if let Some(path) = &args.api_key_file {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading the API key from {}", path.display()))?;
-        let key = text.lines().next().unwrap_or_default().trim().to_string();
+        let key = text.lines().next().map(str::trim).unwrap_or("");
         if key.is_empty() {
-            bail!("{} holds no API key", path.display());
+            bail!("{} holds no API key on its first line", path.display());
         }
-        Some(key)
+        Some(key.to_string())
     } else {
-        env.clone().filter(|k| !k.is_empty())
+        env.clone()
     };
     if env.is_some() {
         std::env::remove_var(temper_sandbox::API_KEY_ENV);
     }
-    for secret in key.iter().chain(env.iter()) {
-        temper_sandbox::scrub_from_process(secret)
-            .context("scrubbing the API key from the process's arguments")?;
+    // What came in through argv or the environment is still in the
+    // process's original blocks (a key from a file never was).
+    for secret in flag.iter().chain(env.iter()) {
+        temper_sandbox::scrub_from_process(secret).context(
+            "scrubbing the API key from the process's arguments and environment \
+             (use --api-key-file where /proc/self/mem is not writable)",
+        )?;
     }
     Ok(key)
 }

@@ -169,3 +169,21 @@ fn sandboxed_code_never_sees_the_api_key_from_flag_file_or_env() {
         assert_eq!(status, 401);
     }
 }
+
+#[test]
+fn an_empty_api_key_refuses_to_start_instead_of_serving_open() {
+    for (args, env) in [
+        (vec!["--api-key", ""], vec![]),
+        (vec![], vec![("TEMPER_SANDBOX_API_KEY", "")]),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_temper"))
+            .args(["sandbox", "serve", "--port", "0", "--pool-size", "1"])
+            .args(&args)
+            .envs(env.iter().copied())
+            .output()
+            .expect("run temper");
+        assert!(!out.status.success(), "{args:?} {env:?} started");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("empty"), "{err}");
+    }
+}
