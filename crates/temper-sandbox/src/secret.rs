@@ -15,6 +15,11 @@ use std::os::unix::fs::FileExt;
 /// Environment variable `temper sandbox serve` reads the API key from.
 pub const API_KEY_ENV: &str = "TEMPER_SANDBOX_API_KEY";
 
+/// Compares two secrets in time that depends on their lengths only.
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// The `[arg_start, arg_end)` and `[env_start, env_end)` ranges of this
 /// process, from fields 48–51 of `/proc/self/stat`.
 fn arg_env_ranges() -> io::Result<[(u64, u64); 2]> {
