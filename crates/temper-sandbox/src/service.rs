@@ -402,7 +402,7 @@ fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
-    given.is_some_and(|g| g.as_bytes() == key.as_bytes())
+    given.is_some_and(|g| crate::secret::constant_time_eq(g.as_bytes(), key.as_bytes()))
 }
 
 fn to_exec_request(body: RunCodeRequest) -> Result<ExecRequest, ApiError> {

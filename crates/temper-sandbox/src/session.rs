@@ -228,13 +228,7 @@ fn new_id() -> Result<String, SandboxError> {
 fn same_owner(a: Option<&str>, b: Option<&str>) -> bool {
     match (a, b) {
         (None, None) => true,
-        (Some(a), Some(b)) => {
-            a.len() == b.len()
-                && a.bytes()
-                    .zip(b.bytes())
-                    .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-                    == 0
-        }
+        (Some(a), Some(b)) => crate::secret::constant_time_eq(a.as_bytes(), b.as_bytes()),
         _ => false,
     }
 }
