@@ -567,6 +567,12 @@ pub struct SessionExecResponse {
     pub stdout: String,
     /// Captured stderr.
     pub stderr: String,
+    /// Seconds the command ran.
+    #[serde(default)]
+    pub execution_time: f64,
+    /// Seconds it waited for a run slot before that.
+    #[serde(default)]
+    pub queue_time: f64,
 }
 
 /// Body of `PUT /sessions/{id}/files` and answer of `GET`.
@@ -711,7 +717,7 @@ async fn session_exec(
     }
     let session = session(&state, &headers, id).await?;
     // Session commands share the run slots (and queue) with /run_code.
-    let (_slot, _queued) = state.slot().await?;
+    let (_slot, queued) = state.slot().await?;
     let r = blocking(move || session.exec(&body.command, body.cwd.as_deref(), &body.env, timeout))
         .await?;
     let (status, exit_code) = match r.status {
@@ -725,6 +731,8 @@ async fn session_exec(
         exit_code,
         stdout: r.stdout,
         stderr: r.stderr,
+        execution_time: r.execution_time.as_secs_f64(),
+        queue_time: queued.as_secs_f64(),
     }))
 }
 

@@ -543,6 +543,9 @@ async fn a_full_queue_answers_429_with_retry_after_promptly() {
     };
     let ((code, text), (status, retry, waited)) = tokio::join!(busy, probe);
     assert_eq!(code, StatusCode::OK, "{text}");
+    let r: temper_sandbox::service::SessionExecResponse =
+        serde_json::from_str(&text).expect("json");
+    assert!(r.execution_time > 2.5 && r.queue_time < 0.5, "{text}");
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(retry.as_deref(), Some("1"));
     assert!(waited < std::time::Duration::from_secs(1), "{waited:?}");
