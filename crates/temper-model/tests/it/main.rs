@@ -5,5 +5,6 @@ mod decode;
 mod golden;
 mod loading;
 mod sampling;
+mod smollm2;
 mod top_logprobs;
 mod training;
