@@ -41,6 +41,7 @@
 mod chat;
 mod config;
 mod error;
+mod export;
 mod gguf;
 mod lora;
 mod model;
@@ -55,6 +56,7 @@ mod weights;
 pub use chat::ChatTemplate;
 pub use config::{Family, HfConfig, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
+pub use export::{hf_config_json, save_gguf, save_hf, GgufQuant};
 pub use gguf::{gguf_tensor_name, is_gguf, GgufFile};
 pub use lora::{LoraAdapter, LoraConfig, LoraPair, Target};
 pub use model::{KvCache, Model, Segment};
@@ -62,7 +64,7 @@ pub use pretrained::{GenerationDefaults, LoadOptions, Pretrained};
 pub use rope::{inv_freq, Rope};
 pub use sampling::{Completion, FinishReason, GenerationRequest, Sampler, SamplingParams};
 pub use scoring::{ScoreInput, TokenScores};
-pub use tokenizer::{load_chat_template, Tokenizer};
+pub use tokenizer::{chat_template_source, load_chat_template, Tokenizer};
 pub use top_logprobs::TopLogprobs;
 pub use weights::Checkpoint;
 

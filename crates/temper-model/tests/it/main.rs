@@ -2,6 +2,7 @@
 
 mod common;
 mod decode;
+mod export;
 mod golden;
 mod loading;
 mod sampling;
