@@ -20,6 +20,9 @@ pub struct ModelSection {
     pub path: Option<PathBuf>,
     /// Or a built-in preset, written into the run directory: `"tiny"`.
     pub preset: Option<String>,
+    /// Continue from this PEFT LoRA adapter directory (ours, or one PEFT /
+    /// Unsloth / Tinker wrote): its rank, alpha and targets replace `[lora]`'s.
+    pub adapter: Option<PathBuf>,
     /// Sizes for the `tiny` preset.
     pub tiny: TinyPreset,
 }
