@@ -210,7 +210,7 @@ fn write(
         Format::Hf => save_hf(base, model, &args.out)?,
         Format::Peft => match adapter {
             Some(a) => a.save_peft(&args.out, &base.dir.display().to_string())?,
-            None => bail!("a full-parameter run has no LoRA adapter; export --format hf or gguf"),
+            None => bail!("no LoRA adapter to export (the input is a model or a full-parameter run); use --format hf or gguf"),
         },
         Format::Gguf => {
             if let Some(parent) = args.out.parent().filter(|p| !p.as_os_str().is_empty()) {
