@@ -109,6 +109,32 @@ pub(crate) fn permute_qk(w: &Tensor, heads: usize, unpermute: bool) -> Result<Te
         .reshape(dims)?)
 }
 
+/// Names of the ggml tensor types candle cannot read (llama.cpp's `ggml.h`).
+fn ggml_type_name(t: u32) -> Option<&'static str> {
+    Some(match t {
+        4 => "Q4_2 (removed)",
+        5 => "Q4_3 (removed)",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => return None,
+    })
+}
+
 fn meta_u64(v: &Value) -> Option<u64> {
     match v {
         Value::U8(x) => Some(*x as u64),
@@ -137,10 +163,18 @@ impl GgufFile {
         let mut file = File::open(path).map_err(|e| ModelError::io(path, e))?;
         let content = Content::read(&mut file).map_err(|e| {
             let msg = e.to_string();
-            if let Some(t) = msg.strip_prefix("unknown dtype for tensor ") {
+            if let Some(t) = msg
+                .strip_prefix("unknown dtype for tensor ")
+                .and_then(|rest| rest.split_whitespace().next())
+            {
                 ModelError::UnsupportedConfig(format!(
-                    "{}: GGUF tensor type {t} (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, Q8_K)",
-                    path.display()
+                    "{}: GGUF tensor type {t}{} (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, Q8_K)",
+                    path.display(),
+                    t.parse::<u32>()
+                        .ok()
+                        .and_then(ggml_type_name)
+                        .map(|n| format!(" ({n})"))
+                        .unwrap_or_default()
                 ))
             } else {
                 ModelError::bad(path, format!("GGUF: {msg}"))

@@ -3,6 +3,7 @@
 mod common;
 mod decode;
 mod export;
+mod gguf_tokenizers;
 mod golden;
 mod loading;
 mod sampling;
