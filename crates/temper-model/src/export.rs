@@ -4,7 +4,7 @@
 //!
 //! The GGUF follows llama.cpp's conventions (`convert_hf_to_gguf.py`): tensor
 //! names, Llama's q/k row permutation, 1-D norms kept in F32, `tokenizer.ggml.*`
-//! metadata; K-quants fall back to a legacy type for rows not a multiple of
+//! metadata, Llama 3 rope scaling as `rope_freqs.weight`; K-quants fall back to a legacy type for rows not a multiple of
 //! 256, as llama.cpp's quantiser does.
 
 use std::collections::HashMap;
@@ -20,7 +20,7 @@ use serde_json::{json, Value as Json};
 
 use crate::config::{Family, ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
-use crate::gguf::{gguf_tensor_name, is_gguf, permute_qk, GgufFile};
+use crate::gguf::{gguf_tensor_name, is_gguf, llama3_factors, permute_qk, GgufFile};
 use crate::model::Model;
 use crate::pretrained::Pretrained;
 use crate::tokenizer::chat_template_source;
@@ -434,13 +434,6 @@ fn tokenizer_metadata(base: &Pretrained, vocab_size: usize) -> Result<Vec<(Strin
 pub fn save_gguf(base: &Pretrained, model: &Model, path: &Path, quant: GgufQuant) -> Result<()> {
     let cfg = model.config();
     let arch = cfg.family.model_type();
-    if cfg.rope_scaling != RopeScaling::Default {
-        if let RopeScaling::Llama3 { .. } = cfg.rope_scaling {
-            return Err(ModelError::UnsupportedConfig(
-                "GGUF export of Llama 3 rope scaling (llama.cpp's rope_freqs tensor)".into(),
-            ));
-        }
-    }
     let k = |s: &str| format!("{arch}.{s}");
     let mut meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
@@ -502,6 +495,32 @@ pub fn save_gguf(base: &Pretrained, model: &Model, path: &Path, quant: GgufQuant
         };
         let q = QTensor::quantize(&t, dtype)?;
         tensors.push((name, q));
+    }
+    if let RopeScaling::Llama3 {
+        factor,
+        low_freq_factor,
+        high_freq_factor,
+        original_max_position_embeddings,
+    } = cfg.rope_scaling
+    {
+        // llama.cpp carries Llama 3 scaling as per-frequency divisors.
+        let f: Vec<f32> = llama3_factors(
+            cfg.rope_theta,
+            cfg.head_dim,
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        )
+        .into_iter()
+        .map(|x| x as f32)
+        .collect();
+        let n = f.len();
+        let t = Tensor::from_vec(f, n, &Device::Cpu)?;
+        tensors.push((
+            "rope_freqs.weight".into(),
+            QTensor::quantize(&t, GgmlDType::F32)?,
+        ));
     }
     let file = File::create(path).map_err(|e| ModelError::io(path, e))?;
     let mut w = BufWriter::new(file);

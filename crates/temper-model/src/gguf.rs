@@ -84,6 +84,101 @@ pub fn gguf_tensor_name(hf: &str) -> Option<String> {
     Some(format!("blk.{layer}.{g}.{kind}"))
 }
 
+/// llama.cpp's per-frequency RoPE divisors (`rope_freqs.weight`) for Llama 3
+/// scaling (`convert_hf_to_gguf.py`): 1 for short wavelengths, `factor` for
+/// long ones, a smooth blend between.
+pub(crate) fn llama3_factors(
+    theta: f64,
+    head_dim: usize,
+    factor: f64,
+    low: f64,
+    high: f64,
+    orig: f64,
+) -> Vec<f64> {
+    (0..head_dim)
+        .step_by(2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf(i as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < orig / high {
+                1.0
+            } else if wavelen > orig / low {
+                factor
+            } else {
+                let smooth = (orig / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
+}
+
+/// Llama 3 scaling parameters `(factor, low, high, orig)` reproducing
+/// `factors` (as stored, f32), if any: the parameters are determined up to a
+/// common scale, so `low_freq_factor` is taken as 1.
+fn llama3_from_factors(
+    factors: &[f64],
+    theta: f64,
+    head_dim: usize,
+) -> Option<(f64, f64, f64, f64)> {
+    if factors.len() != head_dim / 2 || factors.is_empty() {
+        return None;
+    }
+    let factor = factors.iter().cloned().fold(f64::MIN, f64::max);
+    if factor <= 1.0 {
+        return None;
+    }
+    let wavelen =
+        |i: usize| 2.0 * std::f64::consts::PI * theta.powf(2.0 * i as f64 / head_dim as f64);
+    // In the blend, s = (orig / wavelen - low) / (high - low) with
+    // 1/f = (1 - s)/factor + s: s is affine in 1/wavelen.
+    let blend: Vec<(f64, f64)> = factors
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| (**f - 1.0).abs() > 1e-6 && (**f - factor).abs() > 1e-6 * factor)
+        .map(|(i, f)| {
+            let s = (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor);
+            (1.0 / wavelen(i), s)
+        })
+        .collect();
+    let candidates: Vec<(f64, f64)> = match blend.as_slice() {
+        [(x0, s0), .., (x1, s1)] if (x1 - x0).abs() > 0.0 => {
+            let a = (s1 - s0) / (x1 - x0);
+            let b = s0 - a * x0;
+            // s = orig/(high-low) · x − low/(high-low), low = 1.
+            if b >= 0.0 {
+                return None;
+            }
+            let span = -1.0 / b;
+            vec![(1.0 + span, a * span)]
+        }
+        _ => {
+            // No (or one) blended frequency: try Llama 3's own constants.
+            [8192.0, 4096.0, 2048.0, 1024.0, 512.0, 256.0, 128.0, 64.0]
+                .iter()
+                .map(|&o| (4.0, o))
+                .collect()
+        }
+    };
+    for (high, orig) in candidates {
+        for orig in [orig.round(), orig] {
+            let want = llama3_factors(theta, head_dim, factor, 1.0, high, orig);
+            let ok = want
+                .iter()
+                .zip(factors)
+                .all(|(w, f)| ((*w as f32) as f64 - f).abs() <= 1e-5 * w.abs().max(1.0));
+            if ok {
+                let high = if (high - high.round()).abs() < 1e-4 {
+                    high.round()
+                } else {
+                    high
+                };
+                return Some((factor, 1.0, high, orig));
+            }
+        }
+    }
+    None
+}
+
 /// llama.cpp stores Llama's q/k projections with the rows of each head
 /// reordered from "halves" to "interleaved" rotary layout; this maps rows
 /// `[heads, 2, d/2]` → `[heads, d/2, 2]` (its inverse when `unpermute`).
@@ -228,12 +323,6 @@ impl GgufFile {
             "llama" | "qwen2" | "qwen3" => self.arch.clone(),
             other => return Err(ModelError::UnsupportedModelType(other.to_string())),
         };
-        if self.has_tensor("rope_freqs.weight") {
-            return Err(ModelError::UnsupportedConfig(
-                "GGUF rope_freqs.weight (per-frequency RoPE factors, e.g. Llama 3.1 scaling)"
-                    .into(),
-            ));
-        }
         let heads = self.req_u64("attention.head_count")?;
         let hidden = self.req_u64("embedding_length")?;
         let vocab = match self.arch_key("vocab_size").and_then(meta_u64) {
@@ -283,6 +372,21 @@ impl GgufFile {
             .and_then(meta_f64)
             .unwrap_or(10_000.0);
         obj.insert("rope_theta".into(), json!(theta));
+        if self.has_tensor("rope_freqs.weight") {
+            let factors = self.raw_tensor("rope_freqs.weight")?.to_vec1::<f32>()?;
+            let factors: Vec<f64> = factors.into_iter().map(f64::from).collect();
+            let (factor, low, high, orig) = llama3_from_factors(&factors, theta, head_dim as usize)
+                .ok_or_else(|| {
+                    ModelError::UnsupportedConfig(
+                        "GGUF rope_freqs.weight factors that are not Llama 3 rope scaling".into(),
+                    )
+                })?;
+            obj.insert(
+                "rope_scaling".into(),
+                json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                       "high_freq_factor": high, "original_max_position_embeddings": orig}),
+            );
+        }
         match self.arch_key("rope.scaling.type") {
             None => {}
             Some(Value::String(s)) if s == "none" => {}
@@ -320,6 +424,20 @@ impl GgufFile {
         gguf_tensor_name(hf).is_some_and(|g| self.has_tensor(&g))
     }
 
+    /// Read and dequantise the tensor called `name` in the file (f32, CPU).
+    fn raw_tensor(&self, name: &str) -> Result<Tensor> {
+        let q = {
+            let mut f = self
+                .file
+                .lock()
+                .map_err(|_| ModelError::bad(&self.path, "file lock poisoned"))?;
+            self.content
+                .tensor(&mut *f, name, &Device::Cpu)
+                .map_err(|e| ModelError::bad(&self.path, format!("tensor {name}: {e}")))?
+        };
+        Ok(q.dequantize(&Device::Cpu)?)
+    }
+
     /// Read, dequantise and un-permute the tensor with Hugging Face name `hf`.
     pub fn tensor(&self, hf: &str, dtype: DType, device: &Device) -> Result<Tensor> {
         let missing = || ModelError::MissingTensor {
@@ -330,16 +448,7 @@ impl GgufFile {
         if !self.has_tensor(&name) {
             return Err(missing());
         }
-        let q = {
-            let mut f = self
-                .file
-                .lock()
-                .map_err(|_| ModelError::bad(&self.path, "file lock poisoned"))?;
-            self.content
-                .tensor(&mut *f, &name, &Device::Cpu)
-                .map_err(|e| ModelError::bad(&self.path, format!("tensor {name}: {e}")))?
-        };
-        let mut t = q.dequantize(&Device::Cpu)?;
+        let mut t = self.raw_tensor(&name)?;
         if self.arch == "llama" && (name.contains(".attn_q.") || name.contains(".attn_k.")) {
             let heads = self.req_u64("attention.head_count")? as usize;
             let heads = if name.contains(".attn_k.") {
@@ -771,6 +880,24 @@ mod tests {
             back.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
             (0..8).map(|x| x as f32).collect::<Vec<_>>()
         );
+    }
+
+    #[test]
+    fn llama31_rope_factors_are_recognised() {
+        // Llama 3.1 / 3.2: theta 500000, head_dim 128, factor 8 (3.2: 32), 1, 4, 8192.
+        for factor in [8.0, 32.0] {
+            let f: Vec<f64> = llama3_factors(500000.0, 128, factor, 1.0, 4.0, 8192.0)
+                .into_iter()
+                .map(|x| (x as f32) as f64)
+                .collect();
+            assert_eq!(
+                llama3_from_factors(&f, 500000.0, 128),
+                Some((factor, 1.0, 4.0, 8192.0))
+            );
+        }
+        // Arbitrary divisors are not Llama 3 scaling.
+        let odd: Vec<f64> = (0..64).map(|i| 1.0 + (i % 3) as f64).collect();
+        assert_eq!(llama3_from_factors(&odd, 500000.0, 128), None);
     }
 
     #[test]

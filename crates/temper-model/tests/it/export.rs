@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use temper_model::{save_gguf, save_hf, GgufQuant, LoadOptions, Pretrained};
+use temper_model::{save_gguf, save_hf, GgufQuant, LoadOptions, Pretrained, RopeScaling};
 
 use crate::common::*;
 
@@ -16,8 +16,7 @@ const TEXTS: [&str; 5] = [
     "numbers 12345 and 3.14",
 ];
 
-/// A copy of the tiny Llama fixture with plain RoPE (GGUF export refuses
-/// Llama 3 rope scaling).
+/// A copy of the tiny Llama fixture with plain RoPE.
 fn tiny_llama_plain_rope(dir: &Path) -> Pretrained {
     let src = root().join("models/tiny-llama");
     for e in std::fs::read_dir(&src).expect("fixture dir") {
@@ -104,13 +103,35 @@ fn gguf_export_round_trips_every_family() {
     }
 }
 
+/// Llama 3 rope scaling travels as llama.cpp's `rope_freqs.weight` and is
+/// recognised again on load.
 #[test]
-fn gguf_export_of_llama3_rope_scaling_is_an_error_naming_it() {
+fn gguf_export_round_trips_llama3_rope_scaling() {
     let p = load("tiny-llama");
     let tmp = tempfile::tempdir().expect("tmp");
-    let err = save_gguf(&p, &p.model, &tmp.path().join("x.gguf"), GgufQuant::F32)
-        .expect_err("llama3 rope scaling is not exported");
-    assert!(err.to_string().contains("rope"), "{err}");
+    let path = tmp.path().join("llama3.gguf");
+    save_gguf(&p, &p.model, &path, GgufQuant::F32).expect("export");
+    let back = Pretrained::load(&path, &LoadOptions::default()).expect("reload");
+    match (&p.config.rope_scaling, &back.config.rope_scaling) {
+        (
+            RopeScaling::Llama3 {
+                factor: f0,
+                low_freq_factor: l0,
+                high_freq_factor: h0,
+                original_max_position_embeddings: o0,
+            },
+            RopeScaling::Llama3 {
+                factor: f1,
+                low_freq_factor: l1,
+                high_freq_factor: h1,
+                original_max_position_embeddings: o1,
+            },
+        ) => {
+            assert_eq!((f0, l0, h0, o0), (f1, l1, h1, o1));
+        }
+        other => panic!("rope scaling not recovered: {other:?}"),
+    }
+    check_same_model(&p, &back, 1e-6, "tiny-llama (llama3 rope) F32");
 }
 
 #[test]
