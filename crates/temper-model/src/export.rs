@@ -348,15 +348,17 @@ fn tokenizer_metadata(base: &Pretrained, vocab_size: usize) -> Result<Vec<(Strin
         Ok(())
     };
     for (tok, id) in vocab {
-        put(id.as_u64().unwrap_or(u64::MAX), tok, 1)?;
+        let id = id
+            .as_u64()
+            .ok_or_else(|| ModelError::bad(&path, format!("vocab id of {tok:?}")))?;
+        put(id, tok, 1)?;
     }
     for a in tj["added_tokens"].as_array().cloned().unwrap_or_default() {
         let ty = if a["special"] == json!(true) { 3 } else { 4 };
-        put(
-            a["id"].as_u64().unwrap_or(u64::MAX),
-            a["content"].as_str().unwrap_or_default(),
-            ty,
-        )?;
+        let (Some(id), Some(content)) = (a["id"].as_u64(), a["content"].as_str()) else {
+            return Err(ModelError::bad(&path, format!("added token {a}")));
+        };
+        put(id, content, ty)?;
     }
     let mut tokens_out = Vec::with_capacity(vocab_size);
     for (i, t) in tokens.into_iter().enumerate() {
@@ -373,16 +375,18 @@ fn tokenizer_metadata(base: &Pretrained, vocab_size: usize) -> Result<Vec<(Strin
         .cloned()
         .unwrap_or_default()
         .into_iter()
-        .map(|m| match m {
-            Json::String(s) => s,
-            Json::Array(p) => format!(
-                "{} {}",
-                p.first().and_then(|x| x.as_str()).unwrap_or_default(),
-                p.get(1).and_then(|x| x.as_str()).unwrap_or_default()
-            ),
-            _ => String::new(),
+        .map(|m| match &m {
+            Json::String(s) => Ok(s.clone()),
+            Json::Array(p) => match (
+                p.first().and_then(|x| x.as_str()),
+                p.get(1).and_then(|x| x.as_str()),
+            ) {
+                (Some(a), Some(b)) => Ok(format!("{a} {b}")),
+                _ => Err(ModelError::bad(&path, format!("merge {m}"))),
+            },
+            _ => Err(ModelError::bad(&path, format!("merge {m}"))),
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let add_bos = tj["post_processor"]
         .pointer("/single/0/SpecialToken")
         .is_some()

@@ -565,7 +565,14 @@ impl GgufFile {
         };
         let tokens = self.tokens()?;
         let types: Vec<u64> = match self.metadata("tokenizer.ggml.token_type") {
-            Some(Value::Array(a)) => a.iter().map(|v| meta_u64(v).unwrap_or(1)).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| {
+                    meta_u64(v).ok_or_else(|| {
+                        ModelError::bad(&self.path, format!("tokenizer.ggml.token_type: {v:?}"))
+                    })
+                })
+                .collect::<Result<_>>()?,
             _ => Vec::new(),
         };
         let merges_file = self.string_array("tokenizer.ggml.merges")?;
@@ -580,7 +587,7 @@ impl GgufFile {
                     "type": "BPE", "dropout": null, "unk_token": null,
                     "continuing_subword_prefix": "", "end_of_word_suffix": "",
                     "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                    "vocab": vocab_map(&spelled), "merges": split_merges(&merges),
+                    "vocab": vocab_map(&spelled), "merges": split_merges(&merges, &self.path)?,
                 });
                 let pre = match self.metadata("tokenizer.ggml.pre") {
                     Some(Value::String(p)) => split_regex(p),
@@ -600,13 +607,21 @@ impl GgufFile {
             }
             "llama" => {
                 let merges = match merges_file {
-                    Some(m) => split_merges(&m),
+                    Some(m) => split_merges(&m, &self.path)?,
                     None => {
                         let scores: Vec<f64> =
                             match self.metadata("tokenizer.ggml.scores") {
-                                Some(Value::Array(a)) => {
-                                    a.iter().map(|v| meta_f64(v).unwrap_or(0.0)).collect()
-                                }
+                                Some(Value::Array(a)) => a
+                                    .iter()
+                                    .map(|v| {
+                                        meta_f64(v).ok_or_else(|| {
+                                            ModelError::bad(
+                                                &self.path,
+                                                format!("tokenizer.ggml.scores: {v:?}"),
+                                            )
+                                        })
+                                    })
+                                    .collect::<Result<_>>()?,
                                 _ => return Err(ModelError::bad(
                                     &self.path,
                                     "SentencePiece GGUF tokenizer with neither merges nor scores",
@@ -736,18 +751,18 @@ fn vocab_map(tokens: &[String]) -> Json {
     Json::Object(m)
 }
 
-fn split_merges(merges: &[String]) -> Json {
-    Json::Array(
-        merges
-            .iter()
-            .map(|m| {
-                let mut parts = m.split(' ');
-                let a = parts.next().unwrap_or_default();
-                let b = parts.next().unwrap_or_default();
-                json!([a, b])
-            })
-            .collect(),
-    )
+fn split_merges(merges: &[String], path: &Path) -> Result<Json> {
+    merges
+        .iter()
+        .map(|m| match m.split_once(' ') {
+            Some((a, b)) if !a.is_empty() && !b.is_empty() && !b.contains(' ') => Ok(json!([a, b])),
+            _ => Err(ModelError::bad(
+                path,
+                format!("tokenizer.ggml.merges entry {m:?} is not two tokens"),
+            )),
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Json::Array)
 }
 
 /// transformers' `generate_merges` with scores: every split of every token
