@@ -184,8 +184,8 @@ fn llama3_from_factors(
 /// `[heads, 2, d/2]` → `[heads, d/2, 2]` (its inverse when `unpermute`).
 pub(crate) fn permute_qk(w: &Tensor, heads: usize, unpermute: bool) -> Result<Tensor> {
     let dims = w.dims().to_vec();
-    let rows = dims[0];
-    if heads == 0 || !rows.is_multiple_of(2 * heads) {
+    let rows = dims.first().copied().unwrap_or(0);
+    if heads == 0 || rows == 0 || !rows.is_multiple_of(2 * heads) {
         return Err(ModelError::UnsupportedConfig(format!(
             "q/k rows {rows} do not split into {heads} heads of even width"
         )));
