@@ -196,6 +196,10 @@ pub fn hf_config_json(cfg: &ModelConfig, bos: Option<u32>) -> Json {
         "torch_dtype": "float32",
     });
     if let Some(o) = v.as_object_mut() {
+        if cfg.rope_scaling != RopeScaling::Default {
+            // The pre-transformers-5 key, which vLLM and older readers use.
+            o.insert("rope_scaling".into(), o["rope_parameters"].clone());
+        }
         if cfg.family == Family::Llama {
             o.insert("attention_bias".into(), json!(cfg.qkv_bias));
             o.insert("mlp_bias".into(), json!(cfg.mlp_bias));

@@ -154,6 +154,18 @@ fn hf_export_round_trips_with_merged_adapter() {
             p.tokenizer.encode(t, true).unwrap()
         );
     }
+    // Llama 3 rope scaling survives config.json.
+    let l = load("tiny-llama");
+    let dir = tmp.path().join("llama");
+    save_hf(&l, &l.model, &dir).expect("export llama");
+    let back = Pretrained::load(&dir, &LoadOptions::default()).expect("reload llama");
+    assert_eq!(back.config.rope_scaling, l.config.rope_scaling);
+    let input = l.tokenizer.encode(TEXTS[2], true).expect("encode");
+    let e = rel_err(
+        &logits_of(&back, &input, None),
+        &logits_of(&l, &input, None),
+    );
+    assert!(e == 0.0, "llama HF export: relative error {e}");
 }
 
 #[test]
