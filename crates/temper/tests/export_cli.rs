@@ -157,3 +157,66 @@ fn export_errors_name_the_problem() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
 }
+
+/// A checkpoint (`state.json` + weights), LoRA or full, exports like the
+/// adapter / model it holds.
+#[test]
+fn export_reads_lora_and_full_checkpoints() {
+    use std::sync::Arc;
+    use temper_engine::TrainingRun;
+
+    let base_dir = fixtures().join("models/tiny-qwen2");
+    let adapter_dir = fixtures().join("adapters/tiny-qwen2-lora");
+    let base = Arc::new(Pretrained::load(&base_dir, &LoadOptions::default()).expect("base"));
+    let adapter = LoraAdapter::load_peft(
+        &adapter_dir,
+        &base.config,
+        base.model.dtype(),
+        base.model.device(),
+    )
+    .expect("adapter");
+    let ids = base
+        .tokenizer
+        .encode("Hello, wörld!", true)
+        .expect("encode");
+    let want = logits(&base, &ids, Some(&adapter));
+    let tmp = tempfile::tempdir().expect("tmp");
+    let s = |p: &Path| p.display().to_string();
+
+    let lora_state = tmp.path().join("lora-state");
+    TrainingRun::lora_from(base.clone(), adapter)
+        .save_state(&lora_state)
+        .expect("save lora state");
+    let out = tmp.path().join("from-lora-state");
+    run_ok(&[
+        "export",
+        &s(&lora_state),
+        "--format",
+        "peft",
+        "--out",
+        &s(&out),
+    ]);
+    let back = LoraAdapter::load_peft(&out, &base.config, base.model.dtype(), base.model.device())
+        .expect("adapter from checkpoint");
+    assert_eq!(max_rel(&logits(&base, &ids, Some(&back)), &want), 0.0);
+
+    let full_state = tmp.path().join("full-state");
+    TrainingRun::full(base.clone())
+        .expect("full run")
+        .save_state(&full_state)
+        .expect("save full state");
+    let out = tmp.path().join("from-full-state");
+    run_ok(&[
+        "export",
+        &s(&full_state),
+        "--format",
+        "hf",
+        "--out",
+        &s(&out),
+    ]);
+    let back = Pretrained::load(&out, &LoadOptions::default()).expect("hf from checkpoint");
+    assert_eq!(
+        max_rel(&logits(&back, &ids, None), &logits(&base, &ids, None)),
+        0.0
+    );
+}
