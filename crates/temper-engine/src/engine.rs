@@ -203,6 +203,26 @@ impl Engine {
         })
     }
 
+    /// A new LoRA training run on base `base` that starts from the PEFT
+    /// adapter in `dir` (its rank, alpha, targets and weights); returns its id.
+    pub fn create_lora_run_from_peft(&self, base: &str, dir: PathBuf) -> Pending<String> {
+        let base = base.to_string();
+        self.submit(move |s| {
+            let b = s.base(&base)?;
+            let adapter = temper_model::LoraAdapter::load_peft(
+                &dir,
+                &b.config,
+                b.model.dtype(),
+                b.model.device(),
+            )?;
+            let run = TrainingRun::lora_from(b, adapter);
+            s.next_id += 1;
+            let id = format!("run-{}", s.next_id);
+            s.runs.insert(id.clone(), run);
+            Ok(id)
+        })
+    }
+
     /// A new full-parameter training run on base `base`; returns its id.
     pub fn create_full_run(&self, base: &str) -> Pending<String> {
         let base = base.to_string();

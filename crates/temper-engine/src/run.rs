@@ -98,6 +98,13 @@ impl TrainingRun {
         Ok(Self::with(base, Trainable::Lora(adapter)))
     }
 
+    /// A LoRA run that continues from an existing adapter (e.g. a PEFT
+    /// directory loaded with [`LoraAdapter::load_peft`]): its rank, alpha,
+    /// targets and weights; fresh optimizer state.
+    pub fn lora_from(base: Arc<Pretrained>, adapter: LoraAdapter) -> Self {
+        Self::with(base, Trainable::Lora(adapter))
+    }
+
     /// A full-parameter run (the base weights are copied, the shared base
     /// stays frozen).
     pub fn full(base: Arc<Pretrained>) -> Result<Self> {

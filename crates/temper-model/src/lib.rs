@@ -3,7 +3,10 @@
 //!
 //! - [`Pretrained::load`] reads a Hugging Face model directory: `config.json`,
 //!   `model.safetensors` or a sharded index (memory-mapped), `tokenizer.json`,
-//!   `tokenizer_config.json`, `chat_template.jinja`, `generation_config.json`.
+//!   `tokenizer_config.json`, `chat_template.jinja`, `generation_config.json`
+//!   — or a GGUF file (llama.cpp / Ollama), whose config, weights (any common
+//!   quantisation, dequantised), tokenizer and chat template it rebuilds as
+//!   transformers' GGUF loader does ([`GgufFile`]).
 //! - [`Model::forward_hidden`] is the only forward. Training
 //!   ([`Model::score`]: per-token logprobs and entropy of target tokens),
 //!   prefill and KV-cached decode ([`Sampler`]) all go through it, and it is
@@ -38,6 +41,8 @@
 mod chat;
 mod config;
 mod error;
+mod export;
+mod gguf;
 mod lora;
 mod model;
 mod pretrained;
@@ -51,13 +56,15 @@ mod weights;
 pub use chat::ChatTemplate;
 pub use config::{Family, HfConfig, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
+pub use export::{hf_config_json, save_gguf, save_hf, GgufQuant};
+pub use gguf::{gguf_tensor_name, is_gguf, GgufFile};
 pub use lora::{LoraAdapter, LoraConfig, LoraPair, Target};
 pub use model::{KvCache, Model, Segment};
 pub use pretrained::{GenerationDefaults, LoadOptions, Pretrained};
 pub use rope::{inv_freq, Rope};
 pub use sampling::{Completion, FinishReason, GenerationRequest, Sampler, SamplingParams};
 pub use scoring::{ScoreInput, TokenScores};
-pub use tokenizer::{load_chat_template, Tokenizer};
+pub use tokenizer::{chat_template_source, load_chat_template, Tokenizer};
 pub use top_logprobs::TopLogprobs;
 pub use weights::Checkpoint;
 

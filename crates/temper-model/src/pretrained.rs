@@ -1,5 +1,5 @@
-//! A whole Hugging Face model directory: weights, tokenizer, chat template
-//! and generation defaults, loaded together.
+//! A whole model — a Hugging Face directory or a GGUF file: weights,
+//! tokenizer, chat template and generation defaults, loaded together.
 
 use std::path::{Path, PathBuf};
 
@@ -8,6 +8,7 @@ use candle_core::{DType, Device};
 use crate::chat::ChatTemplate;
 use crate::config::{ids_of, HfConfig, ModelConfig};
 use crate::error::{ModelError, Result};
+use crate::gguf::{is_gguf, GgufFile};
 use crate::model::Model;
 use crate::tokenizer::{load_chat_template, Tokenizer};
 use crate::weights::Checkpoint;
@@ -26,9 +27,9 @@ pub struct GenerationDefaults {
     pub top_k: Option<usize>,
 }
 
-/// A loaded model directory.
+/// A loaded model.
 pub struct Pretrained {
-    /// Where it was loaded from.
+    /// Where it was loaded from: the model directory, or the GGUF file.
     pub dir: PathBuf,
     /// The checked config.
     pub config: ModelConfig,
@@ -61,13 +62,18 @@ impl Default for LoadOptions {
 }
 
 impl Pretrained {
-    /// Load `dir` (config.json, safetensors, tokenizer.json, and optionally
-    /// tokenizer_config.json, chat_template.jinja, generation_config.json).
+    /// Load a model: a Hugging Face directory (config.json, safetensors,
+    /// tokenizer.json, and optionally tokenizer_config.json,
+    /// chat_template.jinja, generation_config.json), or a GGUF file (config,
+    /// weights, tokenizer and chat template all from the file).
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        if is_gguf(dir) {
+            return Self::load_gguf(dir, opts);
+        }
         if !dir.is_dir() {
             return Err(ModelError::MissingFile {
                 path: dir.to_path_buf(),
-                hint: "not a directory; pass a Hugging Face model directory".into(),
+                hint: "not a directory or a GGUF file; pass a Hugging Face model directory or a .gguf file".into(),
             });
         }
         let hf = HfConfig::from_file(&dir.join("config.json"))?;
@@ -76,7 +82,56 @@ impl Pretrained {
         let ck = Checkpoint::open(dir, opts.dtype, &opts.device)?;
         let model = Model::load(&config, &ck, opts.dtype, &opts.device)?;
         let chat_template = load_chat_template(dir, &tokenizer)?;
-        let mut generation = read_generation_config(dir)?;
+        let generation = read_generation_config(dir)?;
+        Ok(Self::assemble(
+            dir,
+            config,
+            model,
+            tokenizer,
+            chat_template,
+            generation,
+        ))
+    }
+
+    /// Load a GGUF file: see [`Pretrained::load`].
+    fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let config = file.hf_config()?.validate()?;
+        let tokenizer = file.tokenizer()?;
+        let chat_template = file
+            .chat_template()
+            .map(|s| {
+                ChatTemplate::new(
+                    &s,
+                    tokenizer.bos_token().map(str::to_string),
+                    tokenizer.eos_token().map(str::to_string),
+                )
+            })
+            .transpose()?;
+        let generation = GenerationDefaults {
+            eos_token_ids: file.eos_token_ids(),
+            ..Default::default()
+        };
+        let ck = Checkpoint::from_gguf(file, opts.dtype, &opts.device);
+        let model = Model::load(&config, &ck, opts.dtype, &opts.device)?;
+        Ok(Self::assemble(
+            path,
+            config,
+            model,
+            tokenizer,
+            chat_template,
+            generation,
+        ))
+    }
+
+    fn assemble(
+        dir: &Path,
+        config: ModelConfig,
+        model: Model,
+        tokenizer: Tokenizer,
+        chat_template: Option<ChatTemplate>,
+        mut generation: GenerationDefaults,
+    ) -> Self {
         for id in config
             .eos_token_ids
             .iter()
@@ -95,14 +150,14 @@ impl Pretrained {
             vocab = config.vocab_size,
             "loaded model"
         );
-        Ok(Self {
+        Self {
             dir: dir.to_path_buf(),
             config,
             model,
             tokenizer,
             chat_template,
             generation,
-        })
+        }
     }
 }
 

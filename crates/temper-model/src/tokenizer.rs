@@ -128,24 +128,7 @@ fn read_tokenizer_config(dir: &Path) -> Result<serde_json::Map<String, serde_jso
 /// `tokenizer_config.json` (a string, or a list of named templates of which
 /// `default` is used). `None` when the model has none (base models).
 pub fn load_chat_template(dir: &Path, tokenizer: &Tokenizer) -> Result<Option<ChatTemplate>> {
-    let jinja = dir.join("chat_template.jinja");
-    let source = if jinja.exists() {
-        Some(std::fs::read_to_string(&jinja).map_err(|e| ModelError::io(&jinja, e))?)
-    } else {
-        let cfg = read_tokenizer_config(dir)?;
-        match cfg.get("chat_template") {
-            Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(serde_json::Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .or_else(|| list.first())
-                .and_then(|t| t.get("template"))
-                .and_then(|t| t.as_str())
-                .map(str::to_string),
-            _ => None,
-        }
-    };
-    source
+    chat_template_source(dir)?
         .map(|s| {
             ChatTemplate::new(
                 &s,
@@ -154,4 +137,30 @@ pub fn load_chat_template(dir: &Path, tokenizer: &Tokenizer) -> Result<Option<Ch
             )
         })
         .transpose()
+}
+
+/// The chat template's Jinja source in a model directory (see
+/// [`load_chat_template`]), or in a GGUF file (`tokenizer.chat_template`).
+pub fn chat_template_source(dir: &Path) -> Result<Option<String>> {
+    if crate::gguf::is_gguf(dir) {
+        return Ok(crate::gguf::GgufFile::open(dir)?.chat_template());
+    }
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.exists() {
+        return Ok(Some(
+            std::fs::read_to_string(&jinja).map_err(|e| ModelError::io(&jinja, e))?,
+        ));
+    }
+    let cfg = read_tokenizer_config(dir)?;
+    Ok(match cfg.get("chat_template") {
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(serde_json::Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .or_else(|| list.first())
+            .and_then(|t| t.get("template"))
+            .and_then(|t| t.as_str())
+            .map(str::to_string),
+        _ => None,
+    })
 }

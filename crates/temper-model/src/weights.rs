@@ -1,5 +1,6 @@
 //! Checkpoint tensors from `model.safetensors` or a sharded
-//! `model.safetensors.index.json`, memory-mapped, with shape checks.
+//! `model.safetensors.index.json` (memory-mapped), or from a GGUF file
+//! (dequantised as read), with shape checks.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -8,10 +9,17 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
 
-/// The safetensors files of one checkpoint.
+enum Source {
+    Safetensors(MmapedSafetensors),
+    Gguf(GgufFile),
+}
+
+/// The tensors of one checkpoint: safetensors files or a GGUF file, always
+/// named as in a Hugging Face checkpoint.
 pub struct Checkpoint {
-    files: MmapedSafetensors,
+    files: Source,
     desc: String,
     dtype: DType,
     device: Device,
@@ -32,27 +40,52 @@ impl Checkpoint {
         let files = unsafe { MmapedSafetensors::multi(&paths) }
             .map_err(|e| ModelError::bad(dir, format!("safetensors: {e}")))?;
         Ok(Self {
-            files,
+            files: Source::Safetensors(files),
             desc,
             dtype,
             device: device.clone(),
         })
     }
 
+    /// The tensors of a GGUF file, dequantised to `dtype` on `device` as
+    /// they are read.
+    pub fn from_gguf(file: GgufFile, dtype: DType, device: &Device) -> Self {
+        Self {
+            desc: file.path().display().to_string(),
+            files: Source::Gguf(file),
+            dtype,
+            device: device.clone(),
+        }
+    }
+
     /// Whether the checkpoint has a tensor called `name`.
     pub fn contains(&self, name: &str) -> bool {
-        self.files.get(name).is_ok()
+        match &self.files {
+            Source::Safetensors(f) => f.get(name).is_ok(),
+            Source::Gguf(g) => g.contains(name),
+        }
     }
 
     /// Load `name`, checking it has shape `expected`.
     pub fn get(&self, name: &str, expected: &[usize]) -> Result<Tensor> {
-        let view = self
-            .files
-            .get(name)
-            .map_err(|_| ModelError::MissingTensor {
-                name: name.to_string(),
-                source_desc: self.desc.clone(),
-            })?;
+        let files = match &self.files {
+            Source::Safetensors(f) => f,
+            Source::Gguf(g) => {
+                let t = g.tensor(name, self.dtype, &self.device)?;
+                if t.dims() != expected {
+                    return Err(ModelError::ShapeMismatch {
+                        name: name.to_string(),
+                        expected: expected.to_vec(),
+                        actual: t.dims().to_vec(),
+                    });
+                }
+                return Ok(t);
+            }
+        };
+        let view = files.get(name).map_err(|_| ModelError::MissingTensor {
+            name: name.to_string(),
+            source_desc: self.desc.clone(),
+        })?;
         if view.shape() != expected {
             return Err(ModelError::ShapeMismatch {
                 name: name.to_string(),
@@ -60,7 +93,7 @@ impl Checkpoint {
                 actual: view.shape().to_vec(),
             });
         }
-        let t = self.files.load(name, &self.device)?;
+        let t = files.load(name, &self.device)?;
         Ok(t.to_dtype(self.dtype)?)
     }
 }

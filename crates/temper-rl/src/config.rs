@@ -16,10 +16,13 @@ use crate::preset::TinyPreset;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSection {
-    /// A Hugging Face model directory.
+    /// A Hugging Face model directory or a GGUF file.
     pub path: Option<PathBuf>,
     /// Or a built-in preset, written into the run directory: `"tiny"`.
     pub preset: Option<String>,
+    /// Continue from this PEFT LoRA adapter directory (ours, or one PEFT /
+    /// Unsloth / Tinker wrote): its rank, alpha and targets replace `[lora]`'s.
+    pub adapter: Option<PathBuf>,
     /// Sizes for the `tiny` preset.
     pub tiny: TinyPreset,
 }

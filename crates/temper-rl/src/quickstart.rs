@@ -89,6 +89,7 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
             path: None,
             preset: Some("tiny".into()),
             tiny: TinyPreset::default(),
+            adapter: None,
         },
         lora: LoraSection {
             enabled: false,
@@ -133,6 +134,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
             path: Some(sft_model.to_path_buf()),
             preset: None,
             tiny: TinyPreset::default(),
+            adapter: None,
         },
         lora: LoraSection {
             enabled: true,

@@ -170,7 +170,17 @@ pub fn local_trainer(
     let base = Arc::new(Pretrained::load(&dir, &LoadOptions::default())?);
     let engine = Engine::new();
     engine.add_base_model("base", base.clone()).wait()?;
-    let run = if lora.enabled {
+    let run = if let Some(adapter) = &model.adapter {
+        if !lora.enabled {
+            return Err(RlError::Config(
+                "[model] adapter needs [lora] enabled = true (it continues a LoRA run)".into(),
+            ));
+        }
+        tracing::info!(adapter = %adapter.display(), "continuing from a PEFT adapter (its rank/alpha/targets are used)");
+        engine
+            .create_lora_run_from_peft("base", adapter.clone())
+            .wait()?
+    } else if lora.enabled {
         engine
             .create_lora_run("base", lora_config(lora)?, seed)
             .wait()?

@@ -20,7 +20,7 @@ pub enum ApiCommand {
 #[derive(Args)]
 pub struct ServeArgs {
     /// A base model clients may use: NAME=DIR (a Hugging Face model
-    /// directory). Repeatable; NAME is the SDK's `base_model`.
+    /// directory or a GGUF file). Repeatable; NAME is the SDK's `base_model`.
     #[arg(long = "model", required = true)]
     models: Vec<String>,
     /// Address to bind.
@@ -41,7 +41,7 @@ pub struct ServeArgs {
 fn model_arg(s: &str) -> Result<(String, PathBuf)> {
     match s.split_once('=') {
         Some((n, d)) if !n.is_empty() && !d.is_empty() => Ok((n.to_string(), PathBuf::from(d))),
-        _ => bail!("--model expects NAME=DIR, got {s:?}"),
+        _ => bail!("--model expects NAME=DIR (a model directory or a GGUF file), got {s:?}"),
     }
 }
 

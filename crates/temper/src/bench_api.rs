@@ -15,7 +15,7 @@ use temper_server::training_api::{app, ApiConfig, ApiState, BaseModel, LORA_ALPH
 /// Arguments of `temper bench api`.
 #[derive(Args)]
 pub struct ApiBenchArgs {
-    /// Model directory.
+    /// Model directory or GGUF file.
     #[arg(long, default_value = "fixtures/models/tiny-qwen3")]
     model: PathBuf,
     /// Timed steps (after 2 warm-up steps).

@@ -14,7 +14,7 @@ use temper_model::{
 /// Arguments of `temper generate`.
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or GGUF file.
     #[arg(long)]
     model: PathBuf,
     /// Prompt text (raw, unless --chat).

@@ -6,6 +6,7 @@ mod bench_api;
 mod bench_serve;
 mod env_cmd;
 mod eval;
+mod export;
 mod generate;
 mod sandbox;
 mod serve;
@@ -59,6 +60,8 @@ enum Command {
     Quickstart(train::QuickstartArgs),
     /// Turn an eval's successful rollouts into an SFT dataset (chat JSONL).
     GenerateSft(train::GenerateSftArgs),
+    /// Export a run or adapter: merged HF directory, PEFT adapter, or GGUF.
+    Export(export::ExportArgs),
 }
 
 fn main() -> ExitCode {
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
         Command::Sandbox(cmd) => sandbox::run(cmd),
         Command::Api(cmd) => api::run(cmd),
         Command::Serve(args) => serve::run(args),
+        Command::Export(args) => export::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

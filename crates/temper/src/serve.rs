@@ -12,7 +12,7 @@ use temper_server::openai::{app, OpenAiState, ServeConfig};
 /// Arguments of `temper serve`.
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or GGUF file.
     #[arg(long)]
     model: PathBuf,
     /// Name clients put in `model` for the base model (default: the

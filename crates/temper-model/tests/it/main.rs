@@ -2,8 +2,11 @@
 
 mod common;
 mod decode;
+mod export;
+mod gguf_tokenizers;
 mod golden;
 mod loading;
 mod sampling;
+mod smollm2;
 mod top_logprobs;
 mod training;

@@ -1,0 +1,197 @@
+//! Golden tests on a real pretrained model read from GGUF:
+//! SmolLM2-135M-Instruct (Q4_1), against transformers' GGUF loader.
+//!
+//! The references (`fixtures/smollm2/refs.json`) are made by
+//! `scripts/make_smollm2_refs.py`; the GGUF (93 MB, never committed) by
+//! `scripts/fetch_smollm2.sh`, which prints the path to export as
+//! `TEMPER_SMOLLM2_GGUF`. Without that variable these tests say they are
+//! skipped and pass; `.ci/run` sets it, so CI runs them.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use temper_model::candle_core::Tensor;
+use temper_model::{GenerationRequest, LoadOptions, Pretrained, Sampler, SamplingParams};
+
+use crate::common::*;
+
+fn gguf_path() -> Option<PathBuf> {
+    match std::env::var_os("TEMPER_SMOLLM2_GGUF") {
+        Some(p) => Some(PathBuf::from(p)),
+        None => {
+            eprintln!(
+                "SKIPPED: set TEMPER_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf (scripts/fetch_smollm2.sh) to run the real-model tests"
+            );
+            None
+        }
+    }
+}
+
+/// The model, loaded once for all tests of this module.
+fn model() -> Option<&'static Pretrained> {
+    static MODEL: OnceLock<Pretrained> = OnceLock::new();
+    let path = gguf_path()?;
+    Some(MODEL.get_or_init(|| {
+        Pretrained::load(&path, &LoadOptions::default())
+            .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
+    }))
+}
+
+fn refs() -> serde_json::Value {
+    let path = root().join("smollm2/refs.json");
+    serde_json::from_str(&std::fs::read_to_string(&path).expect("refs.json")).expect("json")
+}
+
+fn floats(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .expect("floats")
+        .iter()
+        .map(|x| x.as_f64().expect("float") as f32)
+        .collect()
+}
+
+#[test]
+fn smollm2_gguf_config_matches_transformers() {
+    let Some(p) = model() else { return };
+    let r = refs();
+    let c = &r["config"];
+    let cfg = &p.config;
+    assert_eq!(cfg.family, temper_model::Family::Llama);
+    assert_eq!(cfg.hidden_size as u64, c["hidden_size"].as_u64().unwrap());
+    assert_eq!(
+        cfg.intermediate_size as u64,
+        c["intermediate_size"].as_u64().unwrap()
+    );
+    assert_eq!(
+        cfg.num_layers as u64,
+        c["num_hidden_layers"].as_u64().unwrap()
+    );
+    assert_eq!(
+        cfg.num_heads as u64,
+        c["num_attention_heads"].as_u64().unwrap()
+    );
+    assert_eq!(
+        cfg.num_kv_heads as u64,
+        c["num_key_value_heads"].as_u64().unwrap()
+    );
+    assert_eq!(cfg.head_dim as u64, c["head_dim"].as_u64().unwrap());
+    assert_eq!(cfg.vocab_size as u64, c["vocab_size"].as_u64().unwrap());
+    assert_eq!(cfg.rms_norm_eps, c["rms_norm_eps"].as_f64().unwrap());
+    assert_eq!(cfg.rope_theta, r["rope_theta"].as_f64().unwrap());
+    assert_eq!(
+        cfg.max_position_embeddings as u64,
+        c["max_position_embeddings"].as_u64().unwrap()
+    );
+    assert_eq!(
+        cfg.tie_word_embeddings,
+        c["tie_word_embeddings"].as_bool().unwrap()
+    );
+    assert_eq!(p.tokenizer.bos_token(), r["bos_token"].as_str());
+    assert_eq!(p.tokenizer.eos_token(), r["eos_token"].as_str());
+    assert_eq!(
+        p.tokenizer.vocab_size() as u64,
+        r["vocab_size"].as_u64().unwrap()
+    );
+    let eos = r["eos_token_id"].as_u64().unwrap() as u32;
+    assert!(p.generation.eos_token_ids.contains(&eos));
+}
+
+#[test]
+fn smollm2_gguf_tokenizer_matches_transformers() {
+    let Some(p) = model() else { return };
+    let r = refs();
+    for c in r["corpus"].as_array().expect("corpus") {
+        let text = c["text"].as_str().expect("text");
+        let want = ids(&c["ids"]);
+        assert_eq!(
+            p.tokenizer.encode(text, true).expect("encode"),
+            want,
+            "encode {text:?}"
+        );
+        assert_eq!(
+            p.tokenizer.decode(&want, false).expect("decode"),
+            c["decoded"].as_str().expect("decoded"),
+            "decode {text:?}"
+        );
+        assert_eq!(
+            p.tokenizer.decode(&want, true).expect("decode"),
+            c["decoded_skip_special"].as_str().expect("decoded"),
+            "decode skipping special tokens {text:?}"
+        );
+    }
+}
+
+#[test]
+fn smollm2_gguf_chat_template_matches_transformers() {
+    let Some(p) = model() else { return };
+    let r = refs();
+    let tmpl = p.chat_template.as_ref().expect("GGUF has a chat template");
+    for c in r["chats"].as_array().expect("chats") {
+        let text = tmpl
+            .render(&c["messages"], None, true, &Default::default())
+            .expect("renders");
+        assert_eq!(text, c["rendered"].as_str().expect("rendered"));
+        assert_eq!(
+            p.tokenizer.encode(&text, false).expect("encode"),
+            ids(&c["prompt_ids"])
+        );
+    }
+}
+
+#[test]
+fn smollm2_gguf_logits_match_transformers() {
+    let Some(p) = model() else { return };
+    let r = refs();
+    for c in r["chats"].as_array().expect("chats") {
+        let prompt = ids(&c["prompt_ids"]);
+        let logits = logits_of(p, &prompt, None);
+        let n = floats(&c["logits_last"]).len();
+        let scale = c["max_abs_logit_last"].as_f64().expect("scale") as f32;
+        for (row, key) in [(0, "logits_first"), (prompt.len() - 1, "logits_last")] {
+            let ours = logits.get(row).unwrap().narrow(0, 0, n).unwrap();
+            let theirs = Tensor::new(floats(&c[key]), ours.device()).unwrap();
+            let diff = (&ours - &theirs).unwrap().abs().unwrap().max_all().unwrap();
+            let e = diff.to_scalar::<f32>().unwrap() / scale;
+            eprintln!("{key}: relative error {e:.2e}");
+            assert!(e <= 1e-4, "{key}: relative error {e}");
+        }
+        let last = logits
+            .get(prompt.len() - 1)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let mut order: Vec<usize> = (0..last.len()).collect();
+        order.sort_by(|&a, &b| last[b].total_cmp(&last[a]));
+        let top5: Vec<u32> = order[..5].iter().map(|&i| i as u32).collect();
+        assert_eq!(top5, ids(&c["top5_ids"]));
+        for (i, want) in ids(&c["top5_ids"]).iter().zip(floats(&c["top5_logits"])) {
+            let e = (last[*i as usize] - want).abs() / scale;
+            assert!(e <= 1e-4, "top-5 logit {i}: relative error {e}");
+        }
+    }
+}
+
+#[test]
+fn smollm2_gguf_greedy_matches_transformers_generate() {
+    let Some(p) = model() else { return };
+    let r = refs();
+    let chats = r["chats"].as_array().expect("chats");
+    let sampler = Sampler::new(&p.model, &p.tokenizer, p.generation.eos_token_ids.clone());
+    let reqs: Vec<GenerationRequest> = chats
+        .iter()
+        .map(|c| GenerationRequest {
+            prompt: ids(&c["prompt_ids"]),
+            n: 1,
+            params: SamplingParams {
+                max_tokens: 24,
+                temperature: 0.0,
+                ..Default::default()
+            },
+        })
+        .collect();
+    let out = sampler.generate(&reqs, None).expect("generate");
+    for (c, o) in chats.iter().zip(out) {
+        assert_eq!(o[0].tokens, ids(&c["greedy_ids"]), "{}", c["rendered"]);
+        assert_eq!(o[0].text, c["greedy_text"].as_str().expect("text"));
+    }
+}

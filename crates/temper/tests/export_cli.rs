@@ -1,0 +1,222 @@
+//! `temper export` end to end: a PEFT adapter out as a PEFT adapter, a merged
+//! Hugging Face directory and a GGUF, each loading back to the adapted
+//! model's logits; and a GGUF accepted by `temper generate`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use temper_model::{LoadOptions, LoraAdapter, Pretrained, Segment};
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
+}
+
+fn temper(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_temper"))
+        .args(args)
+        .output()
+        .expect("temper runs")
+}
+
+fn logits(p: &Pretrained, ids: &[u32], a: Option<&LoraAdapter>) -> Vec<Vec<f32>> {
+    let mut segs = [Segment {
+        len: ids.len(),
+        cache: None,
+    }];
+    let h = p.model.forward_hidden(ids, &mut segs, a).expect("forward");
+    p.model.logits(&h).expect("logits").to_vec2().expect("vec")
+}
+
+fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    let scale = b.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+fn run_ok(args: &[&str]) {
+    let out = temper(args);
+    assert!(
+        out.status.success(),
+        "temper {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn export_writes_peft_hf_and_gguf_that_load_back_to_the_adapted_model() {
+    let base_dir = fixtures().join("models/tiny-qwen2");
+    let adapter_dir = fixtures().join("adapters/tiny-qwen2-lora");
+    let base = Pretrained::load(&base_dir, &LoadOptions::default()).expect("base");
+    let adapter = LoraAdapter::load_peft(
+        &adapter_dir,
+        &base.config,
+        base.model.dtype(),
+        base.model.device(),
+    )
+    .expect("adapter");
+    let ids = base
+        .tokenizer
+        .encode("Hello, wörld!  1234", true)
+        .expect("encode");
+    let want = logits(&base, &ids, Some(&adapter));
+    let tmp = tempfile::tempdir().expect("tmp");
+    let s = |p: &Path| p.display().to_string();
+    let common = [s(&adapter_dir), "--base".into(), s(&base_dir)];
+    let with = |extra: &[&str]| -> Vec<String> {
+        let mut v = vec!["export".to_string()];
+        v.extend(common.iter().cloned());
+        v.extend(extra.iter().map(|x| x.to_string()));
+        v
+    };
+
+    let peft = tmp.path().join("peft");
+    let args = with(&["--format", "peft", "--out", &s(&peft)]);
+    run_ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let back = LoraAdapter::load_peft(&peft, &base.config, base.model.dtype(), base.model.device())
+        .expect("exported adapter loads");
+    assert_eq!(max_rel(&logits(&base, &ids, Some(&back)), &want), 0.0);
+
+    let hf = tmp.path().join("hf");
+    let args = with(&["--format", "hf", "--out", &s(&hf)]);
+    run_ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let merged = Pretrained::load(&hf, &LoadOptions::default()).expect("hf loads");
+    let e = max_rel(&logits(&merged, &ids, None), &want);
+    assert!(e <= 1e-5, "merged HF: relative error {e}");
+
+    let gguf = tmp.path().join("m.gguf");
+    let args = with(&["--format", "gguf", "--quant", "f32", "--out", &s(&gguf)]);
+    run_ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let g = Pretrained::load(&gguf, &LoadOptions::default()).expect("gguf loads");
+    let e = max_rel(&logits(&g, &ids, None), &want);
+    assert!(e <= 1e-5, "GGUF f32: relative error {e}");
+    assert_eq!(
+        g.tokenizer.encode("Hello, wörld!  1234", true).unwrap(),
+        ids
+    );
+
+    // The GGUF is a model like any other for the CLI.
+    let out = temper(&[
+        "generate",
+        "--model",
+        &s(&gguf),
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn export_errors_name_the_problem() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let out_path = tmp.path().join("x");
+    let model = fixtures().join("models/tiny-qwen3");
+    // A model has no adapter to export as PEFT.
+    let out = temper(&[
+        "export",
+        &model.display().to_string(),
+        "--format",
+        "peft",
+        "--out",
+        &out_path.display().to_string(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no LoRA adapter"));
+    // An unknown quantisation.
+    let out = temper(&[
+        "export",
+        &model.display().to_string(),
+        "--format",
+        "gguf",
+        "--quant",
+        "q9_9",
+        "--out",
+        &out_path.display().to_string(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("q9_9"));
+    // Not a run, adapter, checkpoint or model.
+    let out = temper(&[
+        "export",
+        &tmp.path().display().to_string(),
+        "--format",
+        "hf",
+        "--out",
+        &out_path.display().to_string(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
+}
+
+/// A checkpoint (`state.json` + weights), LoRA or full, exports like the
+/// adapter / model it holds.
+#[test]
+fn export_reads_lora_and_full_checkpoints() {
+    use std::sync::Arc;
+    use temper_engine::TrainingRun;
+
+    let base_dir = fixtures().join("models/tiny-qwen2");
+    let adapter_dir = fixtures().join("adapters/tiny-qwen2-lora");
+    let base = Arc::new(Pretrained::load(&base_dir, &LoadOptions::default()).expect("base"));
+    let adapter = LoraAdapter::load_peft(
+        &adapter_dir,
+        &base.config,
+        base.model.dtype(),
+        base.model.device(),
+    )
+    .expect("adapter");
+    let ids = base
+        .tokenizer
+        .encode("Hello, wörld!", true)
+        .expect("encode");
+    let want = logits(&base, &ids, Some(&adapter));
+    let tmp = tempfile::tempdir().expect("tmp");
+    let s = |p: &Path| p.display().to_string();
+
+    let lora_state = tmp.path().join("lora-state");
+    TrainingRun::lora_from(base.clone(), adapter)
+        .save_state(&lora_state)
+        .expect("save lora state");
+    let out = tmp.path().join("from-lora-state");
+    run_ok(&[
+        "export",
+        &s(&lora_state),
+        "--format",
+        "peft",
+        "--out",
+        &s(&out),
+    ]);
+    let back = LoraAdapter::load_peft(&out, &base.config, base.model.dtype(), base.model.device())
+        .expect("adapter from checkpoint");
+    assert_eq!(max_rel(&logits(&base, &ids, Some(&back)), &want), 0.0);
+
+    let full_state = tmp.path().join("full-state");
+    TrainingRun::full(base.clone())
+        .expect("full run")
+        .save_state(&full_state)
+        .expect("save full state");
+    let out = tmp.path().join("from-full-state");
+    run_ok(&[
+        "export",
+        &s(&full_state),
+        "--format",
+        "hf",
+        "--out",
+        &s(&out),
+    ]);
+    let back = Pretrained::load(&out, &LoadOptions::default()).expect("hf from checkpoint");
+    assert_eq!(
+        max_rel(&logits(&back, &ids, None), &logits(&base, &ids, None)),
+        0.0
+    );
+}
