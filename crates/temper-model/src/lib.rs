@@ -38,6 +38,7 @@
 mod chat;
 mod config;
 mod error;
+pub mod kernels;
 mod lora;
 mod model;
 mod pretrained;

@@ -493,8 +493,12 @@ impl Model {
 
     /// Logits `[n, vocab]` for hidden states `[n, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let w = self.lm_head.as_ref().unwrap_or(&self.embed);
-        Ok(hidden.matmul(&w.t()?)?)
+        Ok(hidden.matmul(&self.head_weight().t()?)?)
+    }
+
+    /// The output projection `[vocab, hidden]` (the embedding when tied).
+    pub(crate) fn head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
     fn lora_of(
