@@ -241,6 +241,8 @@ impl TrainingRun {
             };
             self.grads.insert(name, acc);
         }
+        // The step's activations are freed; return them to the OS.
+        temper_model::release_memory();
         Ok(out)
     }
 

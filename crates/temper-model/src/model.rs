@@ -601,12 +601,12 @@ impl Model {
 impl Model {
     /// Batched decode for serving: one new token per sequence (`ids[i]`
     /// continues `caches[i]`), appended to each cache; returns the final-norm
-    /// hidden states `[ids.len(), hidden]`. Linear layers *and attention* run
-    /// over all sequences at once — attention on the caches padded to the
-    /// longest and masked — instead of one attention per sequence as in
-    /// [`Model::forward_hidden`], whose decode results these equal to float
-    /// rounding. Inference only (no autograd use intended); reported logprobs
-    /// still come from [`Model::score`].
+    /// hidden states `[ids.len(), hidden]`. Linear layers run over all
+    /// sequences at once; on the CPU in f32, attention runs the same
+    /// [`causal_attention`] kernel per sequence as [`Model::forward_hidden`]
+    /// (bit-identical attention per token); elsewhere the caches are padded
+    /// to the longest and masked. Inference only (no autograd use intended);
+    /// reported logprobs still come from [`Model::score`].
     pub fn forward_decode(
         &self,
         ids: &[u32],

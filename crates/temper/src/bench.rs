@@ -224,6 +224,8 @@ fn model(args: ModelBenchArgs) -> Result<()> {
             }
         }
         std::hint::black_box(acc);
+        // As the engine does after forward_backward.
+        temper_model::release_memory();
         Ok(t.elapsed().as_secs_f64())
     };
     let peak_reset = rss::reset_peak();
