@@ -29,6 +29,9 @@ use crate::error::{ModelError, Result};
 /// Keys per online-softmax block.
 pub const KEY_BLOCK: usize = 64;
 
+/// Below this many multiply-adds a forward runs on the calling thread.
+const SEQUENTIAL_WORK: usize = 1 << 18;
+
 /// Causal GQA attention. `q`: `[heads, q_len, hd]`; `k`, `v`:
 /// `[kv_heads, kv_len, hd]` with `kv_len ≥ q_len` (the queries are the last
 /// `q_len` positions); query head `h` uses kv head `h / (heads / kv_heads)`.
@@ -190,13 +193,23 @@ impl CustomOp3 for CausalAttention {
         };
         let mut out = vec![0f32; nh * lq * hd];
         let mut lse = vec![0f32; nh * lq];
-        out.par_chunks_mut(hd)
-            .zip(lse.par_iter_mut())
-            .enumerate()
-            .for_each(|(r, (o, lse))| {
-                let (h, i) = (r / lq, r % lq);
-                *lse = row_forward(&d, &q[r * hd..(r + 1) * hd], k, v, h, i, o);
-            });
+        let row = |(r, (o, lse)): (usize, (&mut [f32], &mut f32))| {
+            let (h, i) = (r / lq, r % lq);
+            *lse = row_forward(&d, &q[r * hd..(r + 1) * hd], k, v, h, i, o);
+        };
+        // A decode step's few rows are not worth waking the thread pool for;
+        // either way each row runs the same code, so the bits are the same.
+        if nh * lq * lk * hd < SEQUENTIAL_WORK {
+            out.chunks_mut(hd)
+                .zip(lse.iter_mut())
+                .enumerate()
+                .for_each(row);
+        } else {
+            out.par_chunks_mut(hd)
+                .zip(lse.par_iter_mut())
+                .enumerate()
+                .for_each(row);
+        }
         *self
             .lse
             .lock()
