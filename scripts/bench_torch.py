@@ -19,6 +19,12 @@ heads, vocab 512, untied embeddings) on the CPU:
   truncation, KV cache. Median of a few runs after a warm-up; tokens/s =
   8 * 128 / wall time.
 
+With ``--model DIR`` both sides run the same work on a Hugging Face model
+directory instead (e.g. SmolLM2-135M); the torch side then also reports LoRA
+training in bf16 (weights and activations cast with ``.to(torch.bfloat16)``,
+what ``torch_dtype=bfloat16`` gives). Each phase reports its peak resident set
+size (Linux ``VmHWM``, reset per phase via ``/proc/self/clear_refs``).
+
 Attention uses transformers' default "sdpa" implementation (what a user gets).
 The temper binary is run first as ``temper bench model --json --threads N
 --iters K``, then the PyTorch half in this process (so torch's worker threads
@@ -63,11 +69,18 @@ ATTN_IMPLEMENTATION = "sdpa"
 # Table rows: (label, key in temper's JSON, key in the torch results). temper's headline sampling
 # number also returns per-token logprobs; when it reports a run without them, that row is shown
 # too (transformers' generate computes no logprobs by default, so it is the closer match).
+# Rows whose peer key is missing (bf16 and memory rows without --model / on non-Linux) are skipped.
+# Memory rows are "lower is better": their ratio is peer / temper, so > 1 still means temper wins.
 ROWS = [
     ("train tokens/s", "train_tokens_per_s", "train_tokens_per_s"),
+    ("train tokens/s vs torch bf16", "train_tokens_per_s", "bf16_train_tokens_per_s"),
     ("sample tokens/s", "sample_tokens_per_s", "sample_tokens_per_s"),
     ("sample tokens/s (no logprobs)", "sample_without_logprobs_tokens_per_s", "sample_tokens_per_s"),
+    ("train peak RSS MB", "train_peak_rss_mb", "train_peak_rss_mb"),
+    ("train peak RSS MB vs torch bf16", "train_peak_rss_mb", "bf16_train_peak_rss_mb"),
+    ("sample peak RSS MB", "sample_peak_rss_mb", "sample_peak_rss_mb"),
 ]
+LOWER_IS_BETTER = {"train_peak_rss_mb", "sample_peak_rss_mb"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,6 +96,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-temper", action="store_true", help="only run the PyTorch half")
     p.add_argument("--json-out", type=Path, help="also write all numbers to this JSON file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", type=Path, help="a Hugging Face model directory instead of the tiny random Llama")
+    p.add_argument("--no-bf16", action="store_true", help="with --model: skip the bf16 training run")
     args = p.parse_args()
     for name in ("threads", "iters", "sample_runs"):
         if getattr(args, name) < 1:
@@ -104,6 +119,8 @@ def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
             "(or pass --temper PATH)"
         )
     cmd = [str(exe), "bench", "model", "--json", "--threads", str(args.threads), "--iters", str(args.iters)]
+    if args.model:
+        cmd += ["--model", str(args.model)]
     print("running:", " ".join(cmd), file=sys.stderr, flush=True)
     try:
         # stdout carries the JSON; temper's stderr (progress, errors) goes straight to ours.
@@ -128,6 +145,11 @@ def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
                 continue
     if not isinstance(result, dict):
         return None, f"could not parse temper's output as a JSON object:\n{out[:2000]}"
+    rss = result.get("rss_mb") or {}
+    if rss.get("train_peak") is not None:
+        result["train_peak_rss_mb"] = rss["train_peak"]
+    if rss.get("sample_peak") is not None:
+        result["sample_peak_rss_mb"] = rss["sample_peak"]
     missing = [k for k in ("train_tokens_per_s", "sample_tokens_per_s") if k not in result]
     if missing:
         return None, f"temper's JSON lacks {missing}: {out[:2000]}"
@@ -139,6 +161,38 @@ def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
     if diff:
         print(f"warning: temper's config differs (ours, temper's): {diff}", file=sys.stderr)
     return result, None
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _status_mb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float | None:
+    return _status_mb("VmHWM")
+
+
+def rss_mb() -> float | None:
+    return _status_mb("VmRSS")
 
 
 # ----------------------------------------------------------------------------- torch
@@ -165,7 +219,23 @@ def build_model(torch, transformers):
     return model
 
 
-def bench_train(torch, peft, base, args) -> dict:
+def load_model(torch, transformers, path: Path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
+    )
+    cfg = model.config
+    CONFIG.update(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        vocab_size=cfg.vocab_size,
+    )
+    return model
+
+
+def bench_train(torch, peft, base, args, dtype=None) -> dict:
     """Median time of one LoRA forward+backward over batch x seq_len tokens."""
     lora_cfg = peft.LoraConfig(
         r=CONFIG["lora_rank"],
@@ -175,7 +245,8 @@ def bench_train(torch, peft, base, args) -> dict:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    model = peft.get_peft_model(copy.deepcopy(base), lora_cfg)
+    dtype = dtype or torch.float32
+    model = peft.get_peft_model(copy.deepcopy(base).to(dtype), lora_cfg)
     model.train()
     # PEFT zero-initialises lora_B; give it small values so the adapter path is "live" (cost is the same).
     with torch.no_grad():
@@ -189,11 +260,12 @@ def bench_train(torch, peft, base, args) -> dict:
 
     def step() -> float:
         logits = model(input_ids=ids).logits  # [b, t, vocab]
-        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         loss = -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).sum()
         loss.backward()
         return loss.item()
 
+    reset = reset_peak_rss()
     for _ in range(args.warmup):
         model.zero_grad(set_to_none=True)
         step()
@@ -204,7 +276,12 @@ def bench_train(torch, peft, base, args) -> dict:
         step()
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
+    peak = peak_rss_mb()
+    model.zero_grad(set_to_none=True)
+    del model
     return {
+        "train_peak_rss_mb": peak,
+        "peak_is_per_phase": reset,
         "train_tokens_per_s": b * t / med,
         "train_step_ms": med * 1e3,
         "train_step_ms_all": [x * 1e3 for x in times],
@@ -238,10 +315,12 @@ def bench_sample(torch, transformers, model, args) -> dict:
         assert out.shape == (b, p + n), f"generate returned shape {tuple(out.shape)}, expected {(b, p + n)}"
         return dt
 
+    reset_peak_rss()
     run()  # warm-up
     times = [run() for _ in range(args.sample_runs)]
     med = statistics.median(times)
     return {
+        "sample_peak_rss_mb": peak_rss_mb(),
         "sample_tokens_per_s": b * n / med,
         "sample_ms": med * 1e3,
         "sample_ms_all": [x * 1e3 for x in times],
@@ -258,12 +337,20 @@ def run_torch(args: argparse.Namespace) -> dict:
     transformers.logging.set_verbosity_error()
     # peft 0.21 calls a transformers method that is deprecated in 5.x; harmless noise.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    base = build_model(torch, transformers)
+    base = load_model(torch, transformers, args.model) if args.model else build_model(torch, transformers)
+    loaded = rss_mb()
     print(f"torch: train ({args.warmup} warm-up + {args.iters} timed steps) ...", file=sys.stderr, flush=True)
     train = bench_train(torch, peft, base, args)
+    if args.model and not args.no_bf16:
+        print("torch: train in bf16 ...", file=sys.stderr, flush=True)
+        bf = bench_train(torch, peft, base, args, dtype=torch.bfloat16)
+        train["bf16_train_tokens_per_s"] = bf["train_tokens_per_s"]
+        train["bf16_train_step_ms"] = bf["train_step_ms"]
+        train["bf16_train_peak_rss_mb"] = bf["train_peak_rss_mb"]
     print(f"torch: sample (1 warm-up + {args.sample_runs} timed generate calls) ...", file=sys.stderr, flush=True)
     sample = bench_sample(torch, transformers, base, args)
     return {
+        "rss_after_load_mb": loaded,
         **train,
         **sample,
         "threads": torch.get_num_threads(),
@@ -284,10 +371,10 @@ def print_table(temper: dict | None, peer: dict, ratios: dict) -> None:
     header = ("metric", "temper", "torch/transformers", "ratio temper/peer")
     lines = [header]
     for label, tkey, pkey in ROWS:
-        if tkey != pkey and not (temper and tkey in temper):
-            continue  # optional extra row, only when temper reports it
-        t = f"{temper[tkey]:.1f}" if temper else "-"
-        r = f"{ratios[tkey]:.2f}x" if ratios.get(tkey) is not None else "-"
+        if peer.get(pkey) is None or (tkey != pkey and not (temper and tkey in temper)):
+            continue  # optional extra row, only when both sides report it
+        t = f"{temper[tkey]:.1f}" if temper and tkey in temper else "-"
+        r = f"{ratios[label]:.2f}x" if ratios.get(label) is not None else "-"
         lines.append((label, t, f"{peer[pkey]:.1f}", r))
     widths = [max(len(row[i]) for row in lines) for i in range(4)]
 
@@ -298,25 +385,39 @@ def print_table(temper: dict | None, peer: dict, ratios: dict) -> None:
     print("-+-".join("-" * w for w in widths))
     for row in lines[1:]:
         print(fmt(row))
-    print("(ratio > 1 means temper is faster)")
+    print("(ratio > 1 means temper is faster / uses less memory)")
 
 
 def main() -> int:
     args = parse_args()
+    if args.model:
+        # Shapes for the config check and the table come from the model's config.json.
+        cfg = json.loads((args.model / "config.json").read_text())
+        CONFIG.update(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            vocab_size=cfg["vocab_size"],
+        )
     temper, temper_err = (None, None) if args.skip_temper else run_temper(args)
     if temper_err:
         print(f"error: {temper_err}", file=sys.stderr)
         print("continuing with the PyTorch half only", file=sys.stderr)
 
     peer = run_torch(args)
-    ratios = {
-        tkey: temper[tkey] / peer[pkey] if temper and tkey in temper and peer[pkey] > 0 else None
-        for _, tkey, pkey in ROWS
-    }
+    def ratio(tkey: str, pkey: str) -> float | None:
+        t, p = (temper or {}).get(tkey), peer.get(pkey)
+        if t is None or p is None or t <= 0 or p <= 0:
+            return None
+        return p / t if tkey in LOWER_IS_BETTER else t / p
+
+    ratios = {label: ratio(tkey, pkey) for label, tkey, pkey in ROWS}
 
     b, t, n = CONFIG["batch"], CONFIG["seq_len"], CONFIG["new_tokens"]
     print(
-        f"config: Llama d={CONFIG['hidden_size']} ff={CONFIG['intermediate_size']} layers={CONFIG['num_layers']} "
+        f"config: {args.model or 'random'} Llama d={CONFIG['hidden_size']} ff={CONFIG['intermediate_size']} layers={CONFIG['num_layers']} "
         f"heads={CONFIG['num_heads']}/{CONFIG['num_kv_heads']}kv vocab={CONFIG['vocab_size']} f32, "
         f"LoRA r={CONFIG['lora_rank']}; train {b}x{t}, sample {b}x({CONFIG['prompt_len']}+{n}); "
         f"threads={args.threads}; torch {peer['versions']['torch']}, transformers {peer['versions']['transformers']} "

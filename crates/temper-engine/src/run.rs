@@ -214,29 +214,54 @@ impl TrainingRun {
     /// Loss and logprobs without touching gradients.
     pub fn forward(&self, data: &[Datum], loss: &Loss) -> Result<ForwardOutput> {
         self.validate(data, loss)?;
-        let (out, _) = self.run(data, loss)?;
+        let (out, _) = self.run(data, loss, |_| Ok(()))?;
         Ok(out)
     }
 
     /// Loss, logprobs, and gradients added to the accumulated ones (so
     /// several calls before one [`optim_step`](Self::optim_step) accumulate).
+    ///
+    /// The loss is a sum over datums, so each datum's backward runs right
+    /// after its forward and its graph is dropped before the next datum:
+    /// activation memory is one datum's, not the batch's.
     pub fn forward_backward(&mut self, data: &[Datum], loss: &Loss) -> Result<ForwardOutput> {
         self.validate(data, loss)?;
-        let (out, total) = self.run(data, loss)?;
-        let grads = total.backward()?;
-        for (name, var) in self.named_params() {
-            if let Some(g) = grads.get(var.as_tensor()) {
-                let acc = match self.grads.remove(&name) {
-                    Some(prev) => (prev + g)?,
-                    None => g.clone(),
-                };
-                self.grads.insert(name, acc);
+        let named = self.named_params();
+        let mut batch_grads: HashMap<String, Tensor> = HashMap::new();
+        let (out, _) = self.run(data, loss, |l| {
+            let grads = l.backward()?;
+            for (name, var) in &named {
+                if let Some(g) = grads.get(var.as_tensor()) {
+                    let acc = match batch_grads.remove(name) {
+                        Some(prev) => (prev + g)?,
+                        None => g.clone(),
+                    };
+                    batch_grads.insert(name.clone(), acc);
+                }
             }
+            Ok(())
+        })?;
+        for (name, g) in batch_grads {
+            let acc = match self.grads.remove(&name) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            self.grads.insert(name, acc);
         }
+        // The step's activations are freed; return them to the OS.
+        temper_model::release_memory();
         Ok(out)
     }
 
-    fn run(&self, data: &[Datum], loss: &Loss) -> Result<(ForwardOutput, Tensor)> {
+    /// Score every datum and compute its loss; `each` sees every datum's
+    /// loss (with its graph) before the graph is dropped. Returns the outputs
+    /// and the summed loss (detached).
+    fn run(
+        &self,
+        data: &[Datum],
+        loss: &Loss,
+        mut each: impl FnMut(&Tensor) -> Result<()>,
+    ) -> Result<(ForwardOutput, Tensor)> {
         let mut outputs = Vec::with_capacity(data.len());
         let mut total: Option<Tensor> = None;
         let mut tokens = 0usize;
@@ -248,6 +273,8 @@ impl TrainingRun {
                 1.0,
             )?;
             let l = loss.compute(&s.logprobs, &d.loss_fn_inputs)?;
+            each(&l)?;
+            let l = l.detach();
             total = Some(match total {
                 None => l,
                 Some(t) => (t + l)?,

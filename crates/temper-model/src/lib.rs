@@ -43,6 +43,7 @@ mod config;
 mod error;
 mod export;
 mod gguf;
+pub mod kernels;
 mod lora;
 mod model;
 mod pretrained;
@@ -70,6 +71,19 @@ pub use weights::Checkpoint;
 
 /// Re-exported so callers can name devices, dtypes and tensors.
 pub use candle_core;
+
+/// Hand memory the allocator keeps after freeing (a training step's
+/// activations) back to the operating system, so a process's RSS after a
+/// step returns to where it was. glibc keeps freed heap memory for reuse;
+/// elsewhere this does nothing.
+pub fn release_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns unused pages of glibc's heap to the
+    // kernel; it has no preconditions and touches no live allocation.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
 
 /// Set the number of CPU threads the tensor kernels use (`None`: keep
 /// `RAYON_NUM_THREADS` if set, else all cores). Call it before the first

@@ -13,6 +13,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, V
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::kernels::{causal_attention, fused_attention_supported};
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::rope::Rope;
 use crate::weights::Checkpoint;
@@ -493,8 +494,12 @@ impl Model {
 
     /// Logits `[n, vocab]` for hidden states `[n, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let w = self.lm_head.as_ref().unwrap_or(&self.embed);
-        Ok(hidden.matmul(&w.t()?)?)
+        Ok(hidden.matmul(&self.head_weight().t()?)?)
+    }
+
+    /// The output projection `[vocab, hidden]` (the embedding when tied).
+    pub(crate) fn head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
     fn lora_of(
@@ -553,26 +558,33 @@ impl Model {
                 }
                 cache.layers[li] = Some((ks.clone(), vs.clone()));
             }
-            let kv_len = pos + len;
-            // Query head h uses kv head h / groups (transformers' repeat_kv),
-            // so [nh, len, hd] regroups as [nkv, groups·len, hd] without copying K/V.
-            let qg = qs.reshape((nkv, groups * len, hd))?;
-            let scores = qg.matmul(&ks.t()?)?.affine(scale, 0.0)?;
-            let scores = if len > 1 {
-                let mask = causal_mask(len, pos, &self.device, scores.dtype())?;
-                scores
-                    .reshape((nkv, groups, len, kv_len))?
-                    .broadcast_add(&mask)?
-                    .reshape((nkv, groups * len, kv_len))?
+            let o = if fused_attention_supported(&qs) {
+                // Online softmax over fixed key blocks: linear memory, and
+                // each query's output independent of the call's shape.
+                causal_attention(&qs, &ks, &vs, scale)?
+                    .transpose(0, 1)?
+                    .reshape((len, nh * hd))?
             } else {
-                scores
+                let kv_len = pos + len;
+                // Query head h uses kv head h / groups (transformers' repeat_kv),
+                // so [nh, len, hd] regroups as [nkv, groups·len, hd] without copying K/V.
+                let qg = qs.reshape((nkv, groups * len, hd))?;
+                let scores = qg.matmul(&ks.t()?)?.affine(scale, 0.0)?;
+                let scores = if len > 1 {
+                    let mask = causal_mask(len, pos, &self.device, scores.dtype())?;
+                    scores
+                        .reshape((nkv, groups, len, kv_len))?
+                        .broadcast_add(&mask)?
+                        .reshape((nkv, groups * len, kv_len))?
+                } else {
+                    scores
+                };
+                let probs = softmax_last(&scores)?;
+                let o = probs.matmul(&vs)?; // [nkv, groups·len, hd]
+                o.reshape((nh, len, hd))?
+                    .transpose(0, 1)?
+                    .reshape((len, nh * hd))?
             };
-            let probs = softmax_last(&scores)?;
-            let o = probs.matmul(&vs)?; // [nkv, groups·len, hd]
-            let o = o
-                .reshape((nh, len, hd))?
-                .transpose(0, 1)?
-                .reshape((len, nh * hd))?;
             outs.push(o);
             start += len;
         }
@@ -589,12 +601,12 @@ impl Model {
 impl Model {
     /// Batched decode for serving: one new token per sequence (`ids[i]`
     /// continues `caches[i]`), appended to each cache; returns the final-norm
-    /// hidden states `[ids.len(), hidden]`. Linear layers *and attention* run
-    /// over all sequences at once — attention on the caches padded to the
-    /// longest and masked — instead of one attention per sequence as in
-    /// [`Model::forward_hidden`], whose decode results these equal to float
-    /// rounding. Inference only (no autograd use intended); reported logprobs
-    /// still come from [`Model::score`].
+    /// hidden states `[ids.len(), hidden]`. Linear layers run over all
+    /// sequences at once; on the CPU in f32, attention runs the same
+    /// [`causal_attention`] kernel per sequence as [`Model::forward_hidden`]
+    /// (bit-identical attention per token); elsewhere the caches are padded
+    /// to the longest and masked. Inference only (no autograd use intended);
+    /// reported logprobs still come from [`Model::score`].
     pub fn forward_decode(
         &self,
         ids: &[u32],
@@ -649,8 +661,10 @@ impl Model {
             }
             let q = self.rope.apply_rows(&q.contiguous()?, &pos)?;
             let k = self.rope.apply_rows(&k.contiguous()?, &pos)?;
+            let fused = fused_attention_supported(&q);
             let mut ks = Vec::with_capacity(b);
             let mut vs = Vec::with_capacity(b);
+            let mut fused_out = Vec::with_capacity(b);
             for (i, c) in caches.iter_mut().enumerate() {
                 let ki = k.get(i)?.unsqueeze(1)?.contiguous()?;
                 let vi = v.get(i)?.unsqueeze(1)?.contiguous()?;
@@ -659,6 +673,13 @@ impl Model {
                     None => (ki, vi),
                 };
                 c.layers[li] = Some((kc.clone(), vc.clone()));
+                if fused {
+                    // The same kernel as `forward_hidden`: this token's
+                    // attention is bit-identical to a full forward's.
+                    let qi = q.get(i)?.unsqueeze(1)?; // [nh, 1, hd]
+                    fused_out.push(causal_attention(&qi, &kc, &vc, scale)?.reshape((1, nh * hd))?);
+                    continue;
+                }
                 let pad = lmax - kv_len[i];
                 if pad > 0 {
                     ks.push(kc.pad_with_zeros(1, 0, pad)?);
@@ -668,16 +689,20 @@ impl Model {
                     vs.push(vc);
                 }
             }
-            let kb = Tensor::stack(&ks, 0)?; // [b, nkv, lmax, hd]
-            let vb = Tensor::stack(&vs, 0)?;
-            // Query head h uses kv head h / groups, as in `attention`.
-            let qg = q.reshape((b, nkv, groups, hd))?;
-            let scores = qg
-                .matmul(&kb.transpose(2, 3)?)?
-                .affine(scale, 0.0)?
-                .broadcast_add(&mask)?;
-            let probs = softmax_last(&scores)?;
-            let o = probs.matmul(&vb)?.reshape((b, nh * hd))?;
+            let o = if fused {
+                Tensor::cat(&fused_out, 0)?
+            } else {
+                let kb = Tensor::stack(&ks, 0)?; // [b, nkv, lmax, hd]
+                let vb = Tensor::stack(&vs, 0)?;
+                // Query head h uses kv head h / groups, as in `attention`.
+                let qg = q.reshape((b, nkv, groups, hd))?;
+                let scores = qg
+                    .matmul(&kb.transpose(2, 3)?)?
+                    .affine(scale, 0.0)?
+                    .broadcast_add(&mask)?;
+                let probs = softmax_last(&scores)?;
+                probs.matmul(&vb)?.reshape((b, nh * hd))?
+            };
             x = (x + at.o.forward(&o, Self::lora_of(lora, li, Target::O))?)?;
             let h = rms_norm(&x, &layer.post_norm, eps)?;
             x = (x + self.mlp(li, &layer.mlp, &h, lora)?)?;

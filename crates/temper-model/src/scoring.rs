@@ -15,6 +15,7 @@
 use candle_core::{DType, Tensor, D};
 
 use crate::error::{ModelError, Result};
+use crate::kernels::{fused_lm_head_supported, lm_head_logprobs};
 use crate::lora::LoraAdapter;
 use crate::model::{log_softmax_last, Model, Segment};
 
@@ -73,6 +74,13 @@ impl Model {
             cache: None,
         }];
         let hidden = self.forward_hidden(input, &mut segs, lora)?;
+        let head = self.head_weight();
+        if fused_lm_head_supported(&hidden, head) {
+            // The LM head, log-softmax, gather and entropy in one op that
+            // never keeps `[len, vocab]` logits (see `kernels`).
+            let (logprobs, entropy) = lm_head_logprobs(&hidden, head, targets, temperature)?;
+            return Ok(TokenScores { logprobs, entropy });
+        }
         // `[len, vocab]` logits are the largest tensor of a step (151k-token
         // vocabularies); work through them in fixed row chunks. The chunking
         // depends only on the sequence, so it is part of the canonical

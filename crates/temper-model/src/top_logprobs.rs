@@ -9,6 +9,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::kernels::{for_each_logprob_row, fused_lm_head_supported};
 use crate::lora::LoraAdapter;
 use crate::model::{log_softmax_last, Model, Segment};
 use crate::scoring::SCORE_CHUNK;
@@ -68,6 +69,16 @@ impl Model {
         let hidden = self.forward_hidden(input, &mut segs, lora)?;
         let mut logprobs = Vec::with_capacity(input.len());
         let mut top = Vec::with_capacity(input.len());
+        let head = self.head_weight();
+        if fused_lm_head_supported(&hidden, head) {
+            // The same blocks and reductions as `score`'s fused LM head.
+            for_each_logprob_row(&hidden, head, temperature, |i, row| {
+                logprobs.push(row[targets[i] as usize]);
+                top.push(top_k(row, k));
+                Ok(())
+            })?;
+            return Ok(TopLogprobs { logprobs, top });
+        }
         let mut start = 0;
         while start < input.len() {
             let len = SCORE_CHUNK.min(input.len() - start);
@@ -81,19 +92,24 @@ impl Model {
             let idx = Tensor::new(&targets[start..start + len], self.device())?.unsqueeze(1)?;
             logprobs.extend(lp.gather(&idx, 1)?.squeeze(1)?.to_vec1::<f32>()?);
             for row in lp.to_vec2::<f32>()? {
-                let mut ids: Vec<u32> = (0..row.len() as u32).collect();
-                let kk = k.min(ids.len());
-                let by_prob =
-                    |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
-                if kk < ids.len() {
-                    ids.select_nth_unstable_by(kk, by_prob);
-                    ids.truncate(kk);
-                }
-                ids.sort_by(by_prob);
-                top.push(ids.into_iter().map(|i| (i, row[i as usize])).collect());
+                top.push(top_k(&row, k));
             }
             start += len;
         }
         Ok(TopLogprobs { logprobs, top })
     }
+}
+
+/// The `k` largest entries of `row` as `(id, value)`, largest first (ties:
+/// lower id first).
+fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut ids: Vec<u32> = (0..row.len() as u32).collect();
+    let kk = k.min(ids.len());
+    let by_prob = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+    if kk < ids.len() {
+        ids.select_nth_unstable_by(kk, by_prob);
+        ids.truncate(kk);
+    }
+    ids.sort_by(by_prob);
+    ids.into_iter().map(|i| (i, row[i as usize])).collect()
 }

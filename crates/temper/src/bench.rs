@@ -1,16 +1,18 @@
 //! `temper bench model`: training-step and sampling throughput of the model
-//! core on a fixed tiny config. `scripts/bench_torch.py` runs the same shapes
-//! in PyTorch / transformers and prints the ratio.
+//! core and its peak resident memory, on a fixed tiny config or on any Hugging
+//! Face model directory (`--model DIR`). `scripts/bench_torch.py` runs the
+//! same shapes in PyTorch / transformers and prints the ratio.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use temper_model::candle_core::{DType, Device, Tensor};
 use temper_model::{
-    Checkpoint, GenerationRequest, HfConfig, LoraAdapter, LoraConfig, Model, Sampler,
-    SamplingParams, Target, Tokenizer,
+    Checkpoint, GenerationRequest, HfConfig, LoadOptions, LoraAdapter, LoraConfig, Model,
+    Pretrained, Sampler, SamplingParams, Target, Tokenizer,
 };
 
 /// Benchmarks.
@@ -35,6 +37,11 @@ pub struct ModelBenchArgs {
     /// Timed iterations (the median is reported).
     #[arg(long, default_value_t = 5)]
     iters: usize,
+    /// A Hugging Face model directory to benchmark instead of the built-in
+    /// tiny random Llama (same work: LoRA r=16 on 8x128 tokens, 8x(16+128)
+    /// sampling).
+    #[arg(long)]
+    model: Option<PathBuf>,
 }
 
 const HIDDEN: usize = 256;
@@ -123,12 +130,61 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Resident-set sizes from `/proc/self/status` (Linux), in MB.
+mod rss {
+    /// `VmRSS` (now) or `VmHWM` (peak) in MB; `None` where /proc is absent.
+    fn field(name: &str) -> Option<f64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        let kb: f64 = line
+            .trim_start_matches(name)
+            .trim_start_matches(':')
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
+        Some(kb / 1024.0)
+    }
+
+    pub fn now_mb() -> Option<f64> {
+        field("VmRSS")
+    }
+
+    pub fn peak_mb() -> Option<f64> {
+        field("VmHWM")
+    }
+
+    /// Reset the peak to the current RSS (Linux ≥ 4.0: `echo 5 >
+    /// /proc/self/clear_refs`). Returns whether it worked; when not, the peak
+    /// reported afterwards is the process-lifetime peak.
+    pub fn reset_peak() -> bool {
+        std::fs::write("/proc/self/clear_refs", "5").is_ok()
+    }
+}
+
 fn model(args: ModelBenchArgs) -> Result<()> {
     let iters = args.iters.max(1);
-    let hf = config()?;
-    let cfg = hf.validate()?;
-    let model = random_model(&hf).context("building the benchmark model")?;
-    let tok = word_tokenizer()?;
+    let (model, tok, eos, label) = match &args.model {
+        Some(dir) => {
+            let p = Pretrained::load(dir, &LoadOptions::default())
+                .with_context(|| format!("loading {}", dir.display()))?;
+            let label = format!("{} ({:?})", dir.display(), p.config.family);
+            (p.model, p.tokenizer, p.generation.eos_token_ids, label)
+        }
+        None => {
+            let hf = config()?;
+            let model = random_model(&hf).context("building the benchmark model")?;
+            (
+                model,
+                word_tokenizer()?,
+                vec![],
+                "tiny random llama".to_string(),
+            )
+        }
+    };
+    let cfg = model.config().clone();
+    let vocab = cfg.vocab_size;
+    let rss_loaded = rss::now_mb();
     let lora_cfg = LoraConfig {
         rank: RANK,
         alpha: 32.0,
@@ -143,42 +199,53 @@ fn model(args: ModelBenchArgs) -> Result<()> {
     let seqs: Vec<Vec<u32>> = (0..BATCH)
         .map(|b| {
             (0..=SEQ)
-                .map(|i| ((b * 131 + i * 31) % VOCAB) as u32)
+                .map(|i| ((b * 131 + i * 31) % vocab) as u32)
                 .collect()
         })
         .collect();
 
-    // Training step: forward + backward of a summed token NLL over 8 × 128.
+    // Training step: forward + backward of a summed token NLL over 8 × 128,
+    // as the engine's `forward_backward` runs it: each sequence's backward
+    // right after its forward (the loss is a sum), gradients accumulated.
     let step = |lora: &LoraAdapter| -> Result<f64> {
         let t = Instant::now();
-        let mut total: Option<Tensor> = None;
+        let vars = lora.named_vars();
+        let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
         for s in &seqs {
             let sc = model.score(&s[..SEQ], &s[1..], Some(lora), 1.0)?;
-            let l = sc.logprobs.sum_all()?.neg()?;
-            total = Some(match total {
-                None => l,
-                Some(acc) => (acc + l)?,
-            });
+            let grads = sc.logprobs.sum_all()?.neg()?.backward()?;
+            for ((_, v), a) in vars.iter().zip(acc.iter_mut()) {
+                if let Some(g) = grads.get(v.as_tensor()) {
+                    *a = Some(match a.take() {
+                        None => g.clone(),
+                        Some(prev) => (prev + g)?,
+                    });
+                }
+            }
         }
-        let grads = total.context("empty batch")?.backward()?;
-        std::hint::black_box(grads);
+        std::hint::black_box(acc);
+        // As the engine does after forward_backward.
+        temper_model::release_memory();
         Ok(t.elapsed().as_secs_f64())
     };
+    let peak_reset = rss::reset_peak();
     step(&lora)?;
     let train_s = median(
         (0..iters)
             .map(|_| step(&lora))
             .collect::<Result<Vec<_>>>()?,
     );
+    let train_peak = rss::peak_mb();
+    let rss_after_train = rss::now_mb();
     lora = lora.snapshot()?;
 
     // Sampling: 8 prompts × 16 tokens → 128 new tokens each, T = 1.
-    let sampler = Sampler::new(&model, &tok, vec![]);
+    let sampler = Sampler::new(&model, &tok, eos);
     let reqs = |logprobs: bool| -> Vec<GenerationRequest> {
         (0..BATCH)
             .map(|b| GenerationRequest {
                 prompt: (0..PROMPT)
-                    .map(|i| ((b * 7 + i * 13) % VOCAB) as u32)
+                    .map(|i| ((b * 7 + i * 13) % vocab) as u32)
                     .collect(),
                 n: 1,
                 params: SamplingParams {
@@ -198,6 +265,7 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         std::hint::black_box(out);
         Ok(t.elapsed().as_secs_f64())
     };
+    rss::reset_peak();
     sample(true)?;
     let sample_iters = iters.min(3);
     let sample_s = median(
@@ -211,13 +279,16 @@ fn model(args: ModelBenchArgs) -> Result<()> {
             .collect::<Result<Vec<_>>>()?,
     );
 
+    let sample_peak = rss::peak_mb();
     let threads = temper_model::candle_core::utils::get_num_threads();
     let tokens = (BATCH * SEQ) as f64;
     let new_tokens = (BATCH * NEW) as f64;
     let report = serde_json::json!({
+        "model": label,
         "config": {
-            "hidden_size": HIDDEN, "intermediate_size": INTER, "num_layers": LAYERS,
-            "num_heads": HEADS, "num_kv_heads": KV_HEADS, "vocab_size": VOCAB,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
+            "num_kv_heads": cfg.num_kv_heads, "vocab_size": vocab,
             "lora_rank": RANK, "batch": BATCH, "seq_len": SEQ, "prompt_len": PROMPT,
             "new_tokens": NEW, "threads": threads
         },
@@ -226,12 +297,20 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         "sample_tokens_per_s": new_tokens / sample_s,
         "sample_ms": sample_s * 1e3,
         "sample_without_logprobs_tokens_per_s": new_tokens / sample_nolp_s,
+        "rss_mb": {
+            "after_load": rss_loaded,
+            "train_peak": train_peak,
+            "after_train": rss_after_train,
+            "sample_peak": sample_peak,
+            "peak_is_per_phase": peak_reset,
+        },
     });
     if args.json {
         println!("{report}");
     } else {
         println!(
-            "temper bench model: llama d={HIDDEN} layers={LAYERS} vocab={VOCAB}, LoRA r={RANK}, {threads} threads"
+            "temper bench model: {label} d={} layers={} vocab={vocab}, LoRA r={RANK}, {threads} threads",
+            cfg.hidden_size, cfg.num_layers
         );
         println!(
             "  LoRA forward+backward  {BATCH}x{SEQ} tokens   {:>9.1} ms   {:>9.0} tokens/s",
@@ -247,6 +326,19 @@ fn model(args: ModelBenchArgs) -> Result<()> {
             "  sampling (no logprobs) {BATCH}x{NEW} new tokens {:>9.1} ms   {:>9.0} tokens/s",
             sample_nolp_s * 1e3,
             new_tokens / sample_nolp_s
+        );
+        let mb = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.0} MB"));
+        println!(
+            "  RSS: after load {}, training peak {}, after training {}, sampling peak {}{}",
+            mb(rss_loaded),
+            mb(train_peak),
+            mb(rss_after_train),
+            mb(sample_peak),
+            if peak_reset {
+                ""
+            } else {
+                " (peaks are process-lifetime)"
+            }
         );
     }
     Ok(())

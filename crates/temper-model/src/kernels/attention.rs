@@ -1,0 +1,521 @@
+//! Causal grouped-query attention with an online softmax over fixed key
+//! blocks: memory linear in the sequence length (never a `T×T` score
+//! matrix), and one query's result independent of how it is computed.
+//!
+//! # Invariance
+//! Query `i` of a call sits at absolute position `P = kv_len − q_len + i` and
+//! attends to keys `0..=P`. Its output is computed by one loop over the key
+//! blocks `[0, KEY_BLOCK)`, `[KEY_BLOCK, 2·KEY_BLOCK)`, … up to `P`, with dot
+//! products summed in a fixed lane order — nothing depends on `q_len`, on
+//! the other queries, or on the thread count (threads split queries, never a
+//! reduction). So a token's attention output is bit-identical whether it is
+//! computed in a full-sequence pass, in a prefill chunk against a KV cache,
+//! or in one decode step.
+//!
+//! # Backward
+//! FlashAttention-2 style: the forward keeps only the per-row log-sum-exp;
+//! the backward recomputes scores. `dQ` is computed per query row, `dK`/`dV`
+//! per key row (each a fixed-order sum over the queries that see it), so the
+//! gradients are deterministic too.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+
+use rayon::prelude::*;
+
+use crate::error::{ModelError, Result};
+
+/// Keys per online-softmax block.
+pub const KEY_BLOCK: usize = 64;
+
+/// Below this many multiply-adds a forward runs on the calling thread.
+const SEQUENTIAL_WORK: usize = 1 << 18;
+
+/// Causal GQA attention. `q`: `[heads, q_len, hd]`; `k`, `v`:
+/// `[kv_heads, kv_len, hd]` with `kv_len ≥ q_len` (the queries are the last
+/// `q_len` positions); query head `h` uses kv head `h / (heads / kv_heads)`.
+/// Returns `[heads, q_len, hd]`, differentiable w.r.t. `q`, `k` and `v`.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let (nh, lq, hd) = q.dims3()?;
+    let (nkv, lk, khd) = k.dims3()?;
+    if v.dims3()? != (nkv, lk, khd) || khd != hd || nkv == 0 || nh % nkv != 0 || lk < lq {
+        return Err(ModelError::InvalidInput(format!(
+            "causal_attention: q {:?}, k {:?}, v {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
+    }
+    let op = CausalAttention {
+        scale: scale as f32,
+        lse: Arc::new(Mutex::new(None)),
+    };
+    Ok(q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
+}
+
+/// Whether [`causal_attention`] handles these inputs (f32 on the CPU).
+pub fn fused_attention_supported(q: &Tensor) -> bool {
+    q.device().is_cpu() && q.dtype() == DType::F32
+}
+
+struct CausalAttention {
+    scale: f32,
+    /// Per-row log-sum-exp of the scaled scores, `[heads·q_len]`, from the
+    /// forward, for the backward.
+    lse: Arc<Mutex<Option<Vec<f32>>>>,
+}
+
+/// `Σ a_i b_i` in a fixed order: 8 lane sums, then the lanes pairwise.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[l] += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+}
+
+#[inline]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("attention: non-contiguous {what}")))?;
+    match s {
+        CpuStorage::F32(v) => Ok(&v[a..b]),
+        _ => Err(candle_core::Error::Msg(format!(
+            "attention: {what} must be f32"
+        ))),
+    }
+}
+
+struct Dims {
+    scale: f32,
+    lq: usize,
+    hd: usize,
+    lk: usize,
+    groups: usize,
+}
+
+impl Dims {
+    /// Offset of key row `j` of the kv head serving query head `h`.
+    fn kv(&self, h: usize, j: usize) -> usize {
+        ((h / self.groups) * self.lk + j) * self.hd
+    }
+    /// Absolute position of query `i`.
+    fn pos(&self, i: usize) -> usize {
+        self.lk - self.lq + i
+    }
+}
+
+/// One query row: output into `o`, returns the log-sum-exp.
+fn row_forward(
+    d: &Dims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    h: usize,
+    i: usize,
+    o: &mut [f32],
+) -> f32 {
+    let p_end = d.pos(i) + 1;
+    let mut m = f32::NEG_INFINITY;
+    let mut l = 0f32;
+    o.iter_mut().for_each(|x| *x = 0.0);
+    let mut s = [0f32; KEY_BLOCK];
+    for b0 in (0..p_end).step_by(KEY_BLOCK) {
+        let b1 = (b0 + KEY_BLOCK).min(p_end);
+        let mut bm = f32::NEG_INFINITY;
+        for j in b0..b1 {
+            let kj = &k[d.kv(h, j)..d.kv(h, j) + d.hd];
+            let x = dot(q, kj) * d.scale;
+            s[j - b0] = x;
+            bm = bm.max(x);
+        }
+        let m_new = m.max(bm);
+        let c = (m - m_new).exp();
+        l *= c;
+        o.iter_mut().for_each(|x| *x *= c);
+        for j in b0..b1 {
+            let p = (s[j - b0] - m_new).exp();
+            l += p;
+            axpy(o, p, &v[d.kv(h, j)..d.kv(h, j) + d.hd]);
+        }
+        m = m_new;
+    }
+    let inv = 1.0 / l;
+    o.iter_mut().for_each(|x| *x *= inv);
+    m + l.ln()
+}
+
+impl CustomOp3 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "causal-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (q, k, v) = (
+            slice(qs, ql, "q")?,
+            slice(ks, kl, "k")?,
+            slice(vs, vl, "v")?,
+        );
+        let (nh, lq, hd) = ql.shape().dims3()?;
+        let (nkv, lk, _) = kl.shape().dims3()?;
+        let d = Dims {
+            scale: self.scale,
+            lq,
+            hd,
+            lk,
+            groups: nh / nkv,
+        };
+        let mut out = vec![0f32; nh * lq * hd];
+        let mut lse = vec![0f32; nh * lq];
+        let row = |(r, (o, lse)): (usize, (&mut [f32], &mut f32))| {
+            let (h, i) = (r / lq, r % lq);
+            *lse = row_forward(&d, &q[r * hd..(r + 1) * hd], k, v, h, i, o);
+        };
+        // A decode step's few rows are not worth waking the thread pool for;
+        // either way each row runs the same code, so the bits are the same.
+        if nh * lq * lk * hd < SEQUENTIAL_WORK {
+            out.chunks_mut(hd)
+                .zip(lse.iter_mut())
+                .enumerate()
+                .for_each(row);
+        } else {
+            out.par_chunks_mut(hd)
+                .zip(lse.par_iter_mut())
+                .enumerate()
+                .for_each(row);
+        }
+        *self
+            .lse
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("attention: poisoned".into()))? = Some(lse);
+        Ok((CpuStorage::F32(out), Shape::from((nh, lq, hd))))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (nh, lq, hd) = q.dims3()?;
+        let (nkv, lk, _) = k.dims3()?;
+        let d = Dims {
+            scale: self.scale,
+            lq,
+            hd,
+            lk,
+            groups: nh / nkv,
+        };
+        let lse = self
+            .lse
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("attention: poisoned".into()))?
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("attention: backward before forward".into()))?;
+        let flat =
+            |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.flatten_all()?.to_vec1::<f32>() };
+        let (qv, kv, vv, ov, go) = (
+            flat(q)?,
+            flat(k)?,
+            flat(v)?,
+            flat(res)?,
+            flat(&grad.contiguous()?)?,
+        );
+        let scale = self.scale;
+        // D_r = dO_r · O_r.
+        let dsum: Vec<f32> = (0..nh * lq)
+            .map(|r| dot(&go[r * hd..(r + 1) * hd], &ov[r * hd..(r + 1) * hd]))
+            .collect();
+        // ds for (row r, key j): p (dO_r·v_j − D_r), p = exp(s − lse_r).
+        let ds = |r: usize, j: usize| -> (f32, f32) {
+            let h = r / lq;
+            let qr = &qv[r * hd..(r + 1) * hd];
+            let s = dot(qr, &kv[d.kv(h, j)..d.kv(h, j) + hd]) * scale;
+            let p = (s - lse[r]).exp();
+            let dp = dot(&go[r * hd..(r + 1) * hd], &vv[d.kv(h, j)..d.kv(h, j) + hd]);
+            (p, p * (dp - dsum[r]))
+        };
+        let mut dq = vec![0f32; nh * lq * hd];
+        dq.par_chunks_mut(hd).enumerate().for_each(|(r, dqr)| {
+            let (h, i) = (r / lq, r % lq);
+            for j in 0..=d.pos(i) {
+                let (_, g) = ds(r, j);
+                axpy(dqr, g * scale, &kv[d.kv(h, j)..d.kv(h, j) + hd]);
+            }
+        });
+        let mut dk = vec![0f32; nkv * lk * hd];
+        let mut dv = vec![0f32; nkv * lk * hd];
+        dk.par_chunks_mut(hd)
+            .zip(dv.par_chunks_mut(hd))
+            .enumerate()
+            .for_each(|(kr, (dkr, dvr))| {
+                let (g, j) = (kr / lk, kr % lk);
+                // Queries that see key j: absolute position ≥ j.
+                let first = j.saturating_sub(lk - lq);
+                for h in g * d.groups..(g + 1) * d.groups {
+                    for i in first..lq {
+                        let r = h * lq + i;
+                        let (p, gs) = ds(r, j);
+                        axpy(dvr, p, &go[r * hd..(r + 1) * hd]);
+                        axpy(dkr, gs * scale, &qv[r * hd..(r + 1) * hd]);
+                    }
+                }
+            });
+        let dev = q.device();
+        Ok((
+            Some(Tensor::from_vec(dq, (nh, lq, hd), dev)?),
+            Some(Tensor::from_vec(dk, (nkv, lk, hd), dev)?),
+            Some(Tensor::from_vec(dv, (nkv, lk, hd), dev)?),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn rand(shape: (usize, usize, usize), seed: u64) -> Tensor {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let n = shape.0 * shape.1 * shape.2;
+        let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The composed candle version (as `Model::attention` had it): full
+    /// scores, additive causal mask, softmax, weighted values.
+    fn composed(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Tensor {
+        let (nh, lq, hd) = q.dims3().unwrap();
+        let (nkv, lk, _) = k.dims3().unwrap();
+        let g = nh / nkv;
+        let pos = lk - lq;
+        let qg = q.reshape((nkv, g * lq, hd)).unwrap();
+        let s = qg
+            .matmul(&k.t().unwrap())
+            .unwrap()
+            .affine(scale, 0.0)
+            .unwrap();
+        let mask: Vec<f64> = (0..lq)
+            .flat_map(|i| (0..lk).map(move |j| if j > pos + i { f64::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (lq, lk), &Device::Cpu)
+            .unwrap()
+            .to_dtype(q.dtype())
+            .unwrap();
+        let s = s
+            .reshape((nkv, g, lq, lk))
+            .unwrap()
+            .broadcast_add(&mask)
+            .unwrap()
+            .reshape((nkv, g * lq, lk))
+            .unwrap();
+        let p = crate::model::softmax_last(&s).unwrap();
+        p.matmul(v).unwrap().reshape((nh, lq, hd)).unwrap()
+    }
+
+    fn v64(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+        let scale = b.iter().fold(1e-3f64, |s, x| s.max(x.abs()));
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+            / scale
+    }
+
+    const NH: usize = 6;
+    const NKV: usize = 2;
+    const HD: usize = 12; // not a multiple of 8: exercises the remainder lanes
+
+    #[test]
+    fn causal_attention_matches_composed_values_and_gradients() {
+        // 150 keys: two full key blocks and a partial one; full and chunk form.
+        for (lq, lk) in [(150usize, 150usize), (37, 150), (1, 130)] {
+            let q = Var::from_tensor(&rand((NH, lq, HD), 1)).unwrap();
+            let k = Var::from_tensor(&rand((NKV, lk, HD), 2)).unwrap();
+            let v = Var::from_tensor(&rand((NKV, lk, HD), 3)).unwrap();
+            let w = rand((NH, lq, HD), 4);
+            let scale = 1.0 / (HD as f64).sqrt();
+            let o = causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale).unwrap();
+            let to64 = |t: &Tensor| Var::from_tensor(&t.to_dtype(DType::F64).unwrap()).unwrap();
+            let (q6, k6, v6) = (
+                to64(q.as_tensor()),
+                to64(k.as_tensor()),
+                to64(v.as_tensor()),
+            );
+            let r = composed(q6.as_tensor(), k6.as_tensor(), v6.as_tensor(), scale);
+            assert!(rel_err(&v64(&o), &v64(&r)) < 1e-5, "{lq}/{lk}: values");
+            let g = (o * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let w6 = w.to_dtype(DType::F64).unwrap();
+            let rg = (r * &w6).unwrap().sum_all().unwrap().backward().unwrap();
+            for (name, a, b) in [("q", &q, &q6), ("k", &k, &k6), ("v", &v, &v6)] {
+                let ga = v64(g.get(a.as_tensor()).unwrap());
+                let gb = v64(rg.get(b.as_tensor()).unwrap());
+                let e = rel_err(&ga, &gb);
+                assert!(e < 1e-5, "{lq}/{lk}: d{name} relative error {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn causal_attention_gradient_matches_finite_differences() {
+        let (lq, lk) = (70, 70);
+        let q = Var::from_tensor(&rand((NH, lq, HD), 5)).unwrap();
+        let k = Var::from_tensor(&rand((NKV, lk, HD), 6)).unwrap();
+        let v = Var::from_tensor(&rand((NKV, lk, HD), 7)).unwrap();
+        let w = rand((NH, lq, HD), 8);
+        let f = |q: &Tensor, k: &Tensor, v: &Tensor| -> Tensor {
+            let o = causal_attention(q, k, v, 0.3).unwrap();
+            (o * &w).unwrap().sum_all().unwrap()
+        };
+        let g = f(q.as_tensor(), k.as_tensor(), v.as_tensor())
+            .backward()
+            .unwrap();
+        let eps = 1e-2f32;
+        for (which, var) in [(0, &q), (1, &k), (2, &v)] {
+            let grad = v64(g.get(var.as_tensor()).unwrap());
+            let base: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            for idx in [0usize, 13, base.len() / 2 + 5, base.len() - 1] {
+                let eval = |delta: f32| -> f64 {
+                    let mut x = base.clone();
+                    x[idx] += delta;
+                    let t = Tensor::from_vec(x, var.as_tensor().dims(), &Device::Cpu).unwrap();
+                    let (a, b, c) = match which {
+                        0 => (t, k.as_tensor().clone(), v.as_tensor().clone()),
+                        1 => (q.as_tensor().clone(), t, v.as_tensor().clone()),
+                        _ => (q.as_tensor().clone(), k.as_tensor().clone(), t),
+                    };
+                    v64(&f(&a, &b, &c))[0]
+                };
+                let fd = (eval(eps) - eval(-eps)) / (2.0 * eps as f64);
+                let rel = (fd - grad[idx]).abs() / grad[idx].abs().max(1e-2);
+                assert!(
+                    rel < 2e-2,
+                    "input {which} element {idx}: fd {fd} vs grad {}",
+                    grad[idx]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn attention_of_a_query_is_bit_identical_in_full_chunk_and_decode_form() {
+        let lk = 200;
+        let q = rand((NH, lk, HD), 9);
+        let k = rand((NKV, lk, HD), 10);
+        let v = rand((NKV, lk, HD), 11);
+        let full: Vec<f32> = causal_attention(&q, &k, &v, 0.25)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let at = |o: &[f32], len: usize, h: usize, i: usize| {
+            o[(h * len + i) * HD..(h * len + i + 1) * HD].to_vec()
+        };
+        // Prefill chunks [0,70), [70,135), [135,200) against the growing cache,
+        // and single-token decode steps.
+        for (start, end) in [
+            (0usize, 70usize),
+            (70, 135),
+            (135, 200),
+            (150, 151),
+            (199, 200),
+        ] {
+            let len = end - start;
+            let qc = q.narrow(1, start, len).unwrap();
+            let kc = k.narrow(1, 0, end).unwrap();
+            let vc = v.narrow(1, 0, end).unwrap();
+            let o: Vec<f32> = causal_attention(&qc, &kc, &vc, 0.25)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for h in 0..NH {
+                for i in 0..len {
+                    let a = at(&o, len, h, i);
+                    let b = at(&full, lk, h, start + i);
+                    assert!(
+                        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "head {h} position {}: chunk [{start},{end}) differs from full",
+                        start + i
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn attention_is_bit_identical_across_thread_counts() {
+        let q = rand((NH, 90, HD), 12);
+        let k = rand((NKV, 90, HD), 13);
+        let v = rand((NKV, 90, HD), 14);
+        let run = |threads: usize| -> Vec<u32> {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                causal_attention(&q, &k, &v, 0.25)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .into_iter()
+                    .map(f32::to_bits)
+                    .collect()
+            })
+        };
+        let one = run(1);
+        assert_eq!(one, run(2));
+        assert_eq!(one, run(3));
+    }
+
+    #[test]
+    fn attention_rejects_mismatched_shapes() {
+        let q = rand((NH, 10, HD), 1);
+        let k = rand((NKV, 5, HD), 2);
+        assert!(causal_attention(&q, &k, &k, 1.0).is_err());
+        let k = rand((4, 10, HD), 2);
+        assert!(causal_attention(&q, &k, &k, 1.0).is_err());
+    }
+}
