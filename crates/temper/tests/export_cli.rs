@@ -220,3 +220,74 @@ fn export_reads_lora_and_full_checkpoints() {
         0.0
     );
 }
+
+/// A SmolLM2 GGUF exported by temper runs in llama.cpp and greedy-decodes the
+/// same text as `temper generate` on the same file. Needs the real model
+/// (`TEMPER_SMOLLM2_GGUF`, scripts/fetch_smollm2.sh) and a llama.cpp build
+/// (`TEMPER_LLAMA_CPP`: the directory holding `llama-simple`,
+/// scripts/build_llama_cpp.sh); without them it says it is skipped.
+#[test]
+fn smollm2_gguf_export_runs_in_llama_cpp_with_our_greedy_text() {
+    let (Some(gguf), Some(llama)) = (
+        std::env::var_os("TEMPER_SMOLLM2_GGUF"),
+        std::env::var_os("TEMPER_LLAMA_CPP"),
+    ) else {
+        eprintln!(
+            "SKIPPED: set TEMPER_SMOLLM2_GGUF (scripts/fetch_smollm2.sh) and TEMPER_LLAMA_CPP (scripts/build_llama_cpp.sh)"
+        );
+        return;
+    };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("smollm2-f32.gguf");
+    let out_s = out.to_str().expect("utf-8 path");
+    // f32: the export holds exactly the weights temper computes with, so the
+    // two engines differ only in summation order.
+    run_ok(&[
+        "export",
+        gguf.to_str().expect("utf-8 path"),
+        "--format",
+        "gguf",
+        "--quant",
+        "f32",
+        "--out",
+        out_s,
+    ]);
+    let prompts = [
+        "The capital of France is",
+        "<|im_start|>user\nWhat is 7 + 5?<|im_end|>\n<|im_start|>assistant\n",
+    ];
+    for prompt in prompts {
+        let ours = temper(&[
+            "generate",
+            "--model",
+            out_s,
+            "--prompt",
+            prompt,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "24",
+        ]);
+        assert!(
+            ours.status.success(),
+            "{}",
+            String::from_utf8_lossy(&ours.stderr)
+        );
+        let theirs = Command::new(Path::new(&llama).join("llama-simple"))
+            .args(["-m", out_s, "-n", "24", prompt])
+            .output()
+            .expect("llama-simple runs");
+        assert!(
+            theirs.status.success(),
+            "llama-simple failed to run our export: {}",
+            String::from_utf8_lossy(&theirs.stderr)
+        );
+        // llama-simple echoes the prompt, then the continuation.
+        let theirs = String::from_utf8_lossy(&theirs.stdout);
+        let theirs = theirs
+            .strip_prefix(prompt)
+            .unwrap_or_else(|| panic!("llama-simple did not echo the prompt: {theirs:?}"));
+        let ours = String::from_utf8_lossy(&ours.stdout);
+        assert_eq!(ours.trim_end(), theirs.trim_end(), "prompt {prompt:?}");
+    }
+}
