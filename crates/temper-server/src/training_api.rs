@@ -99,6 +99,9 @@ struct Inner {
     tables: Mutex<Tables>,
     done: Notify,
     ids: AtomicU64,
+    /// Random per server start, part of every id: ids never repeat across
+    /// restarts, so a new run can never land on an old run's checkpoints.
+    boot: String,
 }
 
 /// Shared service state (cheap to clone).
@@ -120,6 +123,7 @@ impl ApiState {
             tables: Mutex::new(Tables::default()),
             done: Notify::new(),
             ids: AtomicU64::new(0),
+            boot: format!("{:08x}", rand::random::<u32>()),
         }))
     }
 
@@ -129,9 +133,22 @@ impl ApiState {
 
     fn next_id(&self, prefix: &str) -> String {
         format!(
-            "{prefix}-{}",
+            "{prefix}-{}-{}",
+            self.0.boot,
             self.0.ids.fetch_add(1, Ordering::Relaxed) + 1
         )
+    }
+
+    /// Models and sampling sessions hang off a session this server issued:
+    /// a client-chosen session id would become part of checkpoint paths.
+    fn known_session(&self, id: &str) -> Result<(), ApiError> {
+        if self.tables().sessions.contains_key(id) {
+            Ok(())
+        } else {
+            Err(ApiError::NotFound(format!(
+                "unknown session_id {id:?}: ids come from create_session"
+            )))
+        }
     }
 
     /// Drop results delivered longer than the grace period ago, and the
@@ -414,6 +431,7 @@ fn lora_config(req: Option<&LoraRequest>) -> std::result::Result<(LoraConfig, u6
 
 async fn create_model(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let r: CreateModel = parse(&body)?;
+    s.known_session(&r.session_id)?;
     let model_id = format!("{}:train:{}", r.session_id, r.model_seq_id);
     let resp = s.dedupe(&model_id, Some(-1), || {
         let request_id = if !s.0.bases.contains_key(&r.base_model) {
@@ -671,14 +689,54 @@ async fn optim_step(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value
     Ok(Json(resp))
 }
 
-/// A checkpoint name must be one path segment.
+/// A checkpoint name must be one plain path segment.
 fn checkpoint_name(name: &str) -> std::result::Result<&str, String> {
-    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+    if name.is_empty()
+        || name.len() > 255
+        || name.contains(['/', '\\', '\0'])
+        || name == "."
+        || name == ".."
+    {
         Err(format!(
-            "invalid checkpoint name {name:?} (one path segment, no '/')"
+            "invalid checkpoint name {name:?} (one path segment of at most 255 bytes: no '/', '\\', NUL, '.' or '..')"
         ))
     } else {
         Ok(name)
+    }
+}
+
+/// A model id as a directory name: server-issued ids are
+/// `sess-…:train:N`; anything else (absolute paths, `..`) is refused.
+fn model_segment(id: &str) -> std::result::Result<&str, String> {
+    let plain = id
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | ':' | '.'));
+    if id.is_empty() || id.len() > 255 || !plain || id == "." || id == ".." {
+        Err(format!("invalid model id {id:?} in a checkpoint path"))
+    } else {
+        Ok(id)
+    }
+}
+
+/// `{root}/{model_id}/{kind}/{name}`, every client-given part checked to be
+/// one plain segment, so the result is always inside `root`.
+fn checkpoint_dir(
+    root: &std::path::Path,
+    model_id: &str,
+    kind: &str,
+    name: &str,
+) -> std::result::Result<PathBuf, String> {
+    let dir = root
+        .join(model_segment(model_id)?)
+        .join(kind)
+        .join(checkpoint_name(name)?);
+    // Belt and braces: no segment above can leave the root.
+    if dir.starts_with(root) && dir.components().count() == root.components().count() + 3 {
+        Ok(dir)
+    } else {
+        Err(format!(
+            "checkpoint path for {model_id:?}/{name:?} leaves the checkpoint directory"
+        ))
     }
 }
 
@@ -690,7 +748,7 @@ fn parse_tinker_path(path: &str) -> std::result::Result<(String, String, String)
     let parts: Vec<&str> = rest.split('/').collect();
     match parts.as_slice() {
         [model, kind, name] if !model.is_empty() && !name.is_empty() => Ok((
-            model.to_string(),
+            model_segment(model)?.to_string(),
             kind.to_string(),
             checkpoint_name(name)?.to_string(),
         )),
@@ -709,6 +767,10 @@ struct SaveWeights {
     seq_id: Option<i64>,
     #[serde(default)]
     sampling_session_seq_id: Option<i64>,
+    /// tinker's `save_state(..., overwrite=False)`: replacing a checkpoint
+    /// (only ever one of this model's own) must be asked for.
+    #[serde(default)]
+    overwrite: bool,
 }
 
 async fn save_weights(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value>, ApiError> {
@@ -717,17 +779,18 @@ async fn save_weights(State(s): State<ApiState>, body: Bytes) -> Result<Json<Val
         let prepared = (|| {
             let (run, _, _) = s.model(&r.model_id)?;
             let name = checkpoint_name(r.path.as_deref().unwrap_or_default())?.to_string();
-            Ok::<_, String>((run, name))
+            let dir = checkpoint_dir(&s.0.config.checkpoint_dir, &r.model_id, "weights", &name)?;
+            if dir.exists() && !r.overwrite {
+                return Err(format!(
+                    "checkpoint tinker://{}/weights/{name} exists; save under another name or pass overwrite=True",
+                    r.model_id
+                ));
+            }
+            Ok::<_, String>((run, name, dir))
         })();
         let request_id = match prepared {
             Err(e) => s.failed_future(e),
-            Ok((run, name)) => {
-                let dir =
-                    s.0.config
-                        .checkpoint_dir
-                        .join(&r.model_id)
-                        .join("weights")
-                        .join(&name);
+            Ok((run, name, dir)) => {
                 let path = format!("tinker://{}/weights/{name}", r.model_id);
                 let pending = s.0.engine.save_state(&run, dir);
                 s.spawn_future(async move {
@@ -762,7 +825,10 @@ async fn load_weights(State(s): State<ApiState>, body: Bytes) -> Result<Json<Val
     let r: LoadWeights = parse(&body)?;
     let target = match (&r.model_id, &r.session_id, r.model_seq_id) {
         (Some(m), _, _) => m.clone(),
-        (None, Some(sess), Some(n)) => format!("{sess}:train:{n}"),
+        (None, Some(sess), Some(n)) => {
+            s.known_session(sess)?;
+            format!("{sess}:train:{n}")
+        }
         _ => {
             return Err(ApiError::BadRequest(
                 "load_weights needs model_id, or session_id and model_seq_id".into(),
@@ -775,7 +841,7 @@ async fn load_weights(State(s): State<ApiState>, body: Bytes) -> Result<Json<Val
             if kind != "weights" {
                 return Err(format!("load_weights needs a training checkpoint (…/weights/…), got {kind}"));
             }
-            let dir = s.0.config.checkpoint_dir.join(&src_model).join("weights").join(&name);
+            let dir = checkpoint_dir(&s.0.config.checkpoint_dir, &src_model, "weights", &name)?;
             if !dir.join("state.json").exists() {
                 return Err(format!("no checkpoint at {}", r.path));
             }
@@ -903,6 +969,7 @@ async fn create_sampling_session(
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let r: CreateSamplingSession = parse(&body)?;
+    s.known_session(&r.session_id)?;
     let sid = format!("{}:sample:{}", r.session_id, r.sampling_session_seq_id);
     let sampler = match (&r.model_path, &r.base_model) {
         (Some(path), _) => {

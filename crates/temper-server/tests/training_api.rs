@@ -238,3 +238,169 @@ async fn delivered_results_are_dropped_after_the_grace_period() {
     let resp = app(s.clone()).oneshot(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
 }
+
+/// Waits for a future and returns its JSON result (or error body).
+async fn result_json(s: &ApiState, request_id: &Value) -> Value {
+    let (_, bytes) = result_bytes(s, request_id).await;
+    serde_json::from_slice(&bytes).expect("json result")
+}
+
+fn files_under(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |d| d.count())
+}
+
+#[tokio::test]
+async fn client_chosen_session_ids_cannot_place_checkpoints_outside_the_root() {
+    let root = tempfile::tempdir().expect("temp dir");
+    let outside = tempfile::tempdir().expect("temp dir");
+    let ckpt = root.path().join("checkpoints");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let s = state(&ckpt);
+    let escape = outside.path().join("escape");
+    for session in [
+        escape.to_str().unwrap().to_string(),
+        "../../escape".to_string(),
+        "..".to_string(),
+    ] {
+        let (st, body) = call(
+            &s,
+            "/api/v1/create_model",
+            json!({"session_id": session, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 2}}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::NOT_FOUND, "{session}: {body}");
+        assert!(body.to_string().contains("create_session"), "{body}");
+        let (st, body) = call(
+            &s,
+            "/api/v1/save_weights",
+            json!({"model_id": format!("{session}:train:0"), "path": "pwn", "seq_id": 1}),
+        )
+        .await;
+        if st == StatusCode::OK {
+            let res = result_json(&s, &body["request_id"]).await;
+            assert!(res.to_string().contains("unknown model_id"), "{res}");
+        }
+        let (st, _) = call(
+            &s,
+            "/api/v1/load_weights",
+            json!({"session_id": session, "model_seq_id": 0, "path": "tinker://x/weights/y"}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::NOT_FOUND);
+    }
+    assert!(
+        !escape.exists(),
+        "a checkpoint was written outside the root"
+    );
+    assert_eq!(files_under(outside.path()), 0);
+    assert_eq!(files_under(root.path()), 1, "only checkpoints/ in the root");
+}
+
+#[tokio::test]
+async fn tinker_paths_and_checkpoint_names_cannot_leave_the_root() {
+    let root = tempfile::tempdir().expect("temp dir");
+    let ckpt = root.path().join("checkpoints");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    // A checkpoint above the root that `tinker://../weights/outside` would reach.
+    let above = root.path().join("weights/outside");
+    std::fs::create_dir_all(&above).unwrap();
+    std::fs::write(above.join("state.json"), "{}").unwrap();
+    let s = state(&ckpt);
+    let (_, sess) = call(&s, "/api/v1/create_session", json!({})).await;
+    let sid = sess["session_id"].as_str().unwrap().to_string();
+    let (_, created) = call(
+        &s,
+        "/api/v1/create_model",
+        json!({"session_id": sid, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 2}}),
+    )
+    .await;
+    let model_id = created["model_id"].as_str().unwrap().to_string();
+    result_json(&s, &created["request_id"]).await;
+
+    for (i, path) in [
+        "tinker://../weights/outside",
+        "tinker://./weights/outside",
+        "tinker://%2e%2e/weights/outside",
+        "tinker://a/b/weights/outside",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let (st, body) = call(
+            &s,
+            "/api/v1/load_weights",
+            json!({"model_id": model_id, "path": path, "seq_id": 10 + i}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK);
+        let res = result_json(&s, &body["request_id"]).await;
+        let text = res.to_string();
+        assert!(
+            text.contains("invalid model id")
+                || text.contains("must be tinker://")
+                || text.contains("no checkpoint"),
+            "{path}: {res}"
+        );
+        assert!(
+            !text.contains("\"type\":\"load_weights\""),
+            "{path} loaded: {res}"
+        );
+    }
+    for (i, name) in ["../pwn", "/tmp/pwn", "..", ".", "a\\b", "a\0b"]
+        .iter()
+        .enumerate()
+    {
+        let (_, body) = call(
+            &s,
+            "/api/v1/save_weights",
+            json!({"model_id": model_id, "path": name, "seq_id": 20 + i}),
+        )
+        .await;
+        let res = result_json(&s, &body["request_id"]).await;
+        assert!(
+            res.to_string().contains("invalid checkpoint name"),
+            "{name:?}: {res}"
+        );
+    }
+    assert_eq!(
+        files_under(root.path()),
+        2,
+        "checkpoints/ and weights/ only"
+    );
+}
+
+#[tokio::test]
+async fn session_ids_differ_across_restarts_and_saves_never_silently_overwrite() {
+    let root = tempfile::tempdir().expect("temp dir");
+    let first = state(root.path());
+    let second = state(root.path());
+    let (_, a) = call(&first, "/api/v1/create_session", json!({})).await;
+    let (_, b) = call(&second, "/api/v1/create_session", json!({})).await;
+    assert_ne!(
+        a["session_id"], b["session_id"],
+        "ids repeat after a restart"
+    );
+
+    let (_, created) = call(
+        &first,
+        "/api/v1/create_model",
+        json!({"session_id": a["session_id"], "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 2}}),
+    )
+    .await;
+    let model_id = created["model_id"].as_str().unwrap().to_string();
+    result_json(&first, &created["request_id"]).await;
+    let save = |seq: i64, overwrite: bool| json!({"model_id": model_id, "path": "dur1", "seq_id": seq, "overwrite": overwrite});
+    let (_, r) = call(&first, "/api/v1/save_weights", save(1, false)).await;
+    let res = result_json(&first, &r["request_id"]).await;
+    assert_eq!(res["path"], format!("tinker://{model_id}/weights/dur1"));
+    let (_, r) = call(&first, "/api/v1/save_weights", save(2, false)).await;
+    let res = result_json(&first, &r["request_id"]).await;
+    assert!(res.to_string().contains("exists"), "{res}");
+    let (_, r) = call(&first, "/api/v1/save_weights", save(3, true)).await;
+    let res = result_json(&first, &r["request_id"]).await;
+    assert_eq!(
+        res["path"],
+        format!("tinker://{model_id}/weights/dur1"),
+        "{res}"
+    );
+}
