@@ -102,6 +102,12 @@ impl AdamState {
                 .to_scalar::<f64>()?;
         }
         let grad_norm = sq.sqrt();
+        if !grad_norm.is_finite() {
+            // One inf/NaN would poison every weight and moment for good.
+            return Err(EngineError::InvalidRequest(format!(
+                "non-finite gradient (norm {grad_norm}): optimizer step skipped, weights unchanged, gradients discarded"
+            )));
+        }
         let clip = if p.grad_clip_norm > 0.0 && grad_norm > p.grad_clip_norm {
             p.grad_clip_norm / (grad_norm + 1e-6)
         } else {
@@ -143,5 +149,43 @@ impl AdamState {
             grad_norm,
             learning_rate: p.learning_rate,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use temper_model::candle_core::Device;
+
+    #[test]
+    fn a_non_finite_gradient_is_refused_and_leaves_weights_and_moments_alone() {
+        let dev = Device::Cpu;
+        let var = Var::from_tensor(&Tensor::new(&[1f32, 2.0, 3.0], &dev).unwrap()).unwrap();
+        let params = vec![("w".to_string(), var.clone())];
+        let mut st = AdamState::default();
+        let p = AdamParams::default();
+        let good = HashMap::from([(
+            "w".to_string(),
+            Tensor::new(&[0.1f32, 0.1, 0.1], &dev).unwrap(),
+        )]);
+        st.step(&params, &good, &p).expect("finite step");
+        let before = var.as_tensor().to_vec1::<f32>().unwrap();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let g = HashMap::from([(
+                "w".to_string(),
+                Tensor::new(&[0.1f32, bad, 0.1], &dev).unwrap(),
+            )]);
+            let err = st.step(&params, &g, &p).expect_err("non-finite step");
+            assert!(err.to_string().contains("non-finite gradient"), "{err}");
+        }
+        assert_eq!(var.as_tensor().to_vec1::<f32>().unwrap(), before);
+        assert_eq!(st.step, 1, "no step was counted");
+        st.step(&params, &good, &p).expect("training goes on");
+        assert!(var
+            .as_tensor()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .all(|x| x.is_finite()));
     }
 }

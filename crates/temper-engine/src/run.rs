@@ -309,9 +309,10 @@ impl TrainingRun {
             ));
         }
         let named = self.named_params();
-        let stats = self.optim.step(&named, &self.grads, params)?;
+        // Cleared on failure too: a non-finite step is skipped, not retried.
+        let stats = self.optim.step(&named, &self.grads, params);
         self.grads.clear();
-        Ok(stats)
+        stats
     }
 
     /// Sample from the current weights.

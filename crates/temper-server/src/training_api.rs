@@ -56,6 +56,42 @@ pub struct ApiConfig {
     /// How long a result stays retrievable after its first delivery (a
     /// client whose response was lost re-polls); then it is dropped.
     pub result_grace: Duration,
+    /// Bounds on what one request may ask for, checked before anything is
+    /// allocated.
+    pub limits: ApiLimits,
+}
+
+/// Per-request bounds (`temper api serve` flags). A request over one gets a
+/// 400 naming the limit and its flag; the sequence length is further bounded
+/// by the base model's context length.
+#[derive(Clone, Debug)]
+pub struct ApiLimits {
+    /// Largest `lora_config.rank` (`--max-lora-rank`).
+    pub max_lora_rank: usize,
+    /// Largest `num_samples` of one `asample` (`--max-num-samples`).
+    pub max_num_samples: usize,
+    /// Most tokens in one `forward_backward` / `forward`, summed over its
+    /// datums (`--max-batch-tokens`).
+    pub max_batch_tokens: usize,
+    /// Largest request body in bytes (`--max-body-mb`).
+    pub max_body_bytes: usize,
+}
+
+impl Default for ApiLimits {
+    fn default() -> Self {
+        Self {
+            max_lora_rank: 256,
+            max_num_samples: 128,
+            max_batch_tokens: 262_144,
+            max_body_bytes: 256 << 20,
+        }
+    }
+}
+
+fn over_limit(what: &str, got: usize, limit: usize, flag: &str) -> ApiError {
+    ApiError::BadRequest(format!(
+        "{what} {got} exceeds this server's limit {limit} ({flag})"
+    ))
 }
 
 enum FutureState {
@@ -241,6 +277,33 @@ impl ApiState {
             .map(|m| (m.run.clone(), m.base.clone(), m.rank))
             .ok_or_else(|| format!("unknown model_id {model_id:?}"))
     }
+
+    /// The longest sequence a base model takes.
+    fn context_length(&self, base: &str) -> std::result::Result<usize, String> {
+        self.0
+            .bases
+            .get(base)
+            .map(|b| b.model.config.max_position_embeddings)
+            .ok_or_else(|| format!("base model {base:?} is not served"))
+    }
+
+    /// Every token id must be in the base model's vocabulary (a user error,
+    /// not a server one, when it is not).
+    fn check_vocab(&self, base: &str, what: &str, ids: &[u32]) -> std::result::Result<(), String> {
+        let vocab = self
+            .0
+            .bases
+            .get(base)
+            .map(|b| b.model.config.vocab_size)
+            .ok_or_else(|| format!("base model {base:?} is not served"))?;
+        match ids.iter().position(|&t| t as usize >= vocab) {
+            Some(i) => Err(format!(
+                "{what}: token id {} at position {i} is out of range (vocabulary size {vocab})",
+                ids[i]
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The router: every route under `/api/v1`, API-key checked.
@@ -281,6 +344,9 @@ pub fn app(state: ApiState) -> Router {
         .route("/api/v1/asample", post(asample))
         .route("/api/v1/retrieve_future", post(retrieve_future))
         .fallback(not_supported)
+        .layer(axum::extract::DefaultBodyLimit::max(
+            state.0.config.limits.max_body_bytes,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), check_api_key))
         .with_state(state)
 }
@@ -432,6 +498,17 @@ fn lora_config(req: Option<&LoraRequest>) -> std::result::Result<(LoraConfig, u6
 async fn create_model(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let r: CreateModel = parse(&body)?;
     s.known_session(&r.session_id)?;
+    if let Some(l) = &r.lora_config {
+        let max = s.0.config.limits.max_lora_rank;
+        if l.rank > max {
+            return Err(over_limit(
+                "lora_config.rank",
+                l.rank,
+                max,
+                "--max-lora-rank",
+            ));
+        }
+    }
     let model_id = format!("{}:train:{}", r.session_id, r.model_seq_id);
     let resp = s.dedupe(&model_id, Some(-1), || {
         let request_id = if !s.0.bases.contains_key(&r.base_model) {
@@ -557,9 +634,9 @@ fn datum_from_proto(d: &proto::Datum) -> std::result::Result<Datum, String> {
                     .map(|x| u32::try_from(x).map_err(|_| format!("target token {x} out of range")))
                     .collect::<std::result::Result<_, _>>()?;
             }
-            "weights" => inputs.weights = Some(floats()?),
-            "logprobs" => inputs.logprobs = Some(floats()?),
-            "advantages" => inputs.advantages = Some(floats()?),
+            "weights" => inputs.weights = Some(finite(name, floats()?)?),
+            "logprobs" => inputs.logprobs = Some(finite(name, floats()?)?),
+            "advantages" => inputs.advantages = Some(finite(name, floats()?)?),
             // Per-datum clip thresholds are read from loss_fn_config instead.
             "clip_low_threshold" | "clip_high_threshold" => {}
             other => return Err(format!("unsupported loss_fn_inputs key {other:?}")),
@@ -569,6 +646,14 @@ fn datum_from_proto(d: &proto::Datum) -> std::result::Result<Datum, String> {
         model_input: tokens,
         loss_fn_inputs: inputs,
     })
+}
+
+/// A NaN or inf in a loss input would turn every weight into NaN.
+fn finite(name: &str, v: Vec<f32>) -> std::result::Result<Vec<f32>, String> {
+    match v.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(format!("{name}[{i}] is {} (inputs must be finite)", v[i])),
+        None => Ok(v),
+    }
 }
 
 fn loss_from_proto(r: &proto::ForwardBackwardRequest) -> std::result::Result<Loss, String> {
@@ -629,15 +714,45 @@ async fn forward_backward(State(s): State<ApiState>, body: Bytes) -> Result<Json
     let r = proto::ForwardBackwardRequest::decode(body.as_ref()).map_err(|e| {
         ApiError::BadRequest(format!("invalid ForwardBackwardRequest protobuf: {e}"))
     })?;
+    let data = r
+        .data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| datum_from_proto(d).map_err(|e| format!("datum {i}: {e}")))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(ApiError::BadRequest)?;
+    let total: usize = data.iter().map(|d| d.model_input.len()).sum();
+    let max = s.0.config.limits.max_batch_tokens;
+    if total > max {
+        return Err(over_limit(
+            "forward_backward tokens",
+            total,
+            max,
+            "--max-batch-tokens",
+        ));
+    }
     let resp = s.dedupe(&r.model_id, Some(r.seq_id as i64), || {
         let prepared = (|| {
-            let (run, _, _) = s.model(&r.model_id)?;
-            let data = r
-                .data
+            let (run, base, _) = s.model(&r.model_id)?;
+            let ctx = s.context_length(&base)?;
+            if let Some((i, d)) = data
                 .iter()
                 .enumerate()
-                .map(|(i, d)| datum_from_proto(d).map_err(|e| format!("datum {i}: {e}")))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
+                .find(|(_, d)| d.model_input.len() > ctx)
+            {
+                return Err(format!(
+                    "datum {i}: {} tokens exceed the model's context length {ctx}",
+                    d.model_input.len()
+                ));
+            }
+            for (i, d) in data.iter().enumerate() {
+                s.check_vocab(&base, &format!("datum {i} model_input"), &d.model_input)?;
+                s.check_vocab(
+                    &base,
+                    &format!("datum {i} target_tokens"),
+                    &d.loss_fn_inputs.target_tokens,
+                )?;
+            }
             Ok::<_, String>((run, data, loss_from_proto(&r)?))
         })();
         let request_id = match prepared {
@@ -1153,52 +1268,63 @@ fn sample_response(seqs: &[Completion], prompt_logprobs: Option<Vec<f32>>) -> Ve
 
 async fn asample(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let r: ASample = parse(&body)?;
+    let max = s.0.config.limits.max_num_samples;
+    if r.num_samples > max {
+        return Err(over_limit(
+            "num_samples",
+            r.num_samples,
+            max,
+            "--max-num-samples",
+        ));
+    }
+    if r.num_samples == 0 {
+        return Err(ApiError::BadRequest("num_samples must be >= 1".into()));
+    }
+    let (key, base) = {
+        let t = s.tables();
+        let sm = t.samplers.get(&r.sampling_session_id).ok_or_else(|| {
+            ApiError::NotFound(format!(
+                "unknown sampling_session_id {:?}",
+                r.sampling_session_id
+            ))
+        })?;
+        (sm.key.clone(), sm.base.clone())
+    };
+    let prompt = prompt_tokens(&r.prompt).map_err(ApiError::BadRequest)?;
+    let params = sampling_params(&r.sampling_params).map_err(ApiError::BadRequest)?;
+    let ctx = s.context_length(&base).map_err(ApiError::Internal)?;
+    s.check_vocab(&base, "prompt", &prompt)
+        .map_err(ApiError::BadRequest)?;
+    if prompt.len() + params.max_tokens > ctx {
+        return Err(ApiError::BadRequest(format!(
+            "prompt ({} tokens) + max_tokens ({}) exceed the model's context length {ctx}",
+            prompt.len(),
+            params.max_tokens
+        )));
+    }
     let owner = format!("sample:{}", r.sampling_session_id);
     let resp = s.dedupe(&owner, r.seq_id, || {
-        let seq_ids: Vec<String> = (0..r.num_samples.max(1))
-            .map(|_| s.next_id("seq"))
-            .collect();
-        let prepared = (|| {
-            let key = s
-                .tables()
-                .samplers
-                .get(&r.sampling_session_id)
-                .map(|sm| sm.key.clone())
-                .ok_or_else(|| {
-                    format!("unknown sampling_session_id {:?}", r.sampling_session_id)
-                })?;
-            if r.num_samples == 0 {
-                return Err("num_samples must be >= 1".to_string());
-            }
-            Ok((
-                key,
-                prompt_tokens(&r.prompt)?,
-                sampling_params(&r.sampling_params)?,
-            ))
-        })();
-        let request_id = match prepared {
-            Err(e) => s.failed_future(e),
-            Ok((key, prompt, params)) => {
-                let sample =
-                    s.0.engine
-                        .sample(&key, prompt.clone(), r.num_samples, params);
-                let lps: Option<Pending<Vec<f32>>> = (r.prompt_logprobs && prompt.len() >= 2)
-                    .then(|| s.0.engine.compute_logprobs(&key, prompt.clone()));
-                let want_prompt = r.prompt_logprobs;
-                s.spawn_future(async move {
-                    let seqs = sample.await?;
-                    let prompt_lp = match lps {
-                        Some(p) => {
-                            let mut v = vec![f32::NAN];
-                            v.extend(p.await?);
-                            Some(v)
-                        }
-                        None if want_prompt => Some(vec![f32::NAN]),
-                        None => None,
-                    };
-                    Ok(FutureState::Proto(sample_response(&seqs, prompt_lp)))
-                })
-            }
+        let seq_ids: Vec<String> = (0..r.num_samples).map(|_| s.next_id("seq")).collect();
+        let request_id = {
+            let sample =
+                s.0.engine
+                    .sample(&key, prompt.clone(), r.num_samples, params);
+            let lps: Option<Pending<Vec<f32>>> = (r.prompt_logprobs && prompt.len() >= 2)
+                .then(|| s.0.engine.compute_logprobs(&key, prompt.clone()));
+            let want_prompt = r.prompt_logprobs;
+            s.spawn_future(async move {
+                let seqs = sample.await?;
+                let prompt_lp = match lps {
+                    Some(p) => {
+                        let mut v = vec![f32::NAN];
+                        v.extend(p.await?);
+                        Some(v)
+                    }
+                    None if want_prompt => Some(vec![f32::NAN]),
+                    None => None,
+                };
+                Ok(FutureState::Proto(sample_response(&seqs, prompt_lp)))
+            })
         };
         json!({"request_id": request_id, "sample_sequence_ids": seq_ids})
     });

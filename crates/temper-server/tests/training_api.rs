@@ -32,6 +32,7 @@ fn state_with_grace(ckpt: &std::path::Path, grace: Duration) -> ApiState {
             checkpoint_dir: ckpt.to_path_buf(),
             long_poll: Duration::from_secs(5),
             result_grace: grace,
+            limits: Default::default(),
         },
     )
 }
@@ -403,4 +404,176 @@ async fn session_ids_differ_across_restarts_and_saves_never_silently_overwrite()
         format!("tinker://{model_id}/weights/dur1"),
         "{res}"
     );
+}
+
+fn datum(tokens: &[u32], extra: Option<(&str, Vec<f32>)>) -> proto::Datum {
+    let mut inputs = std::collections::HashMap::new();
+    inputs.insert(
+        "target_tokens".to_string(),
+        proto::Tensor {
+            encoding: Some(proto::tensor::Encoding::Dense(proto::le::i64_bytes(
+                &tokens[1..].iter().map(|&t| t as i64).collect::<Vec<_>>(),
+            ))),
+            dtype: proto::DType::Int64 as i32,
+            shape: vec![tokens.len() as i64 - 1],
+        },
+    );
+    if let Some((name, v)) = extra {
+        inputs.insert(
+            name.to_string(),
+            proto::Tensor {
+                encoding: Some(proto::tensor::Encoding::Dense(proto::le::f32_bytes(&v))),
+                dtype: proto::DType::Float32 as i32,
+                shape: vec![v.len() as i64],
+            },
+        );
+    }
+    proto::Datum {
+        model_input: vec![proto::Chunk {
+            chunk: Some(proto::chunk::Chunk::EncodedText(proto::EncodedTextChunk {
+                tokens: proto::le::i32_bytes(&tokens[..tokens.len() - 1]),
+            })),
+        }],
+        loss_fn_inputs: inputs,
+    }
+}
+
+async fn post_proto(s: &ApiState, path: &str, msg: Vec<u8>) -> (StatusCode, Value) {
+    let req = Request::post(path)
+        .header("x-api-key", "tml-k")
+        .header("content-type", "application/x-protobuf")
+        .body(Body::from(msg))
+        .unwrap();
+    let resp = app(s.clone()).oneshot(req).await.unwrap();
+    let st = resp.status();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (st, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+async fn new_model(s: &ApiState) -> (String, String) {
+    let (_, sess) = call(s, "/api/v1/create_session", json!({})).await;
+    let sid = sess["session_id"].as_str().unwrap().to_string();
+    let (_, created) = call(
+        s,
+        "/api/v1/create_model",
+        json!({"session_id": sid, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 2}}),
+    )
+    .await;
+    result_json(s, &created["request_id"]).await;
+    (sid, created["model_id"].as_str().unwrap().to_string())
+}
+
+#[tokio::test]
+async fn oversized_requests_are_400s_naming_the_limit_before_anything_is_allocated() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let s = state(dir.path());
+    let (sid, model_id) = new_model(&s).await;
+
+    let (st, body) = call(
+        &s,
+        "/api/v1/create_model",
+        json!({"session_id": sid, "model_seq_id": 1, "base_model": "tiny", "lora_config": {"rank": 1u64 << 40}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.to_string().contains("--max-lora-rank"), "{body}");
+
+    // 1e9 samples on a session that does not exist: refused at once.
+    let started = std::time::Instant::now();
+    let (st, body) = call(
+        &s,
+        "/api/v1/asample",
+        json!({"sampling_session_id": "nope", "num_samples": 1_000_000_000u64,
+               "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.to_string().contains("--max-num-samples"), "{body}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+
+    let (_, smp) = call(
+        &s,
+        "/api/v1/create_sampling_session",
+        json!({"session_id": sid, "sampling_session_seq_id": 0, "base_model": "tiny"}),
+    )
+    .await;
+    let smp = smp["sampling_session_id"].as_str().unwrap().to_string();
+    let ctx = 1 << 20; // longer than any fixture's context
+    let long: Vec<u32> = (0..ctx).map(|i| 1 + (i % 50) as u32).collect();
+    let (st, body) = call(
+        &s,
+        "/api/v1/asample",
+        json!({"sampling_session_id": smp, "num_samples": 1, "prompt_logprobs": true,
+               "prompt": {"chunks": [{"type": "encoded_text", "tokens": long}]}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert!(body.to_string().contains("context length"), "{body}");
+    let (st, body) = call(
+        &s,
+        "/api/v1/asample",
+        json!({"sampling_session_id": smp, "num_samples": 1,
+               "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 4_000_000]}]}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert!(
+        body.to_string().contains("out of range (vocabulary size"),
+        "{body}"
+    );
+
+    // More tokens than --max-batch-tokens in one forward_backward.
+    let seq: Vec<u32> = (0..2049).map(|i| 1 + (i % 50) as u32).collect();
+    let fb = proto::ForwardBackwardRequest {
+        model_id: model_id.clone(),
+        seq_id: 1,
+        data: (0..130).map(|_| datum(&seq, None)).collect(),
+        loss_fn: "cross_entropy".into(),
+        ..Default::default()
+    };
+    let (st, body) = post_proto(&s, "/api/v1/forward_backward", fb.encode_to_vec()).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.to_string().contains("--max-batch-tokens"), "{body}");
+
+    // The server still trains after all of that.
+    let fb = proto::ForwardBackwardRequest {
+        model_id,
+        seq_id: 2,
+        data: vec![datum(&seq[..20], None)],
+        loss_fn: "cross_entropy".into(),
+        ..Default::default()
+    };
+    let (st, body) = post_proto(&s, "/api/v1/forward_backward", fb.encode_to_vec()).await;
+    assert_eq!(st, StatusCode::OK);
+    let res = result_bytes(&s, &body["request_id"]).await;
+    assert_eq!(res.0, "application/x-protobuf");
+}
+
+#[tokio::test]
+async fn non_finite_loss_inputs_are_refused_with_a_400() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let s = state(dir.path());
+    let (_, model_id) = new_model(&s).await;
+    let seq: Vec<u32> = (1..21).collect();
+    for (i, (name, bad)) in [
+        ("weights", 3e38f32 * 10.0),
+        ("advantages", f32::NAN),
+        ("logprobs", f32::NEG_INFINITY),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut v = vec![1.0f32; seq.len() - 1];
+        v[3] = bad;
+        let fb = proto::ForwardBackwardRequest {
+            model_id: model_id.clone(),
+            seq_id: 1 + i as i32,
+            data: vec![datum(&seq, Some((name, v)))],
+            loss_fn: "importance_sampling".into(),
+            ..Default::default()
+        };
+        let (st, body) = post_proto(&s, "/api/v1/forward_backward", fb.encode_to_vec()).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{name}: {body}");
+        assert!(body.to_string().contains("must be finite"), "{body}");
+    }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use temper_model::{default_device, default_dtype, LoadOptions, Pretrained};
-use temper_server::training_api::{app, ApiConfig, ApiState, BaseModel};
+use temper_server::training_api::{app, ApiConfig, ApiLimits, ApiState, BaseModel};
 
 /// Training API commands.
 #[derive(Subcommand)]
@@ -35,6 +35,18 @@ pub struct ServeArgs {
     /// Where save_state checkpoints are written.
     #[arg(long, default_value = "checkpoints")]
     checkpoints: PathBuf,
+    /// Largest LoRA rank a client may ask for.
+    #[arg(long, default_value_t = ApiLimits::default().max_lora_rank)]
+    max_lora_rank: usize,
+    /// Most samples one asample may ask for.
+    #[arg(long, default_value_t = ApiLimits::default().max_num_samples)]
+    max_num_samples: usize,
+    /// Most tokens in one forward_backward, summed over its datums.
+    #[arg(long, default_value_t = ApiLimits::default().max_batch_tokens)]
+    max_batch_tokens: usize,
+    /// Largest request body, in MiB.
+    #[arg(long, default_value_t = ApiLimits::default().max_body_bytes >> 20)]
+    max_body_mb: usize,
 }
 
 /// Parse `NAME=DIR`.
@@ -82,6 +94,12 @@ fn serve(args: ServeArgs) -> Result<()> {
             checkpoint_dir: args.checkpoints.clone(),
             long_poll: Duration::from_secs(25),
             result_grace: Duration::from_secs(600),
+            limits: ApiLimits {
+                max_lora_rank: args.max_lora_rank,
+                max_num_samples: args.max_num_samples,
+                max_batch_tokens: args.max_batch_tokens,
+                max_body_bytes: args.max_body_mb.saturating_mul(1 << 20),
+            },
         },
     );
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -97,6 +97,7 @@ pub fn run(args: ApiBenchArgs) -> Result<()> {
                 checkpoint_dir: ckpt.clone(),
                 long_poll: Duration::from_secs(25),
                 result_grace: Duration::from_secs(600),
+                limits: Default::default(),
             },
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
