@@ -32,7 +32,8 @@ def start_server(binary, *extra):
     """Start `temper serve` on a free port; return (process, base URL)."""
     proc = subprocess.Popen(
         [binary, "serve", "--model", MODEL_DIR, "--served-model-name", MODEL,
-         "--host", "127.0.0.1", "--port", "0", "--max-model-len", "512", *extra],
+         "--host", "127.0.0.1", "--port", "0", "--max-model-len", "512",
+         "--lora-root", os.path.dirname(ADAPTER_DIR), *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines = []
     box = {}

@@ -40,6 +40,14 @@ fn load() -> Arc<Pretrained> {
 fn server_with(model: Arc<Pretrained>, edit: impl FnOnce(&mut ServeConfig)) -> OpenAiState {
     let mut cfg = ServeConfig::defaults(MODEL, &model);
     cfg.scheduler.max_model_len = 512;
+    // Adapters at run time: the fixtures' and the tests' temp directories.
+    cfg.lora_roots = vec![
+        fixtures()
+            .join("adapters")
+            .canonicalize()
+            .expect("fixtures"),
+        std::env::temp_dir().canonicalize().expect("temp dir"),
+    ];
     edit(&mut cfg);
     OpenAiState::new(model, cfg)
 }
@@ -715,7 +723,12 @@ async fn errors_are_openai_shaped() {
         ))
         .expect("req");
     let (st, b) = send(&r, bad_lora).await;
-    check(st, b, StatusCode::BAD_REQUEST, "cannot load LoRA adapter");
+    check(
+        st,
+        b,
+        StatusCode::BAD_REQUEST,
+        "not an adapter directory under a --lora-root",
+    );
 
     // A full queue answers 503.
     let s = server_with(m, |c| c.scheduler.max_queue = 0);
@@ -886,4 +899,46 @@ async fn kv_budget_preempts_and_recomputes() {
     }
     let m = get_text(&r, "/metrics").await;
     assert!(metric(&m, "temper_preemptions_total") > 0.0, "{m}");
+}
+
+#[tokio::test]
+async fn runtime_adapter_loads_stay_inside_lora_roots_and_reveal_nothing() {
+    let m = load();
+    let r = app(server_with(m.clone(), |_| {}));
+    let load = |path: &str| json!({"lora_name": "x", "lora_path": path});
+    // Outside every root: the same answer whether the path exists or not.
+    let mut answers = Vec::new();
+    for path in ["/etc/shadow", "/etc", "/no/such/dir", "/etc/../etc/passwd"] {
+        let (st, v) = post(&r, "/v1/load_lora_adapter", load(path)).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{path}: {v}");
+        let msg = v["error"]["message"]
+            .as_str()
+            .expect("message")
+            .replace(path, "P");
+        answers.push(msg);
+    }
+    assert!(answers.windows(2).all(|w| w[0] == w[1]), "{answers:?}");
+    assert!(answers[0].contains("--lora-root"), "{answers:?}");
+    // A `..` escape from inside a root is outside it.
+    let escape = format!("{}/../../../etc", adapter_dir().display());
+    let (st, _) = post(&r, "/v1/load_lora_adapter", load(&escape)).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    // Inside a root it loads.
+    let (st, v) = post(
+        &r,
+        "/v1/load_lora_adapter",
+        load(&adapter_dir().display().to_string()),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    // No roots: loading at run time is off.
+    let off = app(server_with(m, |c| c.lora_roots.clear()));
+    let (st, v) = post(
+        &off,
+        "/v1/load_lora_adapter",
+        load(&adapter_dir().display().to_string()),
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert!(v.to_string().contains("off"), "{v}");
 }

@@ -23,6 +23,12 @@ pub struct ServeArgs {
     /// be loaded and swapped at run time with POST /v1/load_lora_adapter.
     #[arg(long = "lora")]
     loras: Vec<String>,
+    /// A directory POST /v1/load_lora_adapter may load adapters from (the
+    /// adapter must lie inside it). Repeatable; without one, loading at run
+    /// time is off. `temper train rl` with `[sampler] url` needs its run
+    /// directory inside one.
+    #[arg(long = "lora-root")]
+    lora_roots: Vec<PathBuf>,
     /// Address to bind.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -76,6 +82,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     let mut cfg = ServeConfig::defaults(name.clone(), &model);
     cfg.api_key = args.api_key.clone();
+    for root in &args.lora_roots {
+        std::fs::create_dir_all(root)
+            .with_context(|| format!("creating --lora-root {}", root.display()))?;
+        cfg.lora_roots.push(
+            root.canonicalize()
+                .with_context(|| format!("--lora-root {}", root.display()))?,
+        );
+    }
     if let Some(n) = args.max_running {
         if n == 0 {
             bail!("--max-running must be >= 1");

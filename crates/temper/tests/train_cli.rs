@@ -222,6 +222,8 @@ fn rl_against_an_external_temper_serve_hot_swaps_the_adapter() {
             "serve".into(),
             "--model".into(),
             model.display().to_string(),
+            "--lora-root".into(),
+            d.path().display().to_string(),
         ],
         "listening on ",
     );

@@ -61,6 +61,9 @@ pub struct ServeConfig {
     pub api_key: Option<String>,
     /// Scheduler limits.
     pub scheduler: SchedulerConfig,
+    /// Directories `POST /v1/load_lora_adapter` may load adapters from
+    /// (canonical paths); empty: loading at run time is off.
+    pub lora_roots: Vec<PathBuf>,
 }
 
 impl ServeConfig {
@@ -78,6 +81,7 @@ impl ServeConfig {
         Self {
             model_name: model_name.into(),
             api_key: None,
+            lora_roots: Vec::new(),
             scheduler: SchedulerConfig {
                 max_running: 256,
                 kv_budget_tokens,
@@ -152,6 +156,29 @@ impl OpenAiState {
     /// The metrics registry.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.inner.metrics
+    }
+
+    /// A client's `lora_path`, allowed only inside a configured root. The
+    /// error is the same whether or not the path exists, so it reveals
+    /// nothing about the server's files.
+    fn adapter_dir_in_roots(&self, path: &str) -> Result<PathBuf, OpenAiError> {
+        let roots = &self.inner.cfg.lora_roots;
+        if roots.is_empty() {
+            return Err(OpenAiError::invalid(
+                "lora_path",
+                "loading adapters at run time is off: start temper serve with --lora-root DIR",
+            ));
+        }
+        std::path::Path::new(path)
+            .canonicalize()
+            .ok()
+            .filter(|p| p.is_dir() && roots.iter().any(|r| p.starts_with(r)))
+            .ok_or_else(|| {
+                OpenAiError::invalid(
+                    "lora_path",
+                    format!("lora_path {path:?} is not an adapter directory under a --lora-root"),
+                )
+            })
     }
 
     /// Load (or atomically replace) adapter `name` from a PEFT directory;
@@ -336,7 +363,7 @@ async fn list_models(State(s): State<OpenAiState>) -> Result<Json<Value>, OpenAi
 
 async fn load_lora(State(s): State<OpenAiState>, body: Bytes) -> Result<Json<Value>, OpenAiError> {
     let req: LoadLoraRequest = parse_body(&body)?;
-    let dir = PathBuf::from(&req.lora_path);
+    let dir = s.adapter_dir_in_roots(&req.lora_path)?;
     let st = s.clone();
     let name = req.lora_name.clone();
     let version = tokio::task::spawn_blocking(move || st.load_adapter(&name, &dir))
