@@ -20,6 +20,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_DIR = os.path.join(ROOT, "fixtures", "models", "tiny-qwen3")
+ADAPTER_DIR = os.path.join(ROOT, "fixtures", "adapters", "tiny-qwen3-lora")
 API_KEY = "tml-local-test-key"
 
 
@@ -32,7 +33,8 @@ def free_port():
 def start_server(binary, port, ckpt_dir):
     proc = subprocess.Popen(
         [binary, "api", "serve", "--model", f"tiny={MODEL_DIR}", "--host", "127.0.0.1",
-         "--port", str(port), "--api-key", API_KEY, "--checkpoints", ckpt_dir],
+         "--port", str(port), "--api-key", API_KEY, "--checkpoints", ckpt_dir,
+         "--adapter", f"peft={ADAPTER_DIR}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -171,6 +173,20 @@ def main():
         assert got == want, (want, got)
         tc2.forward_backward([datum], "cross_entropy").result()
         tc2.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    @check("create_training_client_from_state starts from a served PEFT adapter")
+    def _():
+        tc = sc.create_training_client_from_state("tinker://adapters/peft/peft")
+        tc = tc.result() if hasattr(tc, "result") else tc
+        assert tc.get_info().lora_rank == 4, tc.get_info()
+        base = sc.create_lora_training_client(base_model="tiny", rank=4)
+        with_adapter = tc.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+        without = base.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+        assert with_adapter != without, (with_adapter, without)
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        after = tc.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+        assert after < with_adapter, (with_adapter, after)
 
     @check("a bad request fails its future and the client keeps working")
     def _():

@@ -41,6 +41,7 @@ async fn serve(b: Arc<Pretrained>, ckpt: PathBuf, api_key: Option<&str>) -> Stri
             long_poll: Duration::from_secs(10),
             result_grace: Duration::from_secs(600),
             limits: Default::default(),
+            adapters: Default::default(),
         },
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -59,7 +59,22 @@ pub struct ApiConfig {
     /// Bounds on what one request may ask for, checked before anything is
     /// allocated.
     pub limits: ApiLimits,
+    /// PEFT adapters clients may start training from, by name
+    /// (`tinker://adapters/peft/NAME`).
+    pub adapters: BTreeMap<String, ServedAdapter>,
 }
+
+/// A PEFT LoRA adapter directory a training client can start from.
+#[derive(Clone, Debug)]
+pub struct ServedAdapter {
+    /// The adapter directory (`adapter_config.json`, `adapter_model.safetensors`).
+    pub dir: PathBuf,
+    /// Its rank (`r` in `adapter_config.json`), reported by `get_info`.
+    pub rank: usize,
+}
+
+/// The path prefix that names a served PEFT adapter in `load_weights`.
+pub const PEFT_ADAPTER_PREFIX: &str = "tinker://adapters/peft/";
 
 /// Per-request bounds (`temper api serve` flags). A request over one gets a
 /// 400 naming the limit and its flag; the sequence length is further bounded
@@ -934,6 +949,76 @@ struct LoadWeights {
     optimizer: bool,
     #[serde(default)]
     seq_id: Option<i64>,
+    #[serde(default)]
+    base_model: Option<String>,
+}
+
+/// `create_training_client_from_state("tinker://adapters/peft/NAME")`: a new
+/// LoRA run starting from a served PEFT adapter — its rank, alpha, targets
+/// and weights.
+fn load_peft_adapter(
+    s: &ApiState,
+    r: &LoadWeights,
+    target: String,
+    name: &str,
+) -> Result<Json<Value>, ApiError> {
+    let adapters = &s.0.config.adapters;
+    let adapter = adapters.get(name).cloned().ok_or_else(|| {
+        ApiError::NotFound(format!(
+            "no adapter {name:?} is served (temper api serve --adapter NAME=DIR); served: {:?}",
+            adapters.keys().collect::<Vec<_>>()
+        ))
+    })?;
+    if r.optimizer {
+        return Err(ApiError::BadRequest(
+            "a PEFT adapter has no optimizer state: use create_training_client_from_state".into(),
+        ));
+    }
+    if s.model(&target).is_ok() {
+        return Err(ApiError::BadRequest(format!(
+            "{target} exists: a PEFT adapter starts a new training client (create_training_client_from_state)"
+        )));
+    }
+    let base = match (&r.base_model, s.0.bases.len()) {
+        (Some(b), _) => b.clone(),
+        (None, 1) => {
+            s.0.bases
+                .keys()
+                .next()
+                .cloned()
+                .ok_or_else(|| ApiError::Internal("no base model is served".into()))?
+        }
+        (None, _) => {
+            return Err(ApiError::BadRequest(
+                "several base models are served: pass base_model".into(),
+            ))
+        }
+    };
+    if !s.0.bases.contains_key(&base) {
+        return Err(ApiError::NotFound(format!("unknown base_model {base:?}")));
+    }
+    let resp = s.dedupe(&target, r.seq_id.or(Some(-1)), || {
+        let created =
+            s.0.engine
+                .create_lora_run_from_peft(&base, adapter.dir.clone());
+        let (st, mid, path) = (s.clone(), target.clone(), r.path.clone());
+        let request_id = s.spawn_future(async move {
+            let run = created.await?;
+            st.tables().models.insert(
+                mid.clone(),
+                TrainModel {
+                    run,
+                    base,
+                    rank: adapter.rank,
+                },
+            );
+            Ok(FutureState::Json(
+                json!({"type": "load_weights", "path": path, "model_id": mid}),
+            ))
+        });
+        json!({"request_id": request_id, "model_id": target})
+    });
+    Ok(Json(resp))
 }
 
 async fn load_weights(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value>, ApiError> {
@@ -950,6 +1035,9 @@ async fn load_weights(State(s): State<ApiState>, body: Bytes) -> Result<Json<Val
             ))
         }
     };
+    if let Some(name) = r.path.strip_prefix(PEFT_ADAPTER_PREFIX) {
+        return load_peft_adapter(&s, &r, target, name);
+    }
     let resp = s.dedupe(&target, r.seq_id.or(Some(-1)), || {
         let prepared = (|| {
             let (src_model, kind, name) = parse_tinker_path(&r.path)?;

@@ -33,6 +33,7 @@ fn state_with_grace(ckpt: &std::path::Path, grace: Duration) -> ApiState {
             long_poll: Duration::from_secs(5),
             result_grace: grace,
             limits: Default::default(),
+            adapters: Default::default(),
         },
     )
 }
@@ -575,5 +576,127 @@ async fn non_finite_loss_inputs_are_refused_with_a_400() {
         let (st, body) = post_proto(&s, "/api/v1/forward_backward", fb.encode_to_vec()).await;
         assert_eq!(st, StatusCode::BAD_REQUEST, "{name}: {body}");
         assert!(body.to_string().contains("must be finite"), "{body}");
+    }
+}
+
+/// The training API's `[model] adapter`: a client starts from a served PEFT
+/// adapter and step 0 computes exactly that adapter's logprobs
+/// (transformers + PEFT on the same PEFT-written adapter, `fixtures/golden`).
+#[tokio::test]
+async fn a_training_client_starts_from_a_served_peft_adapter_at_its_logprobs() {
+    use temper_model::candle_core::{Device, D};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let model = Arc::new(
+        Pretrained::load(&fixtures.join("models/tiny-qwen3"), &LoadOptions::default())
+            .expect("fixture"),
+    );
+    let adapter_dir = fixtures.join("adapters/tiny-qwen3-lora");
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter_dir.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    let rank = cfg["r"].as_u64().unwrap() as usize;
+    let s = ApiState::new(
+        vec![BaseModel {
+            name: "tiny".into(),
+            model,
+        }],
+        ApiConfig {
+            api_key: Some("tml-k".into()),
+            checkpoint_dir: dir.path().to_path_buf(),
+            long_poll: Duration::from_secs(5),
+            result_grace: Duration::from_secs(600),
+            limits: Default::default(),
+            adapters: [(
+                "peft".to_string(),
+                temper_server::training_api::ServedAdapter {
+                    dir: adapter_dir,
+                    rank,
+                },
+            )]
+            .into(),
+        },
+    );
+    let (_, sess) = call(&s, "/api/v1/create_session", json!({})).await;
+    let sid = sess["session_id"].as_str().unwrap().to_string();
+    // What the SDK's create_training_client_from_state sends.
+    let (st, body) = call(
+        &s,
+        "/api/v1/load_weights",
+        json!({"session_id": sid, "model_seq_id": 0, "path": "tinker://adapters/peft/nope"}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::NOT_FOUND, "{body}");
+    assert!(
+        body["detail"].as_str().unwrap().contains("[\"peft\"]"),
+        "lists what is served: {body}"
+    );
+    let (st, body) = call(
+        &s,
+        "/api/v1/load_weights",
+        json!({"session_id": sid, "model_seq_id": 0, "path": "tinker://adapters/peft/peft", "seq_id": 1}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{body}");
+    let model_id = body["model_id"].as_str().unwrap().to_string();
+    let res = result_json(&s, &body["request_id"]).await;
+    assert_eq!(res["type"], "load_weights", "{res}");
+    let (_, info) = call(&s, "/api/v1/get_info", json!({"model_id": model_id})).await;
+    assert_eq!(info["lora_rank"], rank);
+
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("golden/tiny-qwen3.json")).unwrap(),
+    )
+    .unwrap();
+    let tensors = temper_model::candle_core::safetensors::load(
+        fixtures.join("golden/tiny-qwen3.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    for (i, ids) in golden["inputs"].as_array().unwrap().iter().enumerate() {
+        let ids: Vec<u32> = ids
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let fb = proto::ForwardBackwardRequest {
+            model_id: model_id.clone(),
+            seq_id: 10 + i as i32,
+            data: vec![datum(&ids, None)],
+            loss_fn: "cross_entropy".into(),
+            forward_only: true,
+            ..Default::default()
+        };
+        let (st, body) = post_proto(&s, "/api/v1/forward_backward", fb.encode_to_vec()).await;
+        assert_eq!(st, StatusCode::OK, "{body}");
+        let (_, bytes) = result_bytes(&s, &body["request_id"]).await;
+        let out = proto::ForwardBackwardOutput::decode(bytes.as_slice()).expect("protobuf");
+        let ours = proto::le::f32_from(&out.loss_fn_outputs[0].fields["logprobs"].data).unwrap();
+        let logits = &tensors[&format!("lora_logits.{i}")];
+        let max = logits.max_keepdim(D::Minus1).unwrap();
+        let shifted = logits.broadcast_sub(&max).unwrap();
+        let lse = shifted
+            .exp()
+            .unwrap()
+            .sum_keepdim(D::Minus1)
+            .unwrap()
+            .log()
+            .unwrap();
+        let logp = shifted
+            .broadcast_sub(&lse)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert_eq!(ours.len(), ids.len() - 1);
+        for (t, &target) in ids[1..].iter().enumerate() {
+            let theirs = logp[t][target as usize];
+            assert!(
+                (ours[t] - theirs).abs() <= 1e-4,
+                "input {i} position {t}: {} vs transformers+PEFT {theirs}",
+                ours[t]
+            );
+        }
     }
 }

@@ -7,7 +7,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use temper_model::{default_device, default_dtype, LoadOptions, Pretrained};
-use temper_server::training_api::{app, ApiConfig, ApiLimits, ApiState, BaseModel};
+use temper_server::training_api::{
+    app, ApiConfig, ApiLimits, ApiState, BaseModel, ServedAdapter, PEFT_ADAPTER_PREFIX,
+};
 
 /// Training API commands.
 #[derive(Subcommand)]
@@ -44,6 +46,11 @@ pub struct ServeArgs {
     /// Most tokens in one forward_backward, summed over its datums.
     #[arg(long, default_value_t = ApiLimits::default().max_batch_tokens)]
     max_batch_tokens: usize,
+    /// A PEFT LoRA adapter clients may start training from: NAME=DIR.
+    /// Repeatable; the SDK loads it with
+    /// `create_training_client_from_state("tinker://adapters/peft/NAME")`.
+    #[arg(long = "adapter")]
+    adapters: Vec<String>,
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = ApiLimits::default().max_body_bytes >> 20)]
     max_body_mb: usize,
@@ -55,6 +62,25 @@ fn model_arg(s: &str) -> Result<(String, PathBuf)> {
         Some((n, d)) if !n.is_empty() && !d.is_empty() => Ok((n.to_string(), PathBuf::from(d))),
         _ => bail!("--model expects NAME=DIR (a model directory or a GGUF file), got {s:?}"),
     }
+}
+
+/// The rank of a PEFT adapter (`r` in its `adapter_config.json`).
+fn peft_rank(dir: &std::path::Path) -> Result<usize> {
+    let path = dir.join("adapter_config.json");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("reading {} (a PEFT adapter directory?)", path.display()))?;
+    let cfg: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    cfg["r"]
+        .as_u64()
+        .and_then(|r| usize::try_from(r).ok())
+        .filter(|&r| r > 0)
+        .with_context(|| {
+            format!(
+                "{}: no positive integer \"r\" (the LoRA rank)",
+                path.display()
+            )
+        })
 }
 
 /// Run a command.
@@ -85,6 +111,16 @@ fn serve(args: ServeArgs) -> Result<()> {
             model: Arc::new(model),
         });
     }
+    let mut adapters = std::collections::BTreeMap::new();
+    for a in &args.adapters {
+        let (name, dir) = model_arg(a).context("--adapter expects NAME=DIR")?;
+        let rank = peft_rank(&dir)?;
+        eprintln!(
+            "adapter {name}: {} (rank {rank}) as {PEFT_ADAPTER_PREFIX}{name}",
+            dir.display()
+        );
+        adapters.insert(name, ServedAdapter { dir, rank });
+    }
     std::fs::create_dir_all(&args.checkpoints)
         .with_context(|| format!("creating {}", args.checkpoints.display()))?;
     let state = ApiState::new(
@@ -100,6 +136,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 max_batch_tokens: args.max_batch_tokens,
                 max_body_bytes: args.max_body_mb.saturating_mul(1 << 20),
             },
+            adapters,
         },
     );
     let rt = tokio::runtime::Builder::new_multi_thread()

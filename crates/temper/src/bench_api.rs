@@ -98,6 +98,7 @@ pub fn run(args: ApiBenchArgs) -> Result<()> {
                 long_poll: Duration::from_secs(25),
                 result_grace: Duration::from_secs(600),
                 limits: Default::default(),
+                adapters: Default::default(),
             },
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
