@@ -458,6 +458,21 @@ impl TrainingRun {
         Ok(())
     }
 
+    /// What a checkpoint written by [`save_state`](Self::save_state) holds:
+    /// its run kind and the base model directory it was trained on — enough
+    /// to recreate a matching run in a process that never saw the original.
+    pub fn checkpoint_kind(dir: &Path) -> Result<(RunKind, String)> {
+        let meta_path = dir.join("state.json");
+        let text =
+            std::fs::read_to_string(&meta_path).map_err(|e| EngineError::io(&meta_path, e))?;
+        let meta: StateMeta =
+            serde_json::from_str(&text).map_err(|e| EngineError::BadCheckpoint {
+                path: meta_path.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok((meta.kind, meta.base_model))
+    }
+
     /// Restore weights (and, with `with_optimizer`, AdamW state and step)
     /// saved by [`save_state`](Self::save_state) into this run, which must
     /// have the same kind and shapes.

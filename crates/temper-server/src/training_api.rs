@@ -25,7 +25,9 @@ use axum::{Json, Router};
 use prost::Message;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use temper_engine::{AdamParams, Datum, Engine, EngineError, Loss, LossInputs, Pending};
+use temper_engine::{
+    AdamParams, Datum, Engine, EngineError, Loss, LossInputs, Pending, RunKind, TrainingRun,
+};
 use temper_model::{Completion, FinishReason, LoraConfig, Pretrained, SamplingParams, Target};
 use tokio::sync::Notify;
 
@@ -291,6 +293,65 @@ impl ApiState {
             .get(model_id)
             .map(|m| (m.run.clone(), m.base.clone(), m.rank))
             .ok_or_else(|| format!("unknown model_id {model_id:?}"))
+    }
+
+    /// The base model and LoRA shape of the checkpoint in `dir`: the base
+    /// from the live run that saved it, the client's `base_model`, the base
+    /// whose directory the checkpoint names, or the only base served.
+    fn checkpoint_shape(
+        &self,
+        dir: &std::path::Path,
+        src_model: &str,
+        base_model: Option<&str>,
+    ) -> std::result::Result<(String, LoraConfig), String> {
+        let (kind, base_dir) = TrainingRun::checkpoint_kind(dir).map_err(|e| e.to_string())?;
+        let RunKind::Lora {
+            rank,
+            alpha,
+            targets,
+        } = kind
+        else {
+            return Err(
+                "a full-parameter checkpoint cannot be loaded through the training API".into(),
+            );
+        };
+        let targets = targets
+            .iter()
+            .map(|t| {
+                Target::from_name(t)
+                    .ok_or_else(|| format!("checkpoint names unknown LoRA target {t:?}"))
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let canonical = |p: &std::path::Path| std::fs::canonicalize(p).ok();
+        let by_dir = canonical(std::path::Path::new(&base_dir)).and_then(|want| {
+            self.0
+                .bases
+                .values()
+                .find(|b| canonical(&b.model.dir).as_ref() == Some(&want))
+                .map(|b| b.name.clone())
+        });
+        let base = self
+            .model(src_model)
+            .ok()
+            .map(|(_, b, _)| b)
+            .or_else(|| base_model.map(str::to_string))
+            .or(by_dir)
+            .or_else(|| (self.0.bases.len() == 1).then(|| self.0.bases.keys().next().cloned()).flatten())
+            .ok_or_else(|| {
+                format!("the checkpoint's base model {base_dir} is not among those served: pass base_model")
+            })?;
+        if !self.0.bases.contains_key(&base) {
+            return Err(format!("unknown base_model {base:?}"));
+        }
+        Ok((
+            base,
+            LoraConfig {
+                rank,
+                alpha,
+                targets,
+                use_rslora: false,
+            },
+        ))
     }
 
     /// The longest sequence a base model takes.
@@ -1063,14 +1124,11 @@ async fn load_weights(State(s): State<ApiState>, body: Bytes) -> Result<Json<Val
                             Ok(FutureState::Json(json!({"type": "load_weights", "path": path, "model_id": target})))
                         })
                     }
-                    Err(_) => match s.model(&src_model) {
-                        // Create-via-load: a new run shaped like the source, then load.
-                        Ok((_, base, rank)) => {
-                            let cfg = LoraConfig {
-                                rank,
-                                alpha: LORA_ALPHA,
-                                ..Default::default()
-                            };
+                    // Create-via-load: a new run shaped like the checkpoint (from its
+                    // own state.json, so this works after a restart too), then load.
+                    Err(_) => match s.checkpoint_shape(&dir, &src_model, r.base_model.as_deref()) {
+                        Ok((base, cfg)) => {
+                            let rank = cfg.rank;
                             let created = s.0.engine.create_lora_run(&base, cfg, 0);
                             s.spawn_future(async move {
                                 let run = created.await?;
@@ -1079,7 +1137,7 @@ async fn load_weights(State(s): State<ApiState>, body: Bytes) -> Result<Json<Val
                                 Ok(FutureState::Json(json!({"type": "load_weights", "path": path, "model_id": target})))
                             })
                         }
-                        Err(e) => s.failed_future(format!("{e} (checkpoints can be loaded while their run's server is up)")),
+                        Err(e) => s.failed_future(e),
                     },
                 }
             }

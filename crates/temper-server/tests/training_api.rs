@@ -700,3 +700,91 @@ async fn a_training_client_starts_from_a_served_peft_adapter_at_its_logprobs() {
         }
     }
 }
+
+/// forward (and, with `train`, forward_backward + optim_step) on one datum;
+/// returns the forward's `loss:sum` before any update.
+async fn loss_then_maybe_step(s: &ApiState, model_id: &str, seq: &mut i32, train: bool) -> f64 {
+    let ids: Vec<u32> = (3..40).collect();
+    let mut req = proto::ForwardBackwardRequest {
+        model_id: model_id.to_string(),
+        seq_id: *seq,
+        data: vec![datum(&ids, None)],
+        loss_fn: "cross_entropy".into(),
+        forward_only: true,
+        ..Default::default()
+    };
+    *seq += 1;
+    let (_, body) = post_proto(s, "/api/v1/forward_backward", req.encode_to_vec()).await;
+    let (_, bytes) = result_bytes(s, &body["request_id"]).await;
+    let loss = proto::ForwardBackwardOutput::decode(bytes.as_slice())
+        .expect("protobuf")
+        .metrics["loss:sum"];
+    if train {
+        req.forward_only = false;
+        req.seq_id = *seq;
+        *seq += 1;
+        let (_, body) = post_proto(s, "/api/v1/forward_backward", req.encode_to_vec()).await;
+        result_bytes(s, &body["request_id"]).await;
+        let (_, op) = call(
+            s,
+            "/api/v1/optim_step",
+            json!({"model_id": model_id, "seq_id": *seq, "adam_params": {"learning_rate": 0.01}}),
+        )
+        .await;
+        *seq += 1;
+        let res = result_json(s, &op["request_id"]).await;
+        assert!(res["metrics"]["grad_norm:mean"].as_f64().is_some(), "{res}");
+    }
+    loss
+}
+
+#[tokio::test]
+async fn a_checkpoint_saved_before_a_restart_resumes_with_its_optimizer_and_identical_losses() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (path, want) = {
+        let s = state(dir.path());
+        let (_, model_id) = new_model(&s).await;
+        let mut seq = 1;
+        loss_then_maybe_step(&s, &model_id, &mut seq, true).await;
+        loss_then_maybe_step(&s, &model_id, &mut seq, true).await;
+        let (_, r) = call(
+            &s,
+            "/api/v1/save_weights",
+            json!({"model_id": model_id, "path": "dur1", "seq_id": seq}),
+        )
+        .await;
+        seq += 1;
+        let path = result_json(&s, &r["request_id"]).await["path"]
+            .as_str()
+            .expect("path")
+            .to_string();
+        // The next three losses the original run sees, training in between.
+        let mut want = Vec::new();
+        for _ in 0..3 {
+            want.push(loss_then_maybe_step(&s, &model_id, &mut seq, true).await);
+        }
+        (path, want)
+    }; // the server is gone: nothing of it remains in memory.
+    let s = state(dir.path());
+    let (_, sess) = call(&s, "/api/v1/create_session", json!({})).await;
+    // create_training_client_from_state_with_optimizer's request.
+    let (st, body) = call(
+        &s,
+        "/api/v1/load_weights",
+        json!({"session_id": sess["session_id"], "model_seq_id": 0, "path": path,
+               "optimizer": true, "seq_id": 1}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{body}");
+    let res = result_json(&s, &body["request_id"]).await;
+    assert_eq!(res["type"], "load_weights", "{res}");
+    let model_id = res["model_id"].as_str().unwrap().to_string();
+    let (_, info) = call(&s, "/api/v1/get_info", json!({"model_id": model_id})).await;
+    assert_eq!(info["lora_rank"], 2);
+    let mut seq = 2;
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(loss_then_maybe_step(&s, &model_id, &mut seq, true).await);
+    }
+    assert_eq!(got, want, "losses after the restart differ");
+}
