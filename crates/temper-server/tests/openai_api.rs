@@ -730,6 +730,23 @@ async fn errors_are_openai_shaped() {
         "not an adapter directory under a --lora-root",
     );
 
+    // More prompts than the queue can ever hold: 400, not "retry later".
+    let s = server_with(m.clone(), |c| c.scheduler.max_queue = 3);
+    let (st, v) = post(
+        &app(s),
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": [[1, 2], [1, 3], [1, 4], [1, 5]], "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .expect("msg")
+            .contains("--max-queue"),
+        "{v}"
+    );
+
     // A full queue answers 503.
     let s = server_with(m, |c| c.scheduler.max_queue = 0);
     let (st, v) = post(

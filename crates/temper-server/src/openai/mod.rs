@@ -511,6 +511,20 @@ fn submit(
     p: &Prepared,
     stream: bool,
 ) -> Result<UnboundedReceiver<Event>, OpenAiError> {
+    // Each prompt is queued as one job: a request with more prompts than the
+    // queue holds could never be admitted, so it is a 400, not a "retry".
+    // (`--max-queue 0` is draining: every request is a 503.)
+    let max_queue = s.inner.scheduler.config().max_queue;
+    if p.prompts.len() > max_queue.max(1) {
+        return Err(OpenAiError::BadRequest {
+            message: format!(
+                "this request has {} prompts; the server queues at most {max_queue} (--max-queue): split it",
+                p.prompts.len()
+            ),
+            param: Some("prompt"),
+            code: None,
+        });
+    }
     let (tx, rx) = unbounded_channel();
     for (i, prompt) in p.prompts.iter().enumerate() {
         let job = Job {
