@@ -92,6 +92,12 @@ pub struct ApiLimits {
     pub max_batch_tokens: usize,
     /// Largest request body in bytes (`--max-body-mb`).
     pub max_body_bytes: usize,
+    /// How long a finished result nobody retrieves is kept
+    /// (`--result-ttl-s`).
+    pub result_ttl: Duration,
+    /// Most finished results kept at once; the oldest go first
+    /// (`--max-results`).
+    pub max_results: usize,
 }
 
 impl Default for ApiLimits {
@@ -101,6 +107,8 @@ impl Default for ApiLimits {
             max_num_samples: 128,
             max_batch_tokens: 262_144,
             max_body_bytes: 256 << 20,
+            result_ttl: Duration::from_secs(3600),
+            max_results: 4096,
         }
     }
 }
@@ -141,6 +149,8 @@ struct Tables {
     futures: HashMap<String, FutureState>,
     /// First delivery time of finished futures, for eviction.
     delivered: HashMap<String, std::time::Instant>,
+    /// When each future finished, for evicting results nobody retrieves.
+    finished: HashMap<String, std::time::Instant>,
     /// `(model or sampling session, seq_id)` → request id, so resubmits dedupe.
     seen: HashMap<(String, i64), Value>,
 }
@@ -206,27 +216,48 @@ impl ApiState {
 
     /// Drop results delivered longer than the grace period ago, and the
     /// resubmit records that point at them.
+    /// Also drop results never retrieved after `result_ttl`, and the oldest
+    /// finished results beyond `max_results`, so memory stays bounded.
     fn evict_delivered(&self) {
         let grace = self.0.config.result_grace;
+        let limits = &self.0.config.limits;
         let mut t = self.tables();
         let now = std::time::Instant::now();
-        let old: Vec<String> = t
+        let mut old: Vec<String> = t
             .delivered
             .iter()
             .filter(|(_, at)| now.duration_since(**at) >= grace)
             .map(|(id, _)| id.clone())
             .collect();
+        old.extend(
+            t.finished
+                .iter()
+                .filter(|(_, at)| now.duration_since(**at) >= limits.result_ttl)
+                .map(|(id, _)| id.clone()),
+        );
+        if t.finished.len() > limits.max_results {
+            let mut by_age: Vec<(std::time::Instant, String)> = t
+                .finished
+                .iter()
+                .map(|(id, at)| (*at, id.clone()))
+                .collect();
+            by_age.sort();
+            let excess = t.finished.len() - limits.max_results;
+            old.extend(by_age.into_iter().take(excess).map(|(_, id)| id));
+        }
         if old.is_empty() {
             return;
         }
         for id in &old {
             t.delivered.remove(id);
+            t.finished.remove(id);
             t.futures.remove(id);
         }
+        let gone: std::collections::HashSet<&str> = old.iter().map(String::as_str).collect();
         t.seen.retain(|_, v| {
             v.get("request_id")
                 .and_then(|r| r.as_str())
-                .is_none_or(|r| !old.iter().any(|o| o == r))
+                .is_none_or(|r| !gone.contains(r))
         });
     }
 
@@ -255,7 +286,11 @@ impl ApiState {
                     },
                 },
             };
-            state.tables().futures.insert(fid, result);
+            {
+                let mut t = state.tables();
+                t.finished.insert(fid.clone(), std::time::Instant::now());
+                t.futures.insert(fid, result);
+            }
             state.0.done.notify_waiters();
         });
         id
@@ -265,7 +300,9 @@ impl ApiState {
     fn failed_future(&self, error: String) -> String {
         self.evict_delivered();
         let id = self.next_id("req");
-        self.tables().futures.insert(
+        let mut t = self.tables();
+        t.finished.insert(id.clone(), std::time::Instant::now());
+        t.futures.insert(
             id.clone(),
             FutureState::Failed {
                 error,

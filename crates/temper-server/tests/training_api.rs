@@ -788,3 +788,69 @@ async fn a_checkpoint_saved_before_a_restart_resumes_with_its_optimizer_and_iden
     }
     assert_eq!(got, want, "losses after the restart differ");
 }
+
+#[tokio::test]
+async fn results_nobody_retrieves_are_bounded_in_number_and_age() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let make = |limits: temper_server::training_api::ApiLimits| {
+        let model = Arc::new(
+            Pretrained::load(
+                &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3"),
+                &LoadOptions::default(),
+            )
+            .expect("fixture"),
+        );
+        ApiState::new(
+            vec![BaseModel {
+                name: "tiny".into(),
+                model,
+            }],
+            ApiConfig {
+                api_key: Some("tml-k".into()),
+                checkpoint_dir: dir.path().to_path_buf(),
+                long_poll: Duration::from_secs(1),
+                result_grace: Duration::from_secs(600),
+                limits,
+                adapters: Default::default(),
+            },
+        )
+    };
+    let status_of = |s: ApiState, id: Value| async move {
+        let req = Request::post("/api/v1/retrieve_future")
+            .header("x-api-key", "tml-k")
+            .body(Body::from(json!({"request_id": id}).to_string()))
+            .unwrap();
+        app(s).oneshot(req).await.unwrap().status()
+    };
+    // Failed futures with distinct seq_ids: each keeps a result until retrieved.
+    let submit = |s: ApiState, seq: i64| async move {
+        let (_, r) = call(
+            &s,
+            "/api/v1/save_weights",
+            json!({"model_id": "nope", "path": "x", "seq_id": seq}),
+        )
+        .await;
+        r["request_id"].clone()
+    };
+    let s = make(temper_server::training_api::ApiLimits {
+        max_results: 3,
+        ..Default::default()
+    });
+    let mut ids = Vec::new();
+    for seq in 0..10 {
+        ids.push(submit(s.clone(), seq).await);
+    }
+    assert_eq!(
+        status_of(s.clone(), ids[0].clone()).await,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(status_of(s.clone(), ids[9].clone()).await, StatusCode::OK);
+
+    let s = make(temper_server::training_api::ApiLimits {
+        result_ttl: Duration::ZERO,
+        ..Default::default()
+    });
+    let first = submit(s.clone(), 0).await;
+    submit(s.clone(), 1).await; // any later request evicts what has expired
+    assert_eq!(status_of(s.clone(), first).await, StatusCode::NOT_FOUND);
+}

@@ -51,6 +51,12 @@ pub struct ServeArgs {
     /// `create_training_client_from_state("tinker://adapters/peft/NAME")`.
     #[arg(long = "adapter")]
     adapters: Vec<String>,
+    /// Seconds a finished result nobody retrieves is kept.
+    #[arg(long, default_value_t = ApiLimits::default().result_ttl.as_secs())]
+    result_ttl_s: u64,
+    /// Most finished results kept at once (the oldest are dropped first).
+    #[arg(long, default_value_t = ApiLimits::default().max_results)]
+    max_results: usize,
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = ApiLimits::default().max_body_bytes >> 20)]
     max_body_mb: usize,
@@ -135,6 +141,8 @@ fn serve(args: ServeArgs) -> Result<()> {
                 max_num_samples: args.max_num_samples,
                 max_batch_tokens: args.max_batch_tokens,
                 max_body_bytes: args.max_body_mb.saturating_mul(1 << 20),
+                result_ttl: Duration::from_secs(args.result_ttl_s),
+                max_results: args.max_results,
             },
             adapters,
         },
