@@ -9,6 +9,7 @@
 #![deny(missing_docs)]
 
 mod error;
+pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod scheduler;

@@ -60,6 +60,8 @@ pub struct ServeArgs {
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = ApiLimits::default().max_body_bytes >> 20)]
     max_body_mb: usize,
+    #[command(flatten)]
+    conn: crate::conn::ConnArgs,
 }
 
 /// Parse `NAME=DIR`.
@@ -165,11 +167,6 @@ fn serve(args: ServeArgs) -> Result<()> {
                 ""
             }
         );
-        axum::serve(listener, app(state))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await
-            .context("serving")
+        crate::conn::serve(listener, app(state), &args.conn).await
     })
 }

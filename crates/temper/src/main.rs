@@ -4,6 +4,7 @@ mod api;
 mod bench;
 mod bench_api;
 mod bench_serve;
+mod conn;
 mod env_cmd;
 mod eval;
 mod export;

@@ -80,6 +80,8 @@ pub struct ServeArgs {
     /// Per-run limit on processes and threads.
     #[arg(long, default_value_t = 64)]
     max_processes: u64,
+    #[command(flatten)]
+    conn: crate::conn::ConnArgs,
 }
 
 /// The API key from --api-key, --api-key-file or $TEMPER_SANDBOX_API_KEY,
@@ -369,12 +371,7 @@ fn serve(mut args: ServeArgs) -> Result<()> {
             "temper sandbox listening on http://{}",
             listener.local_addr()?
         );
-        axum::serve(listener, app(state))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?;
-        Ok(())
+        crate::conn::serve(listener, app(state), &args.conn).await
     })
 }
 

@@ -53,6 +53,8 @@ pub struct ServeArgs {
     /// Longest prompt + completion in tokens (default: the model's context).
     #[arg(long)]
     max_model_len: Option<usize>,
+    #[command(flatten)]
+    conn: crate::conn::ConnArgs,
 }
 
 fn lora_arg(s: &str) -> Result<(String, PathBuf)> {
@@ -141,11 +143,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
             }
         );
         eprintln!("temper serve listening on http://{local}");
-        axum::serve(listener, app(state))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await
-            .context("serving")
+        crate::conn::serve(listener, app(state), &args.conn).await
     })
 }

@@ -1,0 +1,51 @@
+//! Connection bounds shared by `temper serve`, `temper api serve` and
+//! `temper sandbox serve`, and the one way each of them serves HTTP.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use temper_server::http::ConnLimits;
+
+/// `--max-connections`, `--header-timeout-s`, `--body-timeout-s`.
+#[derive(Args, Clone, Debug)]
+pub struct ConnArgs {
+    /// Most client connections open at once (more wait to be accepted).
+    #[arg(long, default_value_t = ConnLimits::default().max_connections)]
+    max_connections: usize,
+    /// Seconds a client has to send a request's headers (and the most a
+    /// kept-alive connection may sit idle); then it is closed.
+    #[arg(long, default_value_t = ConnLimits::default().header_timeout.as_secs())]
+    header_timeout_s: u64,
+    /// Seconds a client has to send a request's body; then 408.
+    #[arg(long, default_value_t = ConnLimits::default().body_timeout.as_secs())]
+    body_timeout_s: u64,
+}
+
+impl ConnArgs {
+    fn limits(&self) -> Result<ConnLimits> {
+        if self.max_connections == 0 || self.header_timeout_s == 0 || self.body_timeout_s == 0 {
+            anyhow::bail!(
+                "--max-connections, --header-timeout-s and --body-timeout-s must be >= 1"
+            );
+        }
+        Ok(ConnLimits {
+            max_connections: self.max_connections,
+            header_timeout: Duration::from_secs(self.header_timeout_s),
+            body_timeout: Duration::from_secs(self.body_timeout_s),
+        })
+    }
+}
+
+/// Serve `router` on `listener` within `conn`'s bounds until Ctrl-C.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    conn: &ConnArgs,
+) -> Result<()> {
+    temper_server::http::serve(listener, router, conn.limits()?, async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await
+    .context("serving")
+}
