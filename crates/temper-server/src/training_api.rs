@@ -553,7 +553,14 @@ fn datum_from_proto(d: &proto::Datum) -> std::result::Result<Datum, String> {
     })
 }
 
-fn loss_from_proto(r: &proto::ForwardBackwardRequest) -> std::result::Result<Loss, String> {
+/// The loss of a request and its scoring temperature: `loss_fn_config`'s
+/// `temperature` (temper's extension of the tinker protocol, which has no
+/// temperature on forward_backward) scores every datum at
+/// `log softmax(logits / temperature)`, the distribution tokens sampled at
+/// that temperature were drawn from. Absent: 1.
+fn loss_from_proto(
+    r: &proto::ForwardBackwardRequest,
+) -> std::result::Result<(Loss, Option<f64>), String> {
     let mut cfg = serde_json::Map::new();
     for (k, v) in &r.loss_fn_config {
         cfg.insert(k.clone(), json!(v));
@@ -569,7 +576,19 @@ fn loss_from_proto(r: &proto::ForwardBackwardRequest) -> std::result::Result<Los
             None => {}
         }
     }
-    Loss::from_name(&r.loss_fn, &cfg).map_err(|e| e.to_string())
+    let temperature = match cfg.get("temperature") {
+        None => None,
+        Some(v) => match v.as_f64() {
+            Some(t) if t > 0.0 && t.is_finite() => Some(t),
+            _ => {
+                return Err(format!(
+                    "loss_fn_config temperature must be a number > 0, got {v}"
+                ))
+            }
+        },
+    };
+    let loss = Loss::from_name(&r.loss_fn, &cfg).map_err(|e| e.to_string())?;
+    Ok((loss, temperature))
 }
 
 fn forward_output_proto(out: &temper_engine::ForwardOutput) -> Vec<u8> {
@@ -614,13 +633,18 @@ async fn forward_backward(State(s): State<ApiState>, body: Bytes) -> Result<Json
     let resp = s.dedupe(&r.model_id, Some(r.seq_id as i64), || {
         let prepared = (|| {
             let (run, _, _) = s.model(&r.model_id)?;
+            let (loss, temperature) = loss_from_proto(&r)?;
             let data = r
                 .data
                 .iter()
                 .enumerate()
-                .map(|(i, d)| datum_from_proto(d).map_err(|e| format!("datum {i}: {e}")))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            Ok::<_, String>((run, data, loss_from_proto(&r)?))
+                .map(|(i, d)| {
+                    let mut d = datum_from_proto(d).map_err(|e| format!("datum {i}: {e}"))?;
+                    d.loss_fn_inputs.temperature = temperature;
+                    Ok(d)
+                })
+                .collect::<std::result::Result<Vec<_>, String>>()?;
+            Ok::<_, String>((run, data, loss))
         })();
         let request_id = match prepared {
             Err(e) => s.failed_future(e),
@@ -1112,11 +1136,18 @@ async fn asample(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value>, 
         let request_id = match prepared {
             Err(e) => s.failed_future(e),
             Ok((key, prompt, params)) => {
+                let temperature = params.temperature;
                 let sample =
                     s.0.engine
                         .sample(&key, prompt.clone(), r.num_samples, params);
-                let lps: Option<Pending<Vec<f32>>> = (r.prompt_logprobs && prompt.len() >= 2)
-                    .then(|| s.0.engine.compute_logprobs(&key, prompt.clone()));
+                // Prompt logprobs at the request's sampling temperature: the
+                // distribution its sampled tokens were drawn from (greedy
+                // scores at 1, as the sampler reports it).
+                let lps: Option<Pending<Vec<f32>>> =
+                    (r.prompt_logprobs && prompt.len() >= 2).then(|| {
+                        s.0.engine
+                            .compute_logprobs(&key, prompt.clone(), temperature)
+                    });
                 let want_prompt = r.prompt_logprobs;
                 s.spawn_future(async move {
                     let seqs = sample.await?;
