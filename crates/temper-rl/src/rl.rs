@@ -810,13 +810,16 @@ fn progress_line(m: &Map<String, Value>, max_steps: u64, step_s: f64) -> String 
         "n/a".into()
     };
     format!(
-        "step {:>4}/{max_steps}  reward {:.3}  pass {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
+        "step {:>4}/{max_steps}  reward {:.3}  pass {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
         f("step") as u64,
         f("reward/mean"),
         100.0 * f("pass_rate"),
         f("seq_len/mean"),
         f("policy_lag/mean"),
         f("dropped_stale/total") as u64,
+        // Groups with all-equal rewards train nothing: a step where every
+        // group is zero-advantage shows `ent 0 |g| 0` for that reason.
+        f("zero_advantage_groups") as u64,
         f("entropy"),
         f("grad_norm"),
         step_s,
@@ -1184,6 +1187,15 @@ async fn checkpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_line_shows_the_zero_advantage_group_count() {
+        let mut m = Map::new();
+        m.insert("step".into(), json!(2));
+        m.insert("zero_advantage_groups".into(), json!(3));
+        let line = progress_line(&m, 5, 1.0);
+        assert!(line.contains("zero-adv 3"), "{line}");
+    }
 
     #[test]
     fn advantages_are_centred_and_optionally_scaled() {
