@@ -373,6 +373,21 @@ fn encode_forward_backward(
             ))
         }
     };
+    // The wire carries one scoring temperature per request, in
+    // loss_fn_config (see the server): every datum must share it.
+    let temperature = data.first().and_then(|d| d.loss_fn_inputs.temperature);
+    if data
+        .iter()
+        .any(|d| d.loss_fn_inputs.temperature != temperature)
+    {
+        return Err(EngineError::InvalidRequest(
+            "datums of one forward_backward must share one temperature".into(),
+        ));
+    }
+    let mut config = config;
+    if let Some(t) = temperature {
+        config.push(("temperature", t));
+    }
     let data = data
         .iter()
         .map(|d| {
@@ -587,11 +602,17 @@ impl Trainer for RemoteTrainer {
         })
     }
 
-    fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> TrainerFuture<Vec<f32>> {
+    fn compute_logprobs(
+        &self,
+        sampler: &str,
+        tokens: Vec<u32>,
+        temperature: f64,
+    ) -> TrainerFuture<Vec<f32>> {
+        // Prompt logprobs come back at the request's sampling temperature.
         let body = json!({
             "sampling_session_id": sampler, "seq_id": self.sample_seq.fetch_add(1, Ordering::Relaxed),
             "num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
-            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_k": -1, "top_p": 1.0},
+            "sampling_params": {"max_tokens": 1, "temperature": temperature, "top_k": -1, "top_p": 1.0},
             "prompt_logprobs": true, "type": "sample",
         });
         self.call("asample", Ok(Body::Json(body)), move |_, reply| {

@@ -81,7 +81,10 @@ async fn train(t: &dyn Trainer) -> (Vec<f64>, Vec<u32>, Vec<f32>, Vec<f32>) {
         .await
         .expect("sample");
     let full: Vec<u32> = prompt.iter().chain(&s[0].tokens).copied().collect();
-    let lp = t.compute_logprobs(&sampler, full).await.expect("logprobs");
+    let lp = t
+        .compute_logprobs(&sampler, full, 1.0)
+        .await
+        .expect("logprobs");
     (
         losses,
         s[0].tokens.clone(),
@@ -191,4 +194,79 @@ async fn a_custom_loss_trains_remotely_through_cross_entropy_weights() {
         .await
         .unwrap();
     assert_eq!(l.metrics["loss:sum"], r.metrics["loss:sum"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_http_the_trainer_scores_the_sampling_temperature_exactly() {
+    let b = base();
+    let ckpt = tempfile::tempdir().expect("tempdir");
+    let url = serve(b.clone(), ckpt.path().join("remote"), None).await;
+    let remote = RemoteTrainer::connect(&url, "tml-t", "tiny", 4, Some(2))
+        .await
+        .expect("connect");
+    // One step so the LoRA B matrices are non-zero.
+    remote
+        .forward_backward(vec![datum()], Loss::CrossEntropy)
+        .await
+        .expect("forward_backward");
+    remote
+        .optim_step(AdamParams {
+            learning_rate: 1e-2,
+            ..Default::default()
+        })
+        .await
+        .expect("optim_step");
+    let sampler = remote.save_weights_for_sampler("t").await.expect("sampler");
+    let prompt: Vec<u32> = (40..48).collect();
+    for t in [0.6, 1.0, 1.3] {
+        let params = SamplingParams {
+            max_tokens: 6,
+            temperature: t,
+            seed: Some(4),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let s = remote
+            .sample(&sampler, prompt.clone(), 1, params)
+            .await
+            .expect("sample");
+        let q = s[0].logprobs.clone();
+        let full: Vec<u32> = prompt.iter().chain(&s[0].tokens).copied().collect();
+        // compute_logprobs at the sampling temperature == sampled logprobs.
+        let lp = remote
+            .compute_logprobs(&sampler, full.clone(), t)
+            .await
+            .expect("logprobs");
+        assert_eq!(&lp[lp.len() - q.len()..], &q[..], "temperature {t}");
+        // forward with loss_fn_config temperature: ratio exactly 1.
+        let n = full.len() - 1;
+        let mut sampled = vec![0.0f32; n];
+        sampled[n - q.len()..].copy_from_slice(&q);
+        let d = Datum {
+            model_input: full[..n].to_vec(),
+            loss_fn_inputs: LossInputs {
+                target_tokens: full[1..].to_vec(),
+                weights: None,
+                logprobs: Some(sampled),
+                advantages: Some(vec![1.0; n]),
+                temperature: Some(t),
+            },
+        };
+        let out = remote
+            .forward(vec![d.clone()], Loss::ImportanceSampling)
+            .await
+            .expect("forward");
+        let p = &out.loss_fn_outputs[0].logprobs;
+        assert_eq!(&p[p.len() - q.len()..], &q[..], "temperature {t}");
+        if t != 1.0 {
+            let mut d1 = d;
+            d1.loss_fn_inputs.temperature = None;
+            let out = remote
+                .forward(vec![d1], Loss::ImportanceSampling)
+                .await
+                .expect("forward");
+            let p = &out.loss_fn_outputs[0].logprobs;
+            assert_ne!(&p[p.len() - q.len()..], &q[..], "temperature {t}");
+        }
+    }
 }

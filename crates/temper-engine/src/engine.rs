@@ -327,11 +327,16 @@ impl Engine {
     }
 
     /// Logprobs of `tokens[1..]` under saved sampler weights.
-    pub fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> Pending<Vec<f32>> {
+    pub fn compute_logprobs(
+        &self,
+        sampler: &str,
+        tokens: Vec<u32>,
+        temperature: f64,
+    ) -> Pending<Vec<f32>> {
         let sampler = sampler.to_string();
         self.submit(move |s| {
             let w = s.sampler(&sampler)?;
-            w.compute_logprobs(&tokens)
+            w.compute_logprobs(&tokens, temperature)
         })
     }
 

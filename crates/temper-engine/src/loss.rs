@@ -30,6 +30,19 @@ pub struct LossInputs {
     pub logprobs: Option<Vec<f32>>,
     /// Per-token advantages `A` (RL losses).
     pub advantages: Option<Vec<f32>>,
+    /// Temperature `T` the learner scores at: `p = log softmax(logits / T)`.
+    /// Set it to the sampling temperature the `logprobs` were drawn at, so the
+    /// importance ratio compares the same distribution on both sides (the
+    /// sampler reports logprobs of `softmax(logits / T)`). `None` scores the
+    /// model's own distribution (`T = 1`), as SFT wants.
+    pub temperature: Option<f64>,
+}
+
+impl LossInputs {
+    /// The temperature the learner scores this datum at (`1.0` when unset).
+    pub fn scoring_temperature(&self) -> f64 {
+        self.temperature.unwrap_or(1.0)
+    }
 }
 
 /// A custom loss: logprobs `[len]` of one datum and its inputs → scalar loss.
@@ -141,6 +154,13 @@ impl Loss {
         }
         if let Some(w) = &inputs.weights {
             need("weights", &Some(w.clone()))?;
+        }
+        if let Some(t) = inputs.temperature {
+            if !(t > 0.0 && t.is_finite()) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "temperature must be a finite number > 0, got {t}"
+                )));
+            }
         }
         match self {
             Loss::CrossEntropy | Loss::Custom(_) => Ok(()),

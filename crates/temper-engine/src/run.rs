@@ -270,7 +270,7 @@ impl TrainingRun {
                 &d.model_input,
                 &d.loss_fn_inputs.target_tokens,
                 self.adapter(),
-                1.0,
+                d.loss_fn_inputs.scoring_temperature(),
             )?;
             let l = loss.compute(&s.logprobs, &d.loss_fn_inputs)?;
             each(&l)?;
@@ -301,6 +301,13 @@ impl TrainingRun {
         ))
     }
 
+    /// Gradients accumulated by [`forward_backward`](Self::forward_backward)
+    /// since the last [`optim_step`](Self::optim_step), by parameter name
+    /// (the names of [`named_params`](Self::named_params)).
+    pub fn accumulated_grads(&self) -> &HashMap<String, Tensor> {
+        &self.grads
+    }
+
     /// Apply the accumulated gradients with AdamW and clear them.
     pub fn optim_step(&mut self, params: &AdamParams) -> Result<StepStats> {
         if self.grads.is_empty() {
@@ -325,9 +332,11 @@ impl TrainingRun {
         sample_with(&self.base, self.model(), self.adapter(), prompt, n, params)
     }
 
-    /// Learner logprobs of `tokens[1..]` (the first token has none).
-    pub fn compute_logprobs(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        logprobs_with(self.model(), self.adapter(), tokens)
+    /// Learner logprobs of `tokens[1..]` (the first token has none) under
+    /// `softmax(logits / temperature)`; `temperature` 0 (greedy) scores at 1,
+    /// as the sampler reports greedy logprobs.
+    pub fn compute_logprobs(&self, tokens: &[u32], temperature: f64) -> Result<Vec<f32>> {
+        logprobs_with(self.model(), self.adapter(), tokens, temperature)
     }
 
     /// An immutable copy of the current weights for a sampler.
@@ -586,21 +595,34 @@ impl SamplerWeights {
         &self.base
     }
 
-    /// Logprobs of `tokens[1..]` under these weights.
-    pub fn compute_logprobs(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+    /// Logprobs of `tokens[1..]` under these weights at `temperature` (see
+    /// [`TrainingRun::compute_logprobs`]).
+    pub fn compute_logprobs(&self, tokens: &[u32], temperature: f64) -> Result<Vec<f32>> {
         let model = self.full.as_deref().unwrap_or(&self.base.model);
-        logprobs_with(model, self.adapter.as_ref(), tokens)
+        logprobs_with(model, self.adapter.as_ref(), tokens, temperature)
     }
 }
 
 /// Logprobs of `tokens[1..]` by the canonical training forward.
-fn logprobs_with(model: &Model, adapter: Option<&LoraAdapter>, tokens: &[u32]) -> Result<Vec<f32>> {
+fn logprobs_with(
+    model: &Model,
+    adapter: Option<&LoraAdapter>,
+    tokens: &[u32],
+    temperature: f64,
+) -> Result<Vec<f32>> {
     if tokens.len() < 2 {
         return Err(EngineError::InvalidRequest(
             "compute_logprobs needs at least 2 tokens".into(),
         ));
     }
-    let s = model.score(&tokens[..tokens.len() - 1], &tokens[1..], adapter, 1.0)?;
+    if !(temperature >= 0.0 && temperature.is_finite()) {
+        return Err(EngineError::InvalidRequest(format!(
+            "compute_logprobs: temperature must be >= 0, got {temperature}"
+        )));
+    }
+    // The sampler reports greedy (T = 0) logprobs at T = 1; match it.
+    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    let s = model.score(&tokens[..tokens.len() - 1], &tokens[1..], adapter, t)?;
     Ok(s.logprobs.to_vec1()?)
 }
 

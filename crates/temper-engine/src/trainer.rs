@@ -82,8 +82,15 @@ pub trait Trainer: Send + Sync {
             Ok(out)
         })
     }
-    /// Logprobs of `tokens[1..]` under a sampler handle's weights.
-    fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> TrainerFuture<Vec<f32>>;
+    /// Logprobs of `tokens[1..]` under a sampler handle's weights, of
+    /// `softmax(logits / temperature)` (what the sampler reports for tokens
+    /// drawn at that temperature; 0 scores at 1, like greedy sampling).
+    fn compute_logprobs(
+        &self,
+        sampler: &str,
+        tokens: Vec<u32>,
+        temperature: f64,
+    ) -> TrainerFuture<Vec<f32>>;
     /// Free the weights behind a sampler handle nobody will sample from
     /// again (a long RL run publishes one per step). The default keeps them.
     fn release_sampler(&self, _sampler: &str) -> TrainerFuture<()> {
@@ -194,8 +201,13 @@ impl Trainer for LocalTrainer {
         })
     }
 
-    fn compute_logprobs(&self, sampler: &str, tokens: Vec<u32>) -> TrainerFuture<Vec<f32>> {
-        Box::pin(self.engine.compute_logprobs(sampler, tokens))
+    fn compute_logprobs(
+        &self,
+        sampler: &str,
+        tokens: Vec<u32>,
+        temperature: f64,
+    ) -> TrainerFuture<Vec<f32>> {
+        Box::pin(self.engine.compute_logprobs(sampler, tokens, temperature))
     }
 
     fn export_peft(&self, dir: &Path) -> TrainerFuture<()> {

@@ -54,6 +54,7 @@ fn losses_match_hand_computed_values() {
         weights: None,
         logprobs: Some(vec![-1.5, -1.0]),
         advantages: Some(vec![1.0, -2.0]),
+        temperature: None,
     };
     let r = [0.5f64.exp(), (-1.0f64).exp()];
     let cases: Vec<(Loss, f64, [f64; 2])> = vec![
@@ -236,6 +237,7 @@ fn importance_sampling_rl_raises_reward() {
                         weights: None,
                         logprobs: Some(logprobs),
                         advantages: Some(adv),
+                        temperature: None,
                     },
                 }
             })
@@ -400,9 +402,9 @@ fn sampler_weights_are_immutable_and_match_compute_logprobs() {
         )
         .unwrap();
     let full: Vec<u32> = prompt.iter().chain(&s[0].tokens).copied().collect();
-    let lp = frozen.compute_logprobs(&full).unwrap();
+    let lp = frozen.compute_logprobs(&full, 1.0).unwrap();
     assert_eq!(&lp[lp.len() - 6..], s[0].logprobs.as_deref().unwrap());
-    assert_eq!(run.compute_logprobs(&full).unwrap(), lp);
+    assert_eq!(run.compute_logprobs(&full, 1.0).unwrap(), lp);
     // Training on does not change the saved sampler weights.
     run.forward_backward(&data, &Loss::CrossEntropy).unwrap();
     run.optim_step(&AdamParams {
@@ -410,8 +412,8 @@ fn sampler_weights_are_immutable_and_match_compute_logprobs() {
         ..Default::default()
     })
     .unwrap();
-    assert_eq!(frozen.compute_logprobs(&full).unwrap(), lp);
-    assert_ne!(run.compute_logprobs(&full).unwrap(), lp);
+    assert_eq!(frozen.compute_logprobs(&full, 1.0).unwrap(), lp);
+    assert_ne!(run.compute_logprobs(&full, 1.0).unwrap(), lp);
 }
 
 #[test]
@@ -462,7 +464,7 @@ fn engine_pipelines_calls_and_completes_them_in_order() {
         .wait()
         .unwrap();
     let full: Vec<u32> = prompt.iter().chain(&out[0].tokens).copied().collect();
-    let lp = engine.compute_logprobs(key, full).wait().unwrap();
+    let lp = engine.compute_logprobs(key, full, 1.0).wait().unwrap();
     assert_eq!(&lp[lp.len() - 4..], out[0].logprobs.as_deref().unwrap());
     // Errors come back through the future; the engine keeps serving.
     assert!(matches!(
@@ -498,7 +500,7 @@ fn exported_peft_adapter_reproduces_the_trained_run() {
     )
     .unwrap();
     let tokens: Vec<u32> = data[1].model_input.clone();
-    let ours = run.compute_logprobs(&tokens).unwrap();
+    let ours = run.compute_logprobs(&tokens, 1.0).unwrap();
     let s = b
         .model
         .score(
@@ -515,4 +517,154 @@ fn exported_peft_adapter_reproduces_the_trained_run() {
         full.export_peft(dir.path()),
         Err(EngineError::InvalidRequest(_))
     ));
+}
+
+/// A LoRA run one step away from its init (B ≠ 0, so the adapter matters).
+fn trained_lora_run(b: &Arc<Pretrained>) -> TrainingRun {
+    let data = sft_batch(b);
+    let mut run = TrainingRun::lora(b.clone(), lora(4), 0).unwrap();
+    run.forward_backward(&data, &Loss::CrossEntropy).unwrap();
+    run.optim_step(&AdamParams {
+        learning_rate: 1e-2,
+        ..Default::default()
+    })
+    .unwrap();
+    run
+}
+
+/// The RL datum of one sampled completion: sampler logprobs `q` on the
+/// completion, weight 0 on the prompt.
+fn rl_datum(prompt: &[u32], tokens: &[u32], q: &[f32], temperature: f64) -> Datum {
+    let full: Vec<u32> = prompt.iter().chain(tokens).copied().collect();
+    let n = full.len() - 1;
+    let start = prompt.len() - 1;
+    let mut logprobs = vec![0.0f32; n];
+    logprobs[start..].copy_from_slice(q);
+    let mut weights = vec![0.0f32; n];
+    weights[start..].iter_mut().for_each(|w| *w = 1.0);
+    Datum {
+        model_input: full[..n].to_vec(),
+        loss_fn_inputs: LossInputs {
+            target_tokens: full[1..].to_vec(),
+            weights: Some(weights),
+            logprobs: Some(logprobs),
+            advantages: Some(vec![1.0; n]),
+            temperature: Some(temperature),
+        },
+    }
+}
+
+#[test]
+fn trainer_scores_the_sampling_temperature_so_the_on_policy_ratio_is_one() {
+    let b = base("tiny-qwen3");
+    let run = trained_lora_run(&b);
+    let frozen = run.sampler_weights().unwrap();
+    let prompt = sft_batch(&b)[0].model_input.clone();
+    for t in [0.6, 1.0, 1.3] {
+        let s = frozen
+            .sample(
+                &prompt,
+                2,
+                SamplingParams {
+                    max_tokens: 8,
+                    temperature: t,
+                    seed: Some(3),
+                    ignore_eos: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        for c in &s {
+            let q = c.logprobs.as_deref().unwrap();
+            let full: Vec<u32> = prompt.iter().chain(&c.tokens).copied().collect();
+            // compute_logprobs at the sampling temperature is the sampler's number.
+            let lp = frozen.compute_logprobs(&full, t).unwrap();
+            assert_eq!(&lp[lp.len() - q.len()..], q, "temperature {t}");
+            assert_eq!(run.compute_logprobs(&full, t).unwrap(), lp);
+            // The learner scores the datum at its temperature: p == q exactly.
+            let d = rl_datum(&prompt, &c.tokens, q, t);
+            let out = run.forward(&[d], &Loss::ImportanceSampling).unwrap();
+            let p = &out.loss_fn_outputs[0].logprobs;
+            assert_eq!(&p[p.len() - q.len()..], q, "temperature {t}");
+            // And at T = 1 it would not be, away from T = 1.
+            if t != 1.0 {
+                let d1 = rl_datum(&prompt, &c.tokens, q, 1.0);
+                let p1 = run.forward(&[d1], &Loss::ImportanceSampling).unwrap();
+                let p1 = &p1.loss_fn_outputs[0].logprobs;
+                assert_ne!(&p1[p1.len() - q.len()..], q, "temperature {t}");
+            }
+        }
+    }
+}
+
+#[test]
+fn temperature_scaled_loss_gradient_matches_finite_differences() {
+    let b = base("tiny-qwen3");
+    let mut run = trained_lora_run(&b);
+    let frozen = run.sampler_weights().unwrap();
+    let prompt = sft_batch(&b)[1].model_input.clone();
+    let t = 0.6;
+    let s = frozen
+        .sample(
+            &prompt,
+            1,
+            SamplingParams {
+                max_tokens: 6,
+                temperature: t,
+                seed: Some(5),
+                ignore_eos: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let q = s[0].logprobs.clone().unwrap();
+    // Off-policy q (shifted) so the ratio is not 1 and the loss is not flat.
+    let q: Vec<f32> = q.iter().map(|x| x - 0.3).collect();
+    let data = vec![rl_datum(&prompt, &s[0].tokens, &q, t)];
+    let loss = Loss::Ppo {
+        clip_low: 0.0,
+        clip_high: 100.0,
+    };
+    run.forward_backward(&data, &loss).unwrap();
+    let grads = run.accumulated_grads().clone();
+    let loss_at =
+        |run: &TrainingRun| -> f64 { run.forward(&data, &loss).unwrap().metrics["loss:sum"] };
+    let mut checked = 0;
+    for (name, var) in run.named_params() {
+        let Some(g) = grads.get(&name) else { continue };
+        let g: Vec<f32> = g.flatten_all().unwrap().to_vec1().unwrap();
+        let base_v: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        // The element with the largest gradient: a well-conditioned probe.
+        let (k, &gk) = g
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+            .unwrap();
+        if gk.abs() < 1e-3 {
+            continue;
+        }
+        let eps = 1e-2f32;
+        let set = |delta: f32| {
+            let mut v = base_v.clone();
+            v[k] += delta;
+            var.set(&Tensor::from_vec(v, var.shape(), var.device()).unwrap())
+                .unwrap();
+        };
+        set(eps);
+        let up = loss_at(&run);
+        set(-eps);
+        let down = loss_at(&run);
+        set(0.0);
+        let fd = (up - down) / (2.0 * eps as f64);
+        let rel = (fd - gk as f64).abs() / (gk.abs() as f64);
+        assert!(
+            rel < 2e-2,
+            "{name}[{k}]: finite difference {fd} vs gradient {gk}"
+        );
+        checked += 1;
+    }
+    assert!(
+        checked >= 4,
+        "only {checked} parameters had a usable gradient"
+    );
 }

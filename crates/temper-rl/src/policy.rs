@@ -38,9 +38,24 @@ pub struct TurnTokens {
     pub logprobs: Vec<f32>,
     /// Policy version (optimizer steps) of the weights that sampled it.
     pub version: u64,
+    /// Sampling temperature the completion was drawn at (0 = greedy). The
+    /// trainer scores the completion at the same temperature, so the
+    /// importance ratio compares the distribution the sampler drew from.
+    pub temperature: f64,
 }
 
 impl TurnTokens {
+    /// The temperature the learner scores this turn at: the sampling
+    /// temperature, or 1 for greedy turns (the sampler reports greedy
+    /// logprobs at temperature 1).
+    pub fn scoring_temperature(&self) -> f64 {
+        if self.temperature > 0.0 {
+            self.temperature
+        } else {
+            1.0
+        }
+    }
+
     /// Read back from a [`ModelTurn`]'s `extra`.
     pub fn from_turn(turn: &ModelTurn) -> Option<TurnTokens> {
         serde_json::from_value(turn.extra.clone()).ok()
@@ -121,6 +136,7 @@ impl Renderer {
         sample: Sample,
         text: String,
         version: u64,
+        temperature: f64,
     ) -> ModelTurn {
         let usage = Usage {
             prompt_tokens: prompt_ids.len() as u64,
@@ -131,6 +147,7 @@ impl Renderer {
             completion_ids: sample.tokens,
             logprobs: sample.logprobs,
             version,
+            temperature,
         };
         ModelTurn {
             message: Message::assistant(text),
@@ -273,6 +290,7 @@ impl ChatModel for EnginePolicy {
         let params =
             self.renderer
                 .params(&req.sampling, prompt.len(), call_seed(&req.sampling, &req));
+        let temperature = params.temperature;
         let (reply, rx) = oneshot::channel();
         let job = Job {
             sampler: self.sampler.clone(),
@@ -294,7 +312,9 @@ impl ChatModel for EnginePolicy {
             .map_err(|_| ModelCallError::Other("the sampler stopped".into()))?
             .map_err(|e| ModelCallError::Other(e.to_string()))?;
         let text = cut_at_stop(self.renderer.decode(&sample.tokens), &req.sampling.stop);
-        Ok(self.renderer.turn(prompt, sample, text, version))
+        Ok(self
+            .renderer
+            .turn(prompt, sample, text, version, temperature))
     }
 }
 
@@ -430,6 +450,8 @@ impl ChatModel for HttpPolicy {
             logprobs: choice.logprobs,
             finish_reason,
         };
-        Ok(self.renderer.turn(prompt, sample, choice.text, out.version))
+        Ok(self
+            .renderer
+            .turn(prompt, sample, choice.text, out.version, p.temperature))
     }
 }

@@ -493,6 +493,7 @@ async fn train_step(
     let mut lags = Vec::new();
     let mut dropped = 0u64;
     let mut zero_adv = 0u64;
+    let mut skipped_turns = 0u64;
     let mut errors = 0usize;
     let mut metric_sums: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     // (turn tokens, advantage) to train on.
@@ -524,7 +525,17 @@ async fn train_step(
             if r.error.is_some() {
                 continue;
             }
-            for t in r.model_turns.iter().filter_map(TurnTokens::from_turn) {
+            for turn in &r.model_turns {
+                // A turn without a usable token trace cannot be trained: it
+                // is counted, never filled in with zeros.
+                let Some(t) = TurnTokens::from_turn(turn) else {
+                    skipped_turns += 1;
+                    continue;
+                };
+                if t.logprobs.len() != t.completion_ids.len() || t.prompt_ids.is_empty() {
+                    skipped_turns += 1;
+                    continue;
+                }
                 if !t.completion_ids.is_empty() {
                     items.push((t, a));
                 }
@@ -545,9 +556,10 @@ async fn train_step(
             let scale = (*a / n_tokens.max(1) as f64) as f32;
             let mut adv = vec![0.0f32; n - 1];
             let mut lp = vec![0.0f32; n - 1];
-            for i in 0..t.completion_ids.len() {
+            // `items` holds only turns with one logprob per completion token.
+            for (i, &q) in t.logprobs.iter().enumerate() {
                 adv[p - 1 + i] = scale;
-                lp[p - 1 + i] = t.logprobs.get(i).copied().unwrap_or(0.0);
+                lp[p - 1 + i] = q;
             }
             Datum {
                 model_input: all[..n - 1].to_vec(),
@@ -556,6 +568,8 @@ async fn train_step(
                     weights: None,
                     logprobs: Some(lp),
                     advantages: Some(adv),
+                    // Score at the temperature the sampler drew at.
+                    temperature: Some(t.scoring_temperature()),
                 },
             }
         })
@@ -584,15 +598,24 @@ async fn train_step(
             for (k, o) in out.loss_fn_outputs.iter().enumerate() {
                 let (t, _) = &items[offset + k];
                 let p = t.prompt_ids.len();
-                for i in 0..t.completion_ids.len() {
-                    let learner = f64::from(o.logprobs.get(p - 1 + i).copied().unwrap_or(0.0));
-                    let sampler = f64::from(t.logprobs.get(i).copied().unwrap_or(0.0));
+                let n = t.completion_ids.len();
+                let (Some(learner), Some(ent)) = (
+                    o.logprobs.get(p - 1..p - 1 + n),
+                    o.entropy.get(p - 1..p - 1 + n),
+                ) else {
+                    return Err(RlError::Data(format!(
+                        "the trainer returned {} logprobs for a datum of {} targets",
+                        o.logprobs.len(),
+                        p - 1 + n
+                    )));
+                };
+                for ((&l, &q), &e) in learner.iter().zip(&t.logprobs).zip(ent) {
                     if t.version == step {
-                        let d = (learner - sampler).abs();
+                        let d = (f64::from(l) - f64::from(q)).abs();
                         mismatch_max = mismatch_max.max(d);
                         mismatch_sum += d;
                     }
-                    entropy_sum += f64::from(o.entropy.get(p - 1 + i).copied().unwrap_or(0.0));
+                    entropy_sum += f64::from(e);
                 }
             }
             offset += chunk.len();
@@ -654,6 +677,7 @@ async fn train_step(
     m.insert("dropped_stale".into(), json!(dropped));
     m.insert("dropped_stale/total".into(), json!(*dropped_total));
     m.insert("zero_advantage_groups".into(), json!(zero_adv));
+    m.insert("skipped_turns".into(), json!(skipped_turns));
     m.insert("trained_sequences".into(), json!(data.len()));
     m.insert("trained_tokens".into(), json!(n_tokens));
     m.insert("loss".into(), json!(loss_sum));
@@ -786,13 +810,16 @@ fn progress_line(m: &Map<String, Value>, max_steps: u64, step_s: f64) -> String 
         "n/a".into()
     };
     format!(
-        "step {:>4}/{max_steps}  reward {:.3}  pass {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
+        "step {:>4}/{max_steps}  reward {:.3}  pass {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
         f("step") as u64,
         f("reward/mean"),
         100.0 * f("pass_rate"),
         f("seq_len/mean"),
         f("policy_lag/mean"),
         f("dropped_stale/total") as u64,
+        // Groups with all-equal rewards train nothing: a step where every
+        // group is zero-advantage shows `ent 0 |g| 0` for that reason.
+        f("zero_advantage_groups") as u64,
         f("entropy"),
         f("grad_norm"),
         step_s,
@@ -1162,6 +1189,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn progress_line_shows_the_zero_advantage_group_count() {
+        let mut m = Map::new();
+        m.insert("step".into(), json!(2));
+        m.insert("zero_advantage_groups".into(), json!(3));
+        let line = progress_line(&m, 5, 1.0);
+        assert!(line.contains("zero-adv 3"), "{line}");
+    }
+
+    #[test]
     fn advantages_are_centred_and_optionally_scaled() {
         assert_eq!(
             group_advantages(&[1.0, 0.0, 0.0, 1.0], false),
@@ -1207,6 +1243,7 @@ mod tests {
                     completion_ids: vec![7, 8],
                     logprobs: vec![lp, lp],
                     version,
+                    temperature: 1.0,
                 };
                 (
                     Rollout {

@@ -120,6 +120,25 @@ fn async_loop_with_bound_zero_equals_the_synchronous_loop() {
 }
 
 #[test]
+fn the_trainer_scores_the_sampling_temperature_so_mismatch_is_zero_at_any_temperature() {
+    for t in [0.6, 1.0, 1.3] {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = tiny_config(d.path(), "");
+        c.sampling.temperature = t;
+        c.async_.max_off_policy_steps = 0;
+        c.trainer.max_steps = 3;
+        let r = rt().block_on(run_rl(c, RunOptions::default())).unwrap();
+        assert_eq!(r.metrics.len(), 3);
+        for m in &r.metrics {
+            // On-policy tokens were compared, and learner == sampler exactly.
+            assert!(m["mismatch/tokens"].as_u64().unwrap() > 0, "T {t}: {m:?}");
+            assert_eq!(m["mismatch/max"], json!(0.0), "T {t}: {m:?}");
+            assert_eq!(m["skipped_turns"], json!(0), "T {t}: {m:?}");
+        }
+    }
+}
+
+#[test]
 fn no_rollout_older_than_the_bound_is_trained_on() {
     for bound in [1u64, 2] {
         let d = tempfile::tempdir().unwrap();

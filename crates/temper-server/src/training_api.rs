@@ -769,7 +769,14 @@ fn finite(name: &str, v: Vec<f32>) -> std::result::Result<Vec<f32>, String> {
     }
 }
 
-fn loss_from_proto(r: &proto::ForwardBackwardRequest) -> std::result::Result<Loss, String> {
+/// The loss of a request and its scoring temperature: `loss_fn_config`'s
+/// `temperature` (temper's extension of the tinker protocol, which has no
+/// temperature on forward_backward) scores every datum at
+/// `log softmax(logits / temperature)`, the distribution tokens sampled at
+/// that temperature were drawn from. Absent: 1.
+fn loss_from_proto(
+    r: &proto::ForwardBackwardRequest,
+) -> std::result::Result<(Loss, Option<f64>), String> {
     let mut cfg = serde_json::Map::new();
     for (k, v) in &r.loss_fn_config {
         cfg.insert(k.clone(), json!(v));
@@ -785,7 +792,19 @@ fn loss_from_proto(r: &proto::ForwardBackwardRequest) -> std::result::Result<Los
             None => {}
         }
     }
-    Loss::from_name(&r.loss_fn, &cfg).map_err(|e| e.to_string())
+    let temperature = match cfg.get("temperature") {
+        None => None,
+        Some(v) => match v.as_f64() {
+            Some(t) if t > 0.0 && t.is_finite() => Some(t),
+            _ => {
+                return Err(format!(
+                    "loss_fn_config temperature must be a number > 0, got {v}"
+                ))
+            }
+        },
+    };
+    let loss = Loss::from_name(&r.loss_fn, &cfg).map_err(|e| e.to_string())?;
+    Ok((loss, temperature))
 }
 
 fn forward_output_proto(out: &temper_engine::ForwardOutput) -> Vec<u8> {
@@ -866,7 +885,12 @@ async fn forward_backward(State(s): State<ApiState>, body: Bytes) -> Result<Json
                     &d.loss_fn_inputs.target_tokens,
                 )?;
             }
-            Ok::<_, String>((run, data, loss_from_proto(&r)?))
+            let (loss, temperature) = loss_from_proto(&r)?;
+            let mut data = data;
+            for d in &mut data {
+                d.loss_fn_inputs.temperature = temperature;
+            }
+            Ok::<_, String>((run, data, loss))
         })();
         let request_id = match prepared {
             Err(e) => s.failed_future(e),
@@ -1489,11 +1513,18 @@ async fn asample(State(s): State<ApiState>, body: Bytes) -> Result<Json<Value>, 
     let resp = s.dedupe(&owner, r.seq_id, || {
         let seq_ids: Vec<String> = (0..r.num_samples).map(|_| s.next_id("seq")).collect();
         let request_id = {
+            let temperature = params.temperature;
             let sample =
                 s.0.engine
                     .sample(&key, prompt.clone(), r.num_samples, params);
-            let lps: Option<Pending<Vec<f32>>> = (r.prompt_logprobs && prompt.len() >= 2)
-                .then(|| s.0.engine.compute_logprobs(&key, prompt.clone()));
+            // Prompt logprobs at the request's sampling temperature: the
+            // distribution its sampled tokens were drawn from (greedy scores
+            // at 1, as the sampler reports it).
+            let lps: Option<Pending<Vec<f32>>> =
+                (r.prompt_logprobs && prompt.len() >= 2).then(|| {
+                    s.0.engine
+                        .compute_logprobs(&key, prompt.clone(), temperature)
+                });
             let want_prompt = r.prompt_logprobs;
             s.spawn_future(async move {
                 let seqs = sample.await?;
