@@ -580,6 +580,7 @@ async fn train_step(
     let mut mismatch_max = 0.0f64;
     let mut mismatch_sum = 0.0f64;
     let mut entropy_sum = 0.0f64;
+    let mut entropy_tokens = 0usize;
     let mut loss_sum = 0.0f64;
     let micro = if cfg.trainer.micro_batch == 0 {
         data.len().max(1)
@@ -599,23 +600,25 @@ async fn train_step(
                 let (t, _) = &items[offset + k];
                 let p = t.prompt_ids.len();
                 let n = t.completion_ids.len();
-                let (Some(learner), Some(ent)) = (
-                    o.logprobs.get(p - 1..p - 1 + n),
-                    o.entropy.get(p - 1..p - 1 + n),
-                ) else {
+                let Some(learner) = o.logprobs.get(p - 1..p - 1 + n) else {
                     return Err(RlError::Data(format!(
                         "the trainer returned {} logprobs for a datum of {} targets",
                         o.logprobs.len(),
                         p - 1 + n
                     )));
                 };
-                for ((&l, &q), &e) in learner.iter().zip(&t.logprobs).zip(ent) {
+                for (&l, &q) in learner.iter().zip(&t.logprobs) {
                     if t.version == step {
                         let d = (f64::from(l) - f64::from(q)).abs();
                         mismatch_max = mismatch_max.max(d);
                         mismatch_sum += d;
                     }
-                    entropy_sum += f64::from(e);
+                }
+                // A training API (the tinker protocol) returns no entropy;
+                // the metric then averages over the tokens that have one.
+                if let Some(ent) = o.entropy.get(p - 1..p - 1 + n) {
+                    entropy_sum += ent.iter().map(|&e| f64::from(e)).sum::<f64>();
+                    entropy_tokens += ent.len();
                 }
             }
             offset += chunk.len();
@@ -691,7 +694,7 @@ async fn train_step(
     m.insert("mismatch/tokens".into(), json!(on_policy_tokens));
     m.insert(
         "entropy".into(),
-        json!(entropy_sum / n_tokens.max(1) as f64),
+        json!(entropy_sum / entropy_tokens.max(1) as f64),
     );
     m.insert("grad_norm".into(), json!(grad_norm));
     m.insert("lr".into(), json!(lr));
