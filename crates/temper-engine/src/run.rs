@@ -2,7 +2,7 @@
 //! shared frozen base, accumulated gradients and AdamW state.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -83,6 +83,17 @@ struct StateMeta {
     kind: RunKind,
     step: u64,
     base_model: String,
+}
+
+/// A checkpoint's `state.json`, and its path (for errors).
+fn read_state_meta(dir: &Path) -> Result<(StateMeta, PathBuf)> {
+    let meta_path = dir.join("state.json");
+    let text = std::fs::read_to_string(&meta_path).map_err(|e| EngineError::io(&meta_path, e))?;
+    let meta = serde_json::from_str(&text).map_err(|e| EngineError::BadCheckpoint {
+        path: meta_path.clone(),
+        reason: e.to_string(),
+    })?;
+    Ok((meta, meta_path))
 }
 
 impl TrainingRun {
@@ -471,14 +482,7 @@ impl TrainingRun {
     /// its run kind and the base model directory it was trained on — enough
     /// to recreate a matching run in a process that never saw the original.
     pub fn checkpoint_kind(dir: &Path) -> Result<(RunKind, String)> {
-        let meta_path = dir.join("state.json");
-        let text =
-            std::fs::read_to_string(&meta_path).map_err(|e| EngineError::io(&meta_path, e))?;
-        let meta: StateMeta =
-            serde_json::from_str(&text).map_err(|e| EngineError::BadCheckpoint {
-                path: meta_path.clone(),
-                reason: e.to_string(),
-            })?;
+        let (meta, _) = read_state_meta(dir)?;
         Ok((meta.kind, meta.base_model))
     }
 
@@ -486,14 +490,7 @@ impl TrainingRun {
     /// saved by [`save_state`](Self::save_state) into this run, which must
     /// have the same kind and shapes.
     pub fn load_state(&mut self, dir: &Path, with_optimizer: bool) -> Result<()> {
-        let meta_path = dir.join("state.json");
-        let text =
-            std::fs::read_to_string(&meta_path).map_err(|e| EngineError::io(&meta_path, e))?;
-        let meta: StateMeta =
-            serde_json::from_str(&text).map_err(|e| EngineError::BadCheckpoint {
-                path: meta_path.clone(),
-                reason: e.to_string(),
-            })?;
+        let (meta, meta_path) = read_state_meta(dir)?;
         if meta.kind != self.kind() {
             return Err(EngineError::BadCheckpoint {
                 path: meta_path,

@@ -121,28 +121,10 @@ async fn train_step_through_futures_and_protobuf() {
     assert_eq!(done["model_id"], model_id.as_str());
 
     let tokens: Vec<u32> = (40..60).collect();
-    let mut inputs = std::collections::HashMap::new();
-    inputs.insert(
-        "target_tokens".to_string(),
-        proto::Tensor {
-            encoding: Some(proto::tensor::Encoding::Dense(proto::le::i64_bytes(
-                &tokens[1..].iter().map(|&t| t as i64).collect::<Vec<_>>(),
-            ))),
-            dtype: proto::DType::Int64 as i32,
-            shape: vec![tokens.len() as i64 - 1],
-        },
-    );
     let fb = proto::ForwardBackwardRequest {
         model_id: model_id.clone(),
         seq_id: 1,
-        data: vec![proto::Datum {
-            model_input: vec![proto::Chunk {
-                chunk: Some(proto::chunk::Chunk::EncodedText(proto::EncodedTextChunk {
-                    tokens: proto::le::i32_bytes(&tokens[..tokens.len() - 1]),
-                })),
-            }],
-            loss_fn_inputs: inputs,
-        }],
+        data: vec![datum(&tokens, None)],
         loss_fn: "cross_entropy".into(),
         ..Default::default()
     };
@@ -308,16 +290,7 @@ async fn tinker_paths_and_checkpoint_names_cannot_leave_the_root() {
     std::fs::create_dir_all(&above).unwrap();
     std::fs::write(above.join("state.json"), "{}").unwrap();
     let s = state(&ckpt);
-    let (_, sess) = call(&s, "/api/v1/create_session", json!({})).await;
-    let sid = sess["session_id"].as_str().unwrap().to_string();
-    let (_, created) = call(
-        &s,
-        "/api/v1/create_model",
-        json!({"session_id": sid, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 2}}),
-    )
-    .await;
-    let model_id = created["model_id"].as_str().unwrap().to_string();
-    result_json(&s, &created["request_id"]).await;
+    let (_, model_id) = new_model(&s).await;
 
     for (i, path) in [
         "tinker://../weights/outside",
