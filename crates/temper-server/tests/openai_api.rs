@@ -959,3 +959,33 @@ async fn runtime_adapter_loads_stay_inside_lora_roots_and_reveal_nothing() {
     assert_eq!(st, StatusCode::BAD_REQUEST);
     assert!(v.to_string().contains("off"), "{v}");
 }
+
+#[tokio::test]
+async fn an_oversized_body_is_an_openai_json_413_and_models_hide_server_paths() {
+    let (_, s) = server();
+    let r = app(s);
+    let big = "x".repeat(3 << 20);
+    let req = Request::post("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(
+            json!({"model": MODEL, "prompt": big}).to_string(),
+        ))
+        .expect("req");
+    let (st, body) = send(&r, req).await;
+    assert_eq!(st, StatusCode::PAYLOAD_TOO_LARGE);
+    let v: Value = serde_json::from_slice(&body).expect("a JSON error body");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .expect("message")
+            .contains("MiB"),
+        "{v}"
+    );
+    let req = Request::get("/v1/models").body(Body::empty()).expect("req");
+    let (st, body) = send(&r, req).await;
+    assert_eq!(st, StatusCode::OK);
+    let text = String::from_utf8(body).expect("utf8");
+    let dir = fixtures().canonicalize().expect("fixtures");
+    assert!(!text.contains("fixtures/models"), "{text}");
+    assert!(!text.contains(dir.to_str().expect("utf8")), "{text}");
+}

@@ -273,8 +273,32 @@ pub fn app(state: OpenAiState) -> Router {
         .route("/metrics", get(metrics))
         .merge(v1)
         .fallback(not_found)
+        .layer(middleware::from_fn(json_body_errors))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
+}
+
+/// Largest request body `temper serve` reads.
+pub const MAX_BODY_BYTES: usize = 2 << 20;
+
+/// axum answers an over-long body with a plain-text 413; clients of an
+/// OpenAI-compatible server expect OpenAI's JSON error.
+async fn json_body_errors(req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if resp.status() == StatusCode::PAYLOAD_TOO_LARGE && !is_json {
+        let body = json!({"error": {
+            "message": format!("the request body is larger than this server accepts ({} MiB)", MAX_BODY_BYTES >> 20),
+            "type": "invalid_request_error", "param": null, "code": "request_too_large",
+        }});
+        return (StatusCode::PAYLOAD_TOO_LARGE, axum::Json(body)).into_response();
+    }
+    resp
 }
 
 async fn auth(
@@ -341,7 +365,7 @@ async fn list_models(State(s): State<OpenAiState>) -> Result<Json<Value>, OpenAi
     let len = s.inner.cfg.scheduler.max_model_len;
     let mut data = vec![json!({
         "id": base, "object": "model", "created": s.inner.created, "owned_by": "temper",
-        "root": s.inner.model.dir.display().to_string(), "parent": null,
+        "root": base, "parent": null,
         "max_model_len": len, "version": 0,
     })];
     let table = s
@@ -728,7 +752,7 @@ fn chat_prompt(s: &OpenAiState, req: &ChatRequest) -> Result<(Vec<u32>, ToolMode
     let extra = req.chat_template_kwargs.clone().unwrap_or_default();
     let text = tmpl
         .render(&Value::Array(messages), tools_json.as_ref(), true, &extra)
-        .map_err(|e| OpenAiError::invalid("messages", format!("chat template: {e}")))?;
+        .map_err(|e| OpenAiError::invalid("messages", e.to_string()))?;
     let ids = s
         .inner
         .model
