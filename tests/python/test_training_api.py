@@ -212,6 +212,43 @@ def main():
         ids = tok.encode("What is 12 + 7?", add_special_tokens=False)
         assert len(ids) > 0
 
+    @check("kill -9, restart: a checkpoint resumes with its optimizer and identical next losses")
+    def _():
+        # Issue 13 items 4-5: the run registry and ids survive a crash.
+        nonlocal server, sc
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4)
+        tc = tc.result() if hasattr(tc, "result") else tc
+        lr = types.AdamParams(learning_rate=1e-2)
+
+        def train_and_measure(client, steps):
+            losses = []
+            for _ in range(steps):
+                fb = client.forward_backward([datum], "cross_entropy")
+                client.optim_step(lr).result()
+                losses.append(fb.result().metrics["loss:sum"])
+            return losses
+
+        train_and_measure(tc, 2)
+        path = tc.save_state("before-crash").result().path
+        want = train_and_measure(tc, 3)
+        server.kill()  # SIGKILL: nothing is flushed on the way out
+        server.wait(timeout=10)
+        server = start_server(args.temper, port, ckpt)
+        sc = tinker.ServiceClient()
+        tc2 = sc.create_training_client_from_state_with_optimizer(path)
+        tc2 = tc2.result() if hasattr(tc2, "result") else tc2
+        got = train_and_measure(tc2, 3)
+        assert got == want, (want, got)
+        # A new client's save under the same name is a new checkpoint; the
+        # pre-crash one is untouched.
+        tc3 = sc.create_lora_training_client(base_model="tiny", rank=4)
+        tc3 = tc3.result() if hasattr(tc3, "result") else tc3
+        path3 = tc3.save_state("before-crash").result().path
+        assert path3 != path, (path3, path)
+        tc4 = sc.create_training_client_from_state_with_optimizer(path)
+        tc4 = tc4.result() if hasattr(tc4, "result") else tc4
+        assert train_and_measure(tc4, 3) == want
+
     @check("a wrong API key is rejected")
     def _():
         req = urllib.request.Request(f"http://127.0.0.1:{port}/api/v1/healthz",

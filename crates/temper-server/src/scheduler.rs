@@ -3,9 +3,12 @@
 //!
 //! 1. takes new jobs off the queue (FIFO) while they fit — at most
 //!    `max_running` sequences, and the KV-cache tokens in use plus the new
-//!    prompts within a budget — and prefills them in one packed forward per
-//!    adapter; the `n` samples of a prompt share that prefill (their caches
-//!    start as clones);
+//!    prompts within a budget — and prefills at most `max_prefill_tokens`
+//!    prompt tokens in one packed forward per adapter: short prompts whole,
+//!    a long one in chunks over several steps (chunked prefill), so a long
+//!    prompt never stalls the running sequences for more than one chunk; the
+//!    `n` samples of a prompt share that prefill (their caches start as
+//!    clones);
 //! 2. samples the next token of every running sequence, streams text deltas
 //!    and retires finished sequences, whose slots the next step reuses;
 //! 3. if the caches would outgrow the budget, evicts the most recently
@@ -61,7 +64,8 @@ pub struct SchedulerConfig {
     pub max_queue: usize,
     /// Longest sequence (prompt + completion) in tokens.
     pub max_model_len: usize,
-    /// Prompt tokens prefilled per step (at least one job is always admitted).
+    /// Prompt tokens prefilled per step; a longer prompt is prefilled in
+    /// chunks of this size over several steps.
     pub max_prefill_tokens: usize,
 }
 
@@ -172,6 +176,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             preempted: VecDeque::new(),
+            prefilling: Vec::new(),
         };
         let spawned = std::thread::Builder::new()
             .name("temper-engine".into())
@@ -282,12 +287,59 @@ struct Engine {
     running: Vec<Seq>,
     /// Evicted sequences waiting to resume (before any new job).
     preempted: VecDeque<Seq>,
+    /// Admitted prompts whose prefill is not finished.
+    prefilling: Vec<Prefill>,
+}
+
+/// What a finished prefill turns into.
+enum Pending {
+    /// A new job: its `n` samples start from the prefilled cache.
+    New(Job),
+    /// A preempted sequence: prompt + its tokens so far, recomputed.
+    Resume(Box<Seq>),
+}
+
+impl Pending {
+    fn events(&self) -> &UnboundedSender<Event> {
+        match self {
+            Pending::New(j) => &j.events,
+            Pending::Resume(s) => &s.job.events,
+        }
+    }
+
+    fn adapter(&self) -> Option<Arc<LoadedAdapter>> {
+        match self {
+            Pending::New(j) => j.adapter.clone(),
+            Pending::Resume(s) => s.job.adapter.clone(),
+        }
+    }
+
+    fn adapter_key(&self) -> usize {
+        match self {
+            Pending::New(j) => j.adapter_key(),
+            Pending::Resume(s) => s.job.adapter_key(),
+        }
+    }
+}
+
+/// A prompt being prefilled chunk by chunk into `cache`.
+struct Prefill {
+    what: Pending,
+    /// Every token to prefill; `cache.len()` of them are done.
+    input: Vec<u32>,
+    cache: KvCache,
+    /// Sequences it becomes (a job's `n`, or 1).
+    seqs: usize,
 }
 
 impl Engine {
     fn run(mut self) {
         loop {
-            if self.running.is_empty() && self.waiting.is_empty() && self.preempted.is_empty() {
+            if self.running.is_empty()
+                && self.waiting.is_empty()
+                && self.preempted.is_empty()
+                && self.prefilling.is_empty()
+            {
                 match self.rx.recv() {
                     Ok(j) => self.waiting.push_back(j),
                     Err(_) => return,
@@ -298,6 +350,7 @@ impl Engine {
             }
             self.drop_cancelled_waiting();
             self.admit();
+            self.prefill_step();
             self.sample_all();
             self.preempt();
             self.decode();
@@ -310,9 +363,17 @@ impl Engine {
         self.metrics.waiting.store(left as u64, Ordering::Relaxed);
     }
 
-    /// KV-cache tokens held by running sequences.
+    /// KV-cache tokens held by running sequences or reserved by prompts
+    /// being prefilled (all of each prompt, once per sample).
     fn kv_used(&self) -> usize {
-        self.running.iter().map(|s| s.cache.len()).sum()
+        let running: usize = self.running.iter().map(|s| s.cache.len()).sum();
+        let prefilling: usize = self.prefilling.iter().map(|p| p.input.len() * p.seqs).sum();
+        running + prefilling
+    }
+
+    /// Sequences running or about to run once their prefill is done.
+    fn live_seqs(&self) -> usize {
+        self.running.len() + self.prefilling.iter().map(|p| p.seqs).sum::<usize>()
     }
 
     fn publish(&self) {
@@ -336,19 +397,17 @@ impl Engine {
 
     /// Resume preempted sequences, then admit waiting jobs in order, while
     /// they fit: at most `max_running` sequences, and KV-cache tokens in use
-    /// plus the new prompts plus one token of growth per sequence within the
-    /// budget. Each group is prefilled in one packed forward per adapter.
+    /// (or reserved by prompts still prefilling) plus the new prompts plus
+    /// one token of growth per sequence within the budget. Admitted work
+    /// joins the prefill queue; [`Engine::prefill_step`] runs it in chunks.
     fn admit(&mut self) {
         let budget = self.cfg.kv_budget_tokens;
         let mut used = self.kv_used();
-        let mut seqs = self.running.len();
-        let mut prefill = 0;
-        let mut resumed = Vec::new();
+        let mut seqs = self.live_seqs();
         while let Some(s) = self.preempted.front() {
             let len = s.job.prompt.len() + s.tokens.len();
             let fits = seqs < self.cfg.max_running && used + len + seqs < budget;
-            let alone = seqs == 0;
-            if !(alone || (fits && prefill + len <= self.cfg.max_prefill_tokens)) {
+            if !(seqs == 0 || fits) {
                 break;
             }
             let Some(s) = self.preempted.pop_front() else {
@@ -356,16 +415,15 @@ impl Engine {
             };
             used += len;
             seqs += 1;
-            prefill += len;
-            resumed.push(s);
+            let input = s.job.prompt.iter().chain(&s.tokens).copied().collect();
+            self.push_prefill(Pending::Resume(Box::new(s)), input, 1);
         }
-        let mut admitted = Vec::new();
+        let mut admitted = 0;
         if self.preempted.is_empty() {
             while let Some(job) = self.waiting.front() {
                 let need = job.prompt.len() * job.n;
-                let fits = seqs + job.n <= self.cfg.max_running
-                    && used + need + seqs + job.n <= budget
-                    && (prefill == 0 || prefill + job.prompt.len() <= self.cfg.max_prefill_tokens);
+                let fits =
+                    seqs + job.n <= self.cfg.max_running && used + need + seqs + job.n <= budget;
                 if !(seqs == 0 || fits) {
                     break;
                 }
@@ -374,74 +432,159 @@ impl Engine {
                 };
                 used += need;
                 seqs += job.n;
-                prefill += job.prompt.len();
+                admitted += 1;
                 self.metrics
                     .prompt_tokens
                     .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-                admitted.push(job);
+                let (input, n) = (job.prompt.clone(), job.n);
+                self.push_prefill(Pending::New(job), input, n);
             }
         }
-        if !admitted.is_empty() {
-            self.dequeued(admitted.len());
+        if admitted > 0 {
+            self.dequeued(admitted);
         }
-        // Resumed sequences: re-prefill prompt + tokens so far; the logits of
-        // the last row are the ones the skipped decode step would have made.
-        let mut resumed: Vec<Option<Seq>> = resumed.into_iter().map(Some).collect();
-        for key in distinct(resumed.iter().flatten().map(|s| s.job.adapter_key())) {
-            let mut group: Vec<Seq> = resumed
-                .iter_mut()
-                .filter(|s| s.as_ref().is_some_and(|s| s.job.adapter_key() == key))
-                .filter_map(Option::take)
-                .collect();
-            let inputs: Vec<Vec<u32>> = group
+    }
+
+    fn push_prefill(&mut self, what: Pending, input: Vec<u32>, seqs: usize) {
+        self.prefilling.push(Prefill {
+            cache: KvCache::new(self.model.model.config().num_layers),
+            what,
+            input,
+            seqs,
+        });
+    }
+
+    /// Prefill at most `max_prefill_tokens` prompt tokens of the queued
+    /// prompts, in one packed forward per adapter: prompts that fit whole
+    /// first (shortest first), then a chunk of the oldest long one. A prompt
+    /// whose last chunk ran starts decoding. So a long prompt is spread over
+    /// several steps and never stalls the running sequences' decode for more
+    /// than one chunk; the attention kernel gives a chunk's tokens the same
+    /// values as a one-shot prefill.
+    fn prefill_step(&mut self) {
+        self.prefilling.retain(|p| !p.what.events().is_closed());
+        if self.prefilling.is_empty() {
+            return;
+        }
+        let mut left = self.cfg.max_prefill_tokens.max(1);
+        let mut order: Vec<usize> = (0..self.prefilling.len()).collect();
+        order.sort_by_key(|&i| {
+            let p = &self.prefilling[i];
+            let rest = p.input.len() - p.cache.len();
+            (rest > left, if rest > left { i } else { rest })
+        });
+        // (index into `prefilling`, tokens this step)
+        let mut chunks: Vec<(usize, usize)> = Vec::new();
+        for i in order {
+            if left == 0 {
+                break;
+            }
+            let p = &self.prefilling[i];
+            let take = (p.input.len() - p.cache.len()).min(left);
+            left -= take;
+            chunks.push((i, take));
+        }
+        chunks.sort_unstable();
+        let keys = distinct(
+            chunks
                 .iter()
-                .map(|s| s.job.prompt.iter().chain(&s.tokens).copied().collect())
+                .map(|&(i, _)| self.prefilling[i].what.adapter_key()),
+        );
+        let mut failed: Vec<(usize, String)> = Vec::new();
+        let mut logits: Vec<(usize, Vec<f32>)> = Vec::new();
+        for key in keys {
+            let group: Vec<(usize, usize)> = chunks
+                .iter()
+                .copied()
+                .filter(|&(i, _)| self.prefilling[i].what.adapter_key() == key)
                 .collect();
-            let lora = group.first().and_then(|s| s.job.adapter.clone());
-            match self.prefill(&inputs, lora.as_ref().map(|a| &a.lora)) {
-                Ok((caches, logits)) => {
-                    for ((mut s, cache), row) in group.drain(..).zip(caches).zip(logits) {
-                        s.cache = cache;
-                        s.logits = row;
-                        self.running.push(s);
-                    }
-                }
-                Err(e) => {
-                    tracing::error!("resume prefill failed: {e}");
-                    for s in group {
-                        let _ = s
-                            .job
-                            .events
-                            .send(Event::Failed(format!("prefill failed: {e}")));
-                    }
-                }
-            }
-        }
-        let mut admitted: Vec<Option<Job>> = admitted.into_iter().map(Some).collect();
-        for key in distinct(admitted.iter().flatten().map(Job::adapter_key)) {
-            let group: Vec<Job> = admitted
-                .iter_mut()
-                .filter(|j| j.as_ref().is_some_and(|j| j.adapter_key() == key))
-                .filter_map(Option::take)
-                .collect();
-            let inputs: Vec<Vec<u32>> = group.iter().map(|j| j.prompt.clone()).collect();
-            let lora = group.first().and_then(|j| j.adapter.clone());
-            match self.prefill(&inputs, lora.as_ref().map(|a| &a.lora)) {
-                Ok((caches, logits)) => {
-                    for ((job, cache), row) in group.into_iter().zip(caches).zip(logits) {
-                        self.start_job(job, cache, row);
-                    }
-                }
+            match self.prefill_chunks(&group) {
+                Ok(rows) => logits.extend(rows),
                 Err(e) => {
                     tracing::error!("prefill failed: {e}");
-                    for job in group {
-                        let _ = job
-                            .events
-                            .send(Event::Failed(format!("prefill failed: {e}")));
-                    }
+                    failed.extend(
+                        group
+                            .iter()
+                            .map(|&(i, _)| (i, format!("prefill failed: {e}"))),
+                    );
                 }
             }
         }
+        let mut rows: Vec<Option<Vec<f32>>> = vec![None; self.prefilling.len()];
+        for (i, row) in logits {
+            rows[i] = Some(row);
+        }
+        let mut errors: Vec<Option<String>> = vec![None; self.prefilling.len()];
+        for (i, msg) in failed {
+            errors[i] = Some(msg);
+        }
+        let all = std::mem::take(&mut self.prefilling);
+        for ((p, row), err) in all.into_iter().zip(rows).zip(errors) {
+            if let Some(msg) = err {
+                let _ = p.what.events().send(Event::Failed(msg));
+                continue;
+            }
+            match (row, p.what) {
+                (Some(row), Pending::New(job)) => self.start_job(job, p.cache, row),
+                (Some(row), Pending::Resume(mut s)) => {
+                    s.cache = p.cache;
+                    s.logits = row;
+                    self.running.push(*s);
+                }
+                (None, what) => self.prefilling.push(Prefill { what, ..p }),
+            }
+        }
+    }
+
+    /// One packed forward over the chunks `(index, tokens)` of queued
+    /// prompts (all under one adapter), each appended to its cache; the
+    /// logits after the last token of every prompt that is now complete.
+    fn prefill_chunks(
+        &mut self,
+        chunks: &[(usize, usize)],
+    ) -> temper_model::Result<Vec<(usize, Vec<f32>)>> {
+        let model = self.model.clone();
+        let model = &model.model;
+        let adapter = chunks
+            .first()
+            .and_then(|&(i, _)| self.prefilling[i].what.adapter());
+        let lora = adapter.as_ref().map(|a| &a.lora);
+        let mut ids: Vec<u32> = Vec::new();
+        let mut last_rows: Vec<(usize, u32)> = Vec::new();
+        for &(i, take) in chunks {
+            let p = &self.prefilling[i];
+            let from = p.cache.len();
+            ids.extend_from_slice(&p.input[from..from + take]);
+            if from + take == p.input.len() {
+                last_rows.push((i, (ids.len() - 1) as u32));
+            }
+        }
+        let mut segs: Vec<Segment<'_>> = Vec::with_capacity(chunks.len());
+        let mut cursor = self.prefilling.iter_mut().enumerate();
+        for &(i, take) in chunks {
+            // `chunks` is sorted by index, so one pass finds every cache.
+            let Some((_, p)) = cursor.find(|(j, _)| *j == i) else {
+                return Err(temper_model::ModelError::InvalidInput(
+                    "prefill chunks out of order".into(),
+                ));
+            };
+            segs.push(Segment {
+                len: take,
+                cache: Some(&mut p.cache),
+            });
+        }
+        let hidden = model.forward_hidden(&ids, &mut segs, lora)?;
+        drop(segs);
+        if last_rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let idx: Vec<u32> = last_rows.iter().map(|&(_, r)| r).collect();
+        let rows = hidden.index_select(&Tensor::new(idx.as_slice(), model.device())?, 0)?;
+        let logits = model
+            .logits(&rows)?
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?;
+        Ok(last_rows.iter().map(|&(i, _)| i).zip(logits).collect())
     }
 
     /// When the next decode step would take the KV cache past the budget,
@@ -460,45 +603,6 @@ impl Engine {
             self.preempted.push_front(s);
             self.metrics.preemptions.fetch_add(1, Ordering::Relaxed);
         }
-    }
-
-    /// One packed forward over `inputs` (each a whole sequence): their caches
-    /// and the logits after each one's last token.
-    fn prefill(
-        &self,
-        inputs: &[Vec<u32>],
-        lora: Option<&LoraAdapter>,
-    ) -> temper_model::Result<(Vec<KvCache>, Vec<Vec<f32>>)> {
-        let model = &self.model.model;
-        let mut caches: Vec<KvCache> = inputs
-            .iter()
-            .map(|_| KvCache::new(model.config().num_layers))
-            .collect();
-        let ids: Vec<u32> = inputs.iter().flatten().copied().collect();
-        let mut end = 0;
-        let last_rows: Vec<u32> = inputs
-            .iter()
-            .map(|i| {
-                end += i.len();
-                (end - 1) as u32
-            })
-            .collect();
-        let mut segs: Vec<Segment<'_>> = inputs
-            .iter()
-            .zip(caches.iter_mut())
-            .map(|(i, c)| Segment {
-                len: i.len(),
-                cache: Some(c),
-            })
-            .collect();
-        let hidden = model.forward_hidden(&ids, &mut segs, lora)?;
-        drop(segs);
-        let rows = hidden.index_select(&Tensor::new(last_rows.as_slice(), model.device())?, 0)?;
-        let logits = model
-            .logits(&rows)?
-            .to_dtype(DType::F32)?
-            .to_vec2::<f32>()?;
-        Ok((caches, logits))
     }
 
     fn start_job(&mut self, job: Job, cache: KvCache, logits: Vec<f32>) {

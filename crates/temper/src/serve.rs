@@ -53,6 +53,11 @@ pub struct ServeArgs {
     /// Longest prompt + completion in tokens (default: the model's context).
     #[arg(long)]
     max_model_len: Option<usize>,
+    /// Prompt tokens prefilled per engine step; a longer prompt is prefilled
+    /// in chunks of this size between decode steps, so it never stalls the
+    /// running requests for longer than one chunk (default 512).
+    #[arg(long)]
+    max_prefill_tokens: Option<usize>,
     #[command(flatten)]
     conn: crate::conn::ConnArgs,
 }
@@ -112,6 +117,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
             );
         }
         cfg.scheduler.max_model_len = n;
+    }
+    if let Some(n) = args.max_prefill_tokens {
+        if n == 0 {
+            bail!("--max-prefill-tokens must be >= 1");
+        }
+        cfg.scheduler.max_prefill_tokens = n;
     }
     let state = OpenAiState::new(Arc::new(model), cfg.clone());
     for l in &args.loras {

@@ -68,7 +68,8 @@ pub struct ServeConfig {
 
 impl ServeConfig {
     /// Defaults for `model`: 256 running sequences, a KV budget of 4 GiB of
-    /// cache (at least one full-length sequence), 1024 queued requests.
+    /// cache (at least one full-length sequence), 1024 queued requests,
+    /// 512 prompt tokens prefilled per step.
     pub fn defaults(model_name: impl Into<String>, model: &Pretrained) -> Self {
         let cfg = &model.config;
         let max_model_len = cfg.max_position_embeddings;
@@ -87,7 +88,7 @@ impl ServeConfig {
                 kv_budget_tokens,
                 max_queue: 1024,
                 max_model_len,
-                max_prefill_tokens: 8192,
+                max_prefill_tokens: 512,
             },
         }
     }
