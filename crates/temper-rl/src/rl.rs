@@ -28,7 +28,8 @@ use tokio::sync::{mpsc, watch};
 
 use crate::config::{LoraSection, ModelSection, RlConfig};
 use crate::error::{Result, RlError};
-use crate::policy::{Batcher, EnginePolicy, HttpPolicy, Renderer, TurnTokens};
+use crate::policy::{Batcher, EnginePolicy, HttpPolicy, Renderer};
+use temper_env::TokenTrace;
 use crate::runlog::{write_atomic, MetricsLog};
 
 /// One prompt's rollouts, scored.
@@ -296,7 +297,7 @@ impl ChatModel for VersionMapped {
         req: temper_env::ChatRequest,
     ) -> std::result::Result<temper_env::ModelTurn, temper_env::ModelCallError> {
         let mut turn = self.inner.chat(req).await?;
-        if let Some(mut t) = TurnTokens::from_turn(&turn) {
+        if let Some(t) = turn.trace.as_mut() {
             let map = self
                 .versions
                 .lock()
@@ -304,7 +305,6 @@ impl ChatModel for VersionMapped {
             // A version the server made that we never published (someone
             // else loaded an adapter) counts as the oldest: it is dropped.
             t.version = map.get(&t.version).copied().unwrap_or(0);
-            turn.extra = serde_json::to_value(&t).unwrap_or(Value::Null);
         }
         Ok(turn)
     }
@@ -409,7 +409,7 @@ async fn generate_batch(
             let version = rollouts
                 .iter()
                 .flat_map(|r| r.model_turns.iter())
-                .filter_map(TurnTokens::from_turn)
+                .filter_map(|t| t.trace.as_ref())
                 .map(|t| t.version)
                 .min()
                 .unwrap_or(fallback);
@@ -497,7 +497,7 @@ async fn train_step(
     let mut errors = 0usize;
     let mut metric_sums: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     // (turn tokens, advantage) to train on.
-    let mut items: Vec<(TurnTokens, f64)> = Vec::new();
+    let mut items: Vec<(TokenTrace, f64)> = Vec::new();
     for g in &batch.groups {
         let lag = step.saturating_sub(g.version);
         if lag > max_off {
@@ -528,16 +528,12 @@ async fn train_step(
             for turn in &r.model_turns {
                 // A turn without a usable token trace cannot be trained: it
                 // is counted, never filled in with zeros.
-                let Some(t) = TurnTokens::from_turn(turn) else {
+                let Ok(t) = turn.trainable_trace() else {
                     skipped_turns += 1;
                     continue;
                 };
-                if t.logprobs.len() != t.completion_ids.len() || t.prompt_ids.is_empty() {
-                    skipped_turns += 1;
-                    continue;
-                }
                 if !t.completion_ids.is_empty() {
-                    items.push((t, a));
+                    items.push((t.clone(), a));
                 }
             }
         }
@@ -1241,7 +1237,7 @@ mod tests {
         };
         let group = |version: u64| {
             let turn = |lp: f32, reward: f64| {
-                let t = TurnTokens {
+                let t = TokenTrace {
                     prompt_ids: vec![1, 5, 6],
                     completion_ids: vec![7, 8],
                     logprobs: vec![lp, lp],
@@ -1254,7 +1250,7 @@ mod tests {
                             message: temper_env::Message::assistant("x"),
                             finish_reason: "stop".into(),
                             usage: Default::default(),
-                            extra: serde_json::to_value(&t).unwrap(),
+                            trace: Some(t),
                         }],
                         ..Default::default()
                     },
