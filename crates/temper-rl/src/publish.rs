@@ -38,9 +38,14 @@ enum Target {
     Http {
         policy: HttpPolicy,
         dir: PathBuf,
-        versions: Arc<std::sync::Mutex<BTreeMap<u64, u64>>>,
+        versions: VersionMap,
     },
 }
+
+/// The server's adapter version → our policy version. Publishing holds the
+/// lock while the server swaps adapters, so a turn that reports a new
+/// server version finds its mapping (it waits for the insert).
+type VersionMap = Arc<tokio::sync::Mutex<BTreeMap<u64, u64>>>;
 
 /// Publishes each new policy version to the sampler.
 pub struct Publisher {
@@ -150,11 +155,10 @@ impl Publisher {
                 // reading the previous one.
                 let d = dir.join(format!("v{}", version % 2));
                 trainer.export_peft(&d).await?;
+                let mut map = versions.lock().await;
                 let server_version = policy.load_adapter(&d).await?;
-                versions
-                    .lock()
-                    .map_err(|_| RlError::Sampler("version map poisoned".into()))?
-                    .insert(server_version, version);
+                map.insert(server_version, version);
+                drop(map);
                 Published {
                     version,
                     model: Arc::new(VersionMapped {
@@ -175,7 +179,7 @@ impl Publisher {
 /// server's adapter version.
 struct VersionMapped {
     inner: HttpPolicy,
-    versions: Arc<std::sync::Mutex<BTreeMap<u64, u64>>>,
+    versions: VersionMap,
 }
 
 #[async_trait::async_trait]
@@ -186,13 +190,16 @@ impl ChatModel for VersionMapped {
     ) -> std::result::Result<temper_env::ModelTurn, temper_env::ModelCallError> {
         let mut turn = self.inner.chat(req).await?;
         if let Some(t) = turn.trace.as_mut() {
-            let map = self
-                .versions
-                .lock()
-                .map_err(|_| temper_env::ModelCallError::Other("version map poisoned".into()))?;
             // A version the server made that we never published (someone
-            // else loaded an adapter) counts as the oldest: it is dropped.
-            t.version = map.get(&t.version).copied().unwrap_or(0);
+            // else loaded an adapter, or the base model answered) is an
+            // error on the rollout — counted, never trained on — rather
+            // than a guessed version.
+            let server_version = t.version;
+            t.version = *self.versions.lock().await.get(&server_version).ok_or_else(|| {
+                temper_env::ModelCallError::Other(format!(
+                    "the sampler answered with adapter version {server_version}, which this run never published"
+                ))
+            })?;
         }
         Ok(turn)
     }
