@@ -305,8 +305,8 @@ pub struct HttpPolicy {
 
 #[derive(Deserialize)]
 struct GenerateResponse {
-    #[serde(default)]
-    version: u64,
+    /// The adapter version that answered (temper serve: its load count).
+    version: Option<u64>,
     choices: Vec<GenerateChoice>,
 }
 
@@ -360,10 +360,16 @@ impl HttpPolicy {
                 "load_lora_adapter answered {status}: {text}"
             )));
         }
-        Ok(serde_json::from_str::<Value>(&text)
+        // The version is how turns are attributed to policy versions: a
+        // server that does not report one cannot be trained against.
+        serde_json::from_str::<Value>(&text)
             .ok()
             .and_then(|v| v.get("version").and_then(Value::as_u64))
-            .unwrap_or(0))
+            .ok_or_else(|| {
+                RlError::Sampler(format!(
+                    "load_lora_adapter answered without an adapter version: {text}"
+                ))
+            })
     }
 }
 
@@ -403,6 +409,9 @@ impl ChatModel for HttpPolicy {
         }
         let mut out: GenerateResponse = serde_json::from_str(&text)
             .map_err(|e| ModelCallError::Malformed(format!("/v1/generate: {e}: {text}")))?;
+        let version = out.version.ok_or_else(|| {
+            ModelCallError::Malformed(format!("/v1/generate reported no adapter version: {text}"))
+        })?;
         let choice = out
             .choices
             .pop()
@@ -419,6 +428,6 @@ impl ChatModel for HttpPolicy {
         };
         Ok(self
             .renderer
-            .turn(prompt, sample, choice.text, out.version, p.temperature))
+            .turn(prompt, sample, choice.text, version, p.temperature))
     }
 }
