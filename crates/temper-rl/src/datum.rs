@@ -11,21 +11,31 @@ use temper_env::TokenTrace;
 
 use crate::rollout::Group;
 
-/// One model turn to train on.
+/// One model turn to train on; only [`TrainTurns::of`] makes one, so its
+/// trace is checked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainTurn {
+    trace: TokenTrace,
+    advantage: f64,
+}
+
+impl TrainTurn {
     /// Its tokens as sampled (checked: a non-empty prompt, a non-empty
     /// completion and one logprob per completion token).
-    pub trace: TokenTrace,
+    pub fn trace(&self) -> &TokenTrace {
+        &self.trace
+    }
+
     /// Its rollout's advantage.
-    pub advantage: f64,
+    pub fn advantage(&self) -> f64 {
+        self.advantage
+    }
 }
 
 /// The turns of a batch to train on, and what was left out.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TrainTurns {
-    /// One per datum, in batch order.
-    pub turns_d: Vec<TrainTurn>,
+    turns_d: Vec<TrainTurn>,
     /// Groups whose advantages were all zero (nothing to learn).
     pub zero_advantage_groups: u64,
     /// Turns without a usable trace.
@@ -63,6 +73,11 @@ impl TrainTurns {
             }
         }
         out
+    }
+
+    /// The turns to train on, one per datum, in batch order.
+    pub fn turns_d(&self) -> &[TrainTurn] {
+        &self.turns_d
     }
 
     /// Completion tokens to train on.

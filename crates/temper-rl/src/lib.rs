@@ -73,7 +73,7 @@
 //! let advantages_g = batch_advantages(&groups_g, false);
 //! assert_eq!(advantages_g, vec![vec![0.5, -0.5]]);
 //! let turns = TrainTurns::of(&groups_g, &advantages_g);
-//! assert_eq!((turns.turns_d.len(), turns.skipped_turns), (1, 1));
+//! assert_eq!((turns.turns_d().len(), turns.skipped_turns), (1, 1));
 //!
 //! let datums_d = turns.datums();
 //! assert_eq!(datums_d[0].model_input, vec![1, 2, 3]);

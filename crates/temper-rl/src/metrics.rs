@@ -243,7 +243,7 @@ impl DataMetrics {
             dropped_stale_total,
             zero_advantage_groups: turns.zero_advantage_groups,
             skipped_turns: turns.skipped_turns,
-            trained_sequences: turns.turns_d.len(),
+            trained_sequences: turns.turns_d().len(),
             trained_tokens: turns.tokens(),
         }
     }

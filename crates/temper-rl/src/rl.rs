@@ -129,7 +129,7 @@ pub async fn run_rl_with(
         let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
         let turns = TrainTurns::of(&groups_g, &advantages_g);
         let datums_d = turns.datums();
-        let trained = train_step(&*trainer, &cfg.trainer, step, datums_d, &turns.turns_d).await?;
+        let trained = train_step(&*trainer, &cfg.trainer, step, datums_d, turns.turns_d()).await?;
 
         // Step `step` made policy version `step + 1`.
         let version = step + 1;
@@ -218,7 +218,7 @@ mod tests {
         *dropped_total += dropped;
         let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
         let turns = TrainTurns::of(&groups_g, &advantages_g);
-        let out = train_step(trainer, &cfg.trainer, step, turns.datums(), &turns.turns_d)
+        let out = train_step(trainer, &cfg.trainer, step, turns.datums(), turns.turns_d())
             .await
             .unwrap();
         (

@@ -87,7 +87,7 @@ pub async fn train_step(
                 .await?;
             out.loss_sum += fb.metrics.get("loss:sum").copied().unwrap_or(0.0);
             for (o, turn) in fb.loss_fn_outputs.iter().zip(turns) {
-                let t = &turn.trace;
+                let t = turn.trace();
                 let p = t.prompt_ids.len();
                 let n = t.completion_ids.len();
                 let Some(learner) = o.logprobs.get(p - 1..p - 1 + n) else {
@@ -125,8 +125,8 @@ pub async fn train_step(
     out.train_s = t_train.elapsed().as_secs_f64();
     out.mismatch_tokens = turns_d
         .iter()
-        .filter(|t| t.trace.version == step)
-        .map(|t| t.trace.completion_ids.len())
+        .filter(|t| t.trace().version == step)
+        .map(|t| t.trace().completion_ids.len())
         .sum();
     Ok(out)
 }
