@@ -84,6 +84,8 @@
 //! assert_eq!(inputs.advantages, Some(vec![0.0, 0.25, 0.25]));
 //! ```
 
+#![deny(missing_docs)]
+
 pub mod advantage;
 pub mod checkpoint;
 pub mod config;
