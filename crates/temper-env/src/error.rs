@@ -90,3 +90,24 @@ impl ModelCallError {
         }
     }
 }
+
+/// Why a model turn's token trace cannot be trained on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TraceError {
+    /// The model returned no token trace (an endpoint that answers with
+    /// text only).
+    #[error("the model turn has no token trace")]
+    Missing,
+    /// The trace has no prompt tokens to condition on.
+    #[error("the token trace has no prompt tokens")]
+    EmptyPrompt,
+    /// The sampler did not report one logprob per completion token.
+    #[error("the token trace has {logprobs} logprobs for {tokens} completion tokens")]
+    LogprobCount {
+        /// Logprobs reported.
+        logprobs: usize,
+        /// Completion tokens.
+        tokens: usize,
+    },
+}

@@ -22,7 +22,7 @@
 //! | [`Row`] | `example_id`, `prompt: Vec<Message>` (system prompt and few-shot included), `answer`, `info` |
 //! | [`Message`] | OpenAI chat message; unknown fields kept, so OpenAI JSON round-trips |
 //! | [`SamplingArgs`] | `max_tokens`, `temperature`, `top_p`, `seed`, `stop`, `extra` |
-//! | [`ChatRequest`] / [`ModelTurn`] | what a harness asks / what a model answers (`extra` carries token ids and logprobs through to [`Rollout::model_turns`]) |
+//! | [`ChatRequest`] / [`ModelTurn`] | what a harness asks / what a model answers (a trained policy's [`TokenTrace`] — token ids, logprobs, version, temperature — reaches [`Rollout::model_turns`] as a type) |
 //! | [`ChatModel`] | `async fn chat(&self, ChatRequest) -> Result<ModelTurn, ModelCallError>` |
 //! | [`Rollout`] | `completion`, `is_completed`, `is_truncated`, `stop_condition`, `error`, `token_usage`, `timing`, `model_turns`, `state` |
 //! | [`Score`] | `reward`, `metrics` |
@@ -68,7 +68,7 @@ pub use env::{
     Generated, PromptTemplate, Task,
 };
 pub use envs::{wordle_feedback, BUILTIN_ENVS};
-pub use error::{EnvError, ModelCallError};
+pub use error::{EnvError, ModelCallError, TraceError};
 pub use harness::{
     format_number, Calculator, EnvResponder, EnvResponse, Harness, PythonTool, Tool,
 };
@@ -77,7 +77,8 @@ pub use parser::{last_boxed, last_number, FieldSpec, Parser};
 pub use rubric::{GroupReward, Reward, RewardCtx, Rubric};
 pub use types::{
     last_assistant_text, stop, ChatRequest, Content, EvalDefaults, FunctionCall, Message,
-    ModelTurn, Rollout, Row, SamplingArgs, Score, Split, Timing, TokenUsage, ToolCall, Usage,
+    ModelTurn, Rollout, Row, SamplingArgs, Score, Split, Timing, TokenTrace, TokenUsage, ToolCall,
+    Usage,
 };
 
 /// Countdown's answer check, public for tests and trainers' reward shaping.

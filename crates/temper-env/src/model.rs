@@ -23,7 +23,7 @@ use crate::{ChatRequest, ModelCallError, ModelTurn};
 ///             message: Message::assistant("<answer>42</answer>"),
 ///             finish_reason: "stop".into(),
 ///             usage: Usage::default(),
-///             extra: serde_json::Value::Null,
+///             trace: None,
 ///         })
 ///     }
 /// }

@@ -179,7 +179,7 @@ pub fn parse_response(text: &str) -> Result<ModelTurn, ModelCallError> {
             .unwrap_or("stop")
             .to_string(),
         usage,
-        extra: Value::Null,
+        trace: None,
     })
 }
 

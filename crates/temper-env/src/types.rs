@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::error::TraceError;
+
 /// An OpenAI chat message. Unknown fields (`reasoning_content`, `refusal`,
 /// ...) are kept in `extra`, so a message read from OpenAI JSON serializes
 /// back to the same JSON.
@@ -176,10 +178,81 @@ pub struct ModelTurn {
     pub finish_reason: String,
     /// Token counts.
     pub usage: Usage,
-    /// Whatever the model implementation wants to hand through to its
-    /// caller (an in-process engine puts token ids and logprobs here).
-    #[serde(default, skip_serializing_if = "Value::is_null")]
-    pub extra: Value,
+    /// The tokens as sampled, when the model is a policy being trained
+    /// (`None` for an endpoint that answers with text only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TokenTrace>,
+}
+
+impl ModelTurn {
+    /// The turn's trace, if it holds what training needs; otherwise why not.
+    pub fn trainable_trace(&self) -> Result<&TokenTrace, TraceError> {
+        let trace = self.trace.as_ref().ok_or(TraceError::Missing)?;
+        trace.check()?;
+        Ok(trace)
+    }
+}
+
+/// The tokens of one model turn exactly as the sampler drew them: what a
+/// trainer needs to score the turn again (the ids are trained on as
+/// sampled — no re-tokenization drift).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenTrace {
+    /// The rendered prompt's token ids.
+    pub prompt_ids: Vec<u32>,
+    /// The sampled token ids (a final stop token included).
+    pub completion_ids: Vec<u32>,
+    /// The sampler's logprob of each completion token.
+    pub logprobs: Vec<f32>,
+    /// Policy version (optimizer steps) of the weights that sampled it.
+    pub version: u64,
+    /// Sampling temperature the completion was drawn at (0 = greedy). The
+    /// trainer scores the completion at the same temperature, so the
+    /// importance ratio compares the distribution the sampler drew from.
+    pub temperature: f64,
+}
+
+impl TokenTrace {
+    /// The temperature a learner scores this turn at: the sampling
+    /// temperature, or 1 for greedy turns (a sampler reports greedy
+    /// logprobs at temperature 1).
+    pub fn scoring_temperature(&self) -> f64 {
+        if self.temperature > 0.0 {
+            self.temperature
+        } else {
+            1.0
+        }
+    }
+
+    /// Check that the trace holds what training needs: a prompt to
+    /// condition on and one logprob per completion token.
+    ///
+    /// ```
+    /// use temper_env::{TokenTrace, TraceError};
+    ///
+    /// let mut t = TokenTrace {
+    ///     prompt_ids: vec![1, 5],
+    ///     completion_ids: vec![7, 2],
+    ///     logprobs: vec![-0.3, -1.2],
+    ///     version: 0,
+    ///     temperature: 1.0,
+    /// };
+    /// assert_eq!(t.check(), Ok(()));
+    /// t.logprobs.pop(); // a sampler that lost a logprob
+    /// assert_eq!(t.check(), Err(TraceError::LogprobCount { logprobs: 1, tokens: 2 }));
+    /// ```
+    pub fn check(&self) -> Result<(), TraceError> {
+        if self.prompt_ids.is_empty() {
+            return Err(TraceError::EmptyPrompt);
+        }
+        if self.logprobs.len() != self.completion_ids.len() {
+            return Err(TraceError::LogprobCount {
+                logprobs: self.logprobs.len(),
+                tokens: self.completion_ids.len(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Which half of an environment's rows: the two are disjoint.
@@ -271,8 +344,8 @@ pub struct Rollout {
     pub token_usage: TokenUsage,
     /// Times.
     pub timing: Timing,
-    /// Every model answer in order, with the implementation's `extra`
-    /// (token ids, logprobs) for trainers.
+    /// Every model answer in order, with its [`TokenTrace`] (token ids,
+    /// logprobs) when the model is a trained policy.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub model_turns: Vec<ModelTurn>,
     /// Harness state at the end (for multi-turn environments: their state).

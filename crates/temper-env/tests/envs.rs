@@ -383,7 +383,7 @@ impl ChatModel for Bisect {
             message: Message::assistant(format!("<guess>{}</guess>", (lo + hi) / 2)),
             finish_reason: "stop".into(),
             usage: Usage::default(),
-            extra: serde_json::Value::Null,
+            trace: None,
         })
     }
 }

@@ -189,8 +189,9 @@ async fn calculator_tools_runs_calls_and_feeds_back_errors() {
         reqs[1].messages.iter().filter(|m| m.role == "tool").count(),
         4
     );
-    // The model's extra (token ids) is kept for trainers.
-    assert_eq!(ro.model_turns[0].extra["token_ids"], json!([1, 2, 3]));
+    // The model's token trace (token ids) is kept for trainers.
+    let trace = ro.model_turns[0].trace.as_ref().expect("a token trace");
+    assert_eq!(trace.completion_ids, vec![1, 2, 3]);
     let s = env.score_group(&row, &[ro]).await;
     assert_eq!(s[0].reward, 1.0);
     assert_eq!(s[0].metrics["tool_calls"], 4.0);

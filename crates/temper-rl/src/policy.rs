@@ -4,8 +4,8 @@
 //! Both implementations render the conversation with the model's own chat
 //! template and tokenizer here, in the trainer's process, and sample from
 //! token ids: the ids that are trained on are exactly the ids that were
-//! sampled (no re-tokenization drift). Each [`ModelTurn`] carries them in
-//! `extra` as [`TurnTokens`].
+//! sampled (no re-tokenization drift). Each [`ModelTurn`] carries them as
+//! its [`TokenTrace`].
 //!
 //! - [`EnginePolicy`]: the in-process engine. Requests arriving together
 //!   (all rollouts of a batch start at once) are gathered into one
@@ -18,49 +18,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::Value;
 use temper_engine::{Sample, Trainer};
-use temper_env::{ChatModel, ChatRequest, Message, ModelCallError, ModelTurn, SamplingArgs, Usage};
+use temper_env::{
+    ChatModel, ChatRequest, Message, ModelCallError, ModelTurn, SamplingArgs, TokenTrace, Usage,
+};
 use temper_model::{GenerationRequest, Pretrained, SamplingParams};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{Result, RlError};
-
-/// The tokens of one model turn, as trained on.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TurnTokens {
-    /// The rendered prompt's token ids.
-    pub prompt_ids: Vec<u32>,
-    /// The sampled token ids (a final stop token included).
-    pub completion_ids: Vec<u32>,
-    /// The sampler's logprob of each completion token.
-    pub logprobs: Vec<f32>,
-    /// Policy version (optimizer steps) of the weights that sampled it.
-    pub version: u64,
-    /// Sampling temperature the completion was drawn at (0 = greedy). The
-    /// trainer scores the completion at the same temperature, so the
-    /// importance ratio compares the distribution the sampler drew from.
-    pub temperature: f64,
-}
-
-impl TurnTokens {
-    /// The temperature the learner scores this turn at: the sampling
-    /// temperature, or 1 for greedy turns (the sampler reports greedy
-    /// logprobs at temperature 1).
-    pub fn scoring_temperature(&self) -> f64 {
-        if self.temperature > 0.0 {
-            self.temperature
-        } else {
-            1.0
-        }
-    }
-
-    /// Read back from a [`ModelTurn`]'s `extra`.
-    pub fn from_turn(turn: &ModelTurn) -> Option<TurnTokens> {
-        serde_json::from_value(turn.extra.clone()).ok()
-    }
-}
 
 /// Renders chat requests to token ids and sampled tokens back to turns.
 #[derive(Clone)]
@@ -142,7 +109,7 @@ impl Renderer {
             prompt_tokens: prompt_ids.len() as u64,
             completion_tokens: sample.tokens.len() as u64,
         };
-        let tokens = TurnTokens {
+        let trace = TokenTrace {
             prompt_ids,
             completion_ids: sample.tokens,
             logprobs: sample.logprobs,
@@ -153,7 +120,7 @@ impl Renderer {
             message: Message::assistant(text),
             finish_reason: sample.finish_reason.as_str().into(),
             usage,
-            extra: serde_json::to_value(&tokens).unwrap_or(Value::Null),
+            trace: Some(trace),
         }
     }
 
@@ -338,8 +305,8 @@ pub struct HttpPolicy {
 
 #[derive(Deserialize)]
 struct GenerateResponse {
-    #[serde(default)]
-    version: u64,
+    /// The adapter version that answered (temper serve: its load count).
+    version: Option<u64>,
     choices: Vec<GenerateChoice>,
 }
 
@@ -393,10 +360,16 @@ impl HttpPolicy {
                 "load_lora_adapter answered {status}: {text}"
             )));
         }
-        Ok(serde_json::from_str::<Value>(&text)
+        // The version is how turns are attributed to policy versions: a
+        // server that does not report one cannot be trained against.
+        serde_json::from_str::<Value>(&text)
             .ok()
             .and_then(|v| v.get("version").and_then(Value::as_u64))
-            .unwrap_or(0))
+            .ok_or_else(|| {
+                RlError::Sampler(format!(
+                    "load_lora_adapter answered without an adapter version: {text}"
+                ))
+            })
     }
 }
 
@@ -436,6 +409,9 @@ impl ChatModel for HttpPolicy {
         }
         let mut out: GenerateResponse = serde_json::from_str(&text)
             .map_err(|e| ModelCallError::Malformed(format!("/v1/generate: {e}: {text}")))?;
+        let version = out.version.ok_or_else(|| {
+            ModelCallError::Malformed(format!("/v1/generate reported no adapter version: {text}"))
+        })?;
         let choice = out
             .choices
             .pop()
@@ -452,6 +428,6 @@ impl ChatModel for HttpPolicy {
         };
         Ok(self
             .renderer
-            .turn(prompt, sample, choice.text, out.version, p.temperature))
+            .turn(prompt, sample, choice.text, version, p.temperature))
     }
 }

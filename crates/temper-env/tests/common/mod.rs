@@ -5,9 +5,9 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use async_trait::async_trait;
-use serde_json::{json, Value};
 use temper_env::{
-    ChatModel, ChatRequest, FunctionCall, Message, ModelCallError, ModelTurn, ToolCall, Usage,
+    ChatModel, ChatRequest, FunctionCall, Message, ModelCallError, ModelTurn, TokenTrace, ToolCall,
+    Usage,
 };
 
 pub struct Scripted {
@@ -50,7 +50,7 @@ pub fn say(text: &str) -> ModelTurn {
             prompt_tokens: 10,
             completion_tokens: 6,
         },
-        extra: Value::Null,
+        trace: None,
     }
 }
 
@@ -78,6 +78,12 @@ pub fn call_tools(calls: &[(&str, &str)]) -> ModelTurn {
             prompt_tokens: 10,
             completion_tokens: 6,
         },
-        extra: json!({"token_ids": [1, 2, 3]}),
+        trace: Some(TokenTrace {
+            prompt_ids: vec![9],
+            completion_ids: vec![1, 2, 3],
+            logprobs: vec![-0.1, -0.2, -0.3],
+            version: 0,
+            temperature: 1.0,
+        }),
     }
 }

@@ -1,0 +1,134 @@
+//! Checkpoints of an RL run: trainer state under `checkpoints/`, and
+//! `checkpoints/latest.json` naming the newest complete one with what a
+//! resume needs beyond the weights. Written in an order such that a kill
+//! at any point leaves `latest.json` naming a complete checkpoint.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use temper_engine::Trainer;
+
+use crate::config::RlConfig;
+use crate::error::{Result, RlError};
+use crate::eval::EvalResult;
+use crate::runlog::write_atomic;
+
+/// `checkpoints/latest.json`: what a resume needs beyond the weights.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LoopState {
+    /// Steps completed.
+    pub step: u64,
+    /// The trainer's state path for them.
+    pub state_path: String,
+    /// Stale groups dropped so far.
+    pub dropped_stale: u64,
+    /// The run's seed.
+    pub seed: u64,
+    /// Held-out evaluation before training.
+    pub eval_before: Option<EvalResult>,
+}
+
+/// `run_dir/checkpoints/latest.json`.
+pub fn latest_path(run_dir: &Path) -> PathBuf {
+    run_dir.join("checkpoints").join("latest.json")
+}
+
+/// The loop state to start from: a fresh run's, or — with `resume` — the
+/// latest checkpoint's, loaded into `trainer`.
+pub async fn start_state(
+    run_dir: &Path,
+    trainer: &dyn Trainer,
+    resume: bool,
+    seed: u64,
+) -> Result<LoopState> {
+    let mut st = if resume {
+        self::resume(run_dir, trainer).await?
+    } else {
+        LoopState::default()
+    };
+    st.seed = seed;
+    Ok(st)
+}
+
+/// Load the latest checkpoint of `run_dir` into `trainer`; its loop state.
+pub async fn resume(run_dir: &Path, trainer: &dyn Trainer) -> Result<LoopState> {
+    let path = latest_path(run_dir);
+    let text = std::fs::read_to_string(&path).map_err(|e| RlError::io(&path, e))?;
+    let st: LoopState = serde_json::from_str(&text)
+        .map_err(|e| RlError::Config(format!("{}: {e}", path.display())))?;
+    trainer.load_state(&st.state_path, true).await?;
+    tracing::info!(step = st.step, "resumed from {}", st.state_path);
+    Ok(st)
+}
+
+/// Whether a checkpoint is due after `step` steps: every `ckpt.interval`
+/// steps and after the last.
+pub(crate) fn checkpoint_due(cfg: &RlConfig, step: u64) -> bool {
+    (cfg.ckpt.interval > 0 && step.is_multiple_of(cfg.ckpt.interval))
+        || step == cfg.trainer.max_steps
+}
+
+/// Save trainer state for `st.step`, then (atomically) point
+/// `checkpoints/latest.json` at it, then delete checkpoints beyond `keep`.
+/// Returns the state path.
+pub async fn save(
+    run_dir: &Path,
+    trainer: &dyn Trainer,
+    mut st: LoopState,
+    keep: usize,
+) -> Result<String> {
+    let name = format!("step-{:06}", st.step);
+    let path = trainer.save_state(&name).await?;
+    st.state_path = path.clone();
+    let text = serde_json::to_string_pretty(&st).map_err(|e| RlError::Config(e.to_string()))?;
+    write_atomic(&latest_path(run_dir), text.as_bytes())?;
+    // Prune older local state directories (siblings named step-N).
+    let state = PathBuf::from(&path);
+    if let Some(parent) = state.parent().filter(|p| p.is_dir()) {
+        let mut old: Vec<PathBuf> = std::fs::read_dir(parent)
+            .map_err(|e| RlError::io(parent, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("step-"))
+            })
+            .collect();
+        old.sort();
+        let keep = keep.max(1);
+        if old.len() > keep {
+            for p in &old[..old.len() - keep] {
+                if *p != state {
+                    let _ = std::fs::remove_dir_all(p);
+                }
+            }
+        }
+    }
+    Ok(path)
+}
+
+/// Where the trained weights are once the loop ends: the PEFT adapter
+/// (exported to `run_dir/adapter`), the training API's checkpoint path
+/// (`last_ckpt`), or — for full fine-tuning and unfinished runs — the
+/// checkpoints directory.
+pub async fn final_output(
+    cfg: &RlConfig,
+    trainer: &dyn Trainer,
+    run_dir: &Path,
+    finished: bool,
+    last_ckpt: &str,
+) -> Result<PathBuf> {
+    if !finished {
+        return Ok(run_dir.join("checkpoints"));
+    }
+    if cfg.remote_trainer.url.is_some() {
+        // The weights stay with the training service: its checkpoint path.
+        Ok(PathBuf::from(last_ckpt))
+    } else if cfg.lora.enabled {
+        let d = run_dir.join("adapter");
+        trainer.export_peft(&d).await?;
+        Ok(d)
+    } else {
+        Ok(run_dir.join("checkpoints"))
+    }
+}

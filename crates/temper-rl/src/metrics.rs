@@ -1,0 +1,410 @@
+//! What one RL step measured, as a type: [`StepMetrics`] is built from the
+//! step's groups, its trained turns and the train step's output, then
+//! written as one line of `metrics.jsonl`.
+//!
+//! The JSON keys (`reward/mean`, `mismatch/max`, `time/step`, ...) are the
+//! interface to `temper view`, `plots.html` and the check scripts; they are
+//! spelled once, in the `serde(rename)` attributes below. Field order is key
+//! order in the file (serde_json keeps insertion order).
+
+use std::collections::BTreeMap;
+
+use serde::ser::{Serialize, SerializeMap, Serializer};
+use serde_json::{Map, Value};
+
+use crate::datum::TrainTurns;
+use crate::error::{Result, RlError};
+use crate::eval::EvalResult;
+use crate::rollout::Group;
+use crate::step::StepOutput;
+
+/// One step's metrics: one line of `metrics.jsonl`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct StepMetrics {
+    /// Steps completed, this one included (the policy version it produced).
+    pub step: u64,
+    /// What the step's (fresh) rollouts scored.
+    #[serde(flatten)]
+    pub rollouts: RolloutMetrics,
+    /// What became training data, and what did not.
+    #[serde(flatten)]
+    pub data: DataMetrics,
+    /// What the train step reported.
+    #[serde(flatten)]
+    pub train: TrainMetrics,
+    /// Wall-clock times.
+    #[serde(flatten)]
+    pub time: TimeMetrics,
+}
+
+/// Rewards and rollout shapes of the groups that were not dropped as stale.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct RolloutMetrics {
+    /// Mean reward.
+    #[serde(rename = "reward/mean")]
+    pub reward_mean: f64,
+    /// Reward standard deviation (population).
+    #[serde(rename = "reward/std")]
+    pub reward_std: f64,
+    /// Per environment: `reward/{id}/mean` and `reward/{id}/std`.
+    #[serde(flatten)]
+    pub reward_by_env: RewardByEnv,
+    /// Each rubric metric's mean: `metric/{name}`.
+    #[serde(flatten)]
+    pub rubric: RubricMetrics,
+    /// Fraction of rollouts at or above the pass threshold.
+    pub pass_rate: f64,
+    /// Mean completion tokens per rollout.
+    #[serde(rename = "seq_len/mean")]
+    pub seq_len_mean: f64,
+    /// Fraction of rollouts that hit a token limit.
+    pub truncation_rate: f64,
+    /// Rollouts that ended in an error (scored, never trained on).
+    pub rollout_errors: usize,
+    /// Mean policy lag (steps) of the groups trained on.
+    #[serde(rename = "policy_lag/mean")]
+    pub policy_lag_mean: f64,
+    /// Largest policy lag of the groups trained on.
+    #[serde(rename = "policy_lag/max")]
+    pub policy_lag_max: f64,
+}
+
+/// Mean and standard deviation of the reward per environment, in `[[env]]`
+/// order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RewardByEnv(pub Vec<(String, f64, f64)>);
+
+impl Serialize for RewardByEnv {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(2 * self.0.len()))?;
+        for (id, mean, std) in &self.0 {
+            map.serialize_entry(&format!("reward/{id}/mean"), mean)?;
+            map.serialize_entry(&format!("reward/{id}/std"), std)?;
+        }
+        map.end()
+    }
+}
+
+/// The mean of each rubric metric by name.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RubricMetrics(pub BTreeMap<String, f64>);
+
+impl Serialize for RubricMetrics {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (name, mean) in &self.0 {
+            map.serialize_entry(&format!("metric/{name}"), mean)?;
+        }
+        map.end()
+    }
+}
+
+/// From groups to training data.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct DataMetrics {
+    /// Groups dropped this step for lagging more than the bound.
+    pub dropped_stale: u64,
+    /// Groups dropped so far in the run.
+    #[serde(rename = "dropped_stale/total")]
+    pub dropped_stale_total: u64,
+    /// Groups whose rewards were all equal (nothing to learn from).
+    pub zero_advantage_groups: u64,
+    /// Model turns without a usable token trace (never trained on).
+    pub skipped_turns: u64,
+    /// Datums trained on.
+    pub trained_sequences: usize,
+    /// Completion tokens trained on.
+    pub trained_tokens: usize,
+}
+
+/// The train step's report.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct TrainMetrics {
+    /// Summed loss over the micro-batches.
+    pub loss: f64,
+    /// Largest |learner − sampler| logprob over on-policy tokens.
+    #[serde(rename = "mismatch/max")]
+    pub mismatch_max: f64,
+    /// Mean |learner − sampler| logprob over on-policy tokens.
+    #[serde(rename = "mismatch/mean")]
+    pub mismatch_mean: f64,
+    /// How many on-policy (lag 0) tokens the mismatch was measured on.
+    #[serde(rename = "mismatch/tokens")]
+    pub mismatch_tokens: usize,
+    /// Mean entropy over the trained tokens that report one.
+    pub entropy: f64,
+    /// Gradient norm before clipping (0 when nothing was trained).
+    pub grad_norm: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Seconds in forward_backward + optim_step.
+    #[serde(rename = "time/train")]
+    pub train_s: f64,
+}
+
+/// Wall-clock times (and the held-out evaluation when one ran), in the
+/// order they are known.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct TimeMetrics {
+    /// Seconds spent sampling the batch.
+    #[serde(rename = "time/generate")]
+    pub generate_s: f64,
+    /// Trained tokens per second of training.
+    pub tokens_per_s: f64,
+    /// Seconds the trainer waited for the batch.
+    #[serde(rename = "time/wait")]
+    pub wait_s: f64,
+    /// Seconds publishing the new weights to the sampler.
+    #[serde(rename = "time/publish")]
+    pub publish_s: f64,
+    /// Held-out pass@1, when an evaluation ran after this step.
+    #[serde(rename = "eval/accuracy", skip_serializing_if = "Option::is_none")]
+    pub eval_accuracy: Option<f64>,
+    /// Held-out mean reward, when an evaluation ran after this step.
+    #[serde(rename = "eval/reward", skip_serializing_if = "Option::is_none")]
+    pub eval_reward: Option<f64>,
+    /// Seconds for the whole step.
+    #[serde(rename = "time/step")]
+    pub step_s: f64,
+    /// Seconds since the run (this session) started.
+    #[serde(rename = "time/elapsed")]
+    pub elapsed_s: f64,
+}
+
+/// Mean of `xs` (0 for none).
+pub(crate) fn mean(xs: &[f64]) -> f64 {
+    if xs.is_empty() {
+        0.0
+    } else {
+        xs.iter().sum::<f64>() / xs.len() as f64
+    }
+}
+
+/// Population standard deviation of `xs` (0 for none).
+fn std_dev(xs: &[f64]) -> f64 {
+    let mu = mean(xs);
+    (xs.iter().map(|x| (x - mu).powi(2)).sum::<f64>() / xs.len().max(1) as f64).sqrt()
+}
+
+impl RolloutMetrics {
+    /// Over the rollouts of `groups_g` (the fresh groups); `env_ids` names
+    /// the environments by index.
+    pub fn of(groups_g: &[Group], step: u64, env_ids: &[String], pass_threshold: f64) -> Self {
+        let mut rewards = Vec::new();
+        let mut per_env: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
+        let mut rubric: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+        let mut lens = Vec::new();
+        let mut lags = Vec::new();
+        let (mut truncated, mut errors) = (0usize, 0usize);
+        for g in groups_g {
+            lags.push(step.saturating_sub(g.version) as f64);
+            for (r, s) in g.rollouts.iter().zip(&g.scores) {
+                rewards.push(s.reward);
+                per_env.entry(g.env).or_default().push(s.reward);
+                for (k, v) in &s.metrics {
+                    rubric.entry(k.clone()).or_default().push(*v);
+                }
+                lens.push(r.token_usage.output_tokens as f64);
+                truncated += usize::from(r.is_truncated);
+                errors += usize::from(r.error.is_some());
+            }
+        }
+        let reward_by_env = per_env
+            .iter()
+            .map(|(e, rs)| {
+                let id = env_ids
+                    .get(*e)
+                    .cloned()
+                    .unwrap_or_else(|| format!("env{e}"));
+                (id, mean(rs), std_dev(rs))
+            })
+            .collect();
+        let passes = rewards.iter().filter(|r| **r >= pass_threshold).count();
+        Self {
+            reward_mean: mean(&rewards),
+            reward_std: std_dev(&rewards),
+            reward_by_env: RewardByEnv(reward_by_env),
+            rubric: RubricMetrics(rubric.iter().map(|(k, v)| (k.clone(), mean(v))).collect()),
+            pass_rate: passes as f64 / rewards.len().max(1) as f64,
+            seq_len_mean: mean(&lens),
+            truncation_rate: truncated as f64 / lens.len().max(1) as f64,
+            rollout_errors: errors,
+            policy_lag_mean: mean(&lags),
+            policy_lag_max: lags.iter().copied().fold(0.0, f64::max),
+        }
+    }
+}
+
+impl DataMetrics {
+    /// What `turns` kept of a batch that had `dropped_stale` stale groups.
+    pub fn of(turns: &TrainTurns, dropped_stale: u64, dropped_stale_total: u64) -> Self {
+        Self {
+            dropped_stale,
+            dropped_stale_total,
+            zero_advantage_groups: turns.zero_advantage_groups,
+            skipped_turns: turns.skipped_turns,
+            trained_sequences: turns.turns_d().len(),
+            trained_tokens: turns.tokens(),
+        }
+    }
+}
+
+impl TrainMetrics {
+    /// From the train step's output.
+    pub fn of(out: &StepOutput) -> Self {
+        Self {
+            loss: out.loss_sum,
+            mismatch_max: out.mismatch_max,
+            mismatch_mean: out.mismatch_sum / out.mismatch_tokens.max(1) as f64,
+            mismatch_tokens: out.mismatch_tokens,
+            entropy: out.entropy_sum / out.entropy_tokens.max(1) as f64,
+            grad_norm: out.grad_norm,
+            lr: out.lr,
+            train_s: out.train_s,
+        }
+    }
+}
+
+impl TimeMetrics {
+    /// Record the held-out evaluation that ran after this step.
+    pub fn with_eval(mut self, eval: Option<&EvalResult>) -> Self {
+        self.eval_accuracy = eval.map(|r| r.accuracy);
+        self.eval_reward = eval.map(|r| r.reward);
+        self
+    }
+}
+
+impl StepMetrics {
+    /// The `metrics.jsonl` record.
+    pub fn to_record(&self) -> Result<Map<String, Value>> {
+        match serde_json::to_value(self) {
+            Ok(Value::Object(m)) => Ok(m),
+            Ok(other) => Err(RlError::Data(format!(
+                "step metrics serialised to {other}, not an object"
+            ))),
+            Err(e) => Err(RlError::Data(format!("step metrics: {e}"))),
+        }
+    }
+
+    /// The progress line printed after each step.
+    pub fn progress_line(&self, max_steps: u64) -> String {
+        let (r, d, t, time) = (&self.rollouts, &self.data, &self.train, &self.time);
+        let mismatch = if t.mismatch_tokens > 0 {
+            format!("{:.1e}", t.mismatch_max)
+        } else {
+            "n/a".into()
+        };
+        format!(
+            "step {:>4}/{max_steps}  reward {:.3}  pass {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
+            self.step,
+            r.reward_mean,
+            100.0 * r.pass_rate,
+            r.seq_len_mean,
+            r.policy_lag_mean,
+            d.dropped_stale_total,
+            // Groups with all-equal rewards train nothing: a step where every
+            // group is zero-advantage shows `ent 0 |g| 0` for that reason.
+            d.zero_advantage_groups,
+            t.entropy,
+            t.grad_norm,
+            time.step_s,
+            time.generate_s,
+            t.train_s,
+            time.wait_s,
+        )
+    }
+}
+
+/// The metrics plotted into `plots.html`.
+pub const PLOTTED: &[&str] = &[
+    "reward/mean",
+    "pass_rate",
+    "eval/accuracy",
+    "seq_len/mean",
+    "entropy",
+    "grad_norm",
+    "mismatch/max",
+    "policy_lag/mean",
+    "time/step",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_line_shows_the_zero_advantage_group_count() {
+        let mut m = StepMetrics {
+            step: 2,
+            ..Default::default()
+        };
+        m.data.zero_advantage_groups = 3;
+        m.time.step_s = 1.0;
+        let line = m.progress_line(5);
+        assert!(line.contains("zero-adv 3"), "{line}");
+    }
+
+    /// The keys (and their order) of a `metrics.jsonl` line are what
+    /// `temper view`, `plots.html` and the check scripts read.
+    #[test]
+    fn a_record_has_the_metrics_jsonl_keys_in_order() {
+        let mut m = StepMetrics {
+            step: 1,
+            ..Default::default()
+        };
+        m.rollouts.reward_by_env = RewardByEnv(vec![("arithmetic".into(), 0.5, 0.1)]);
+        m.rollouts.rubric = RubricMetrics([("correct".to_string(), 0.5)].into());
+        m.rollouts.rollout_errors = 2;
+        m.time.eval_accuracy = Some(0.25);
+        m.time.eval_reward = Some(0.5);
+        let record = m.to_record().unwrap();
+        let keys: Vec<&str> = record.keys().map(String::as_str).collect();
+        assert_eq!(
+            keys,
+            [
+                "step",
+                "reward/mean",
+                "reward/std",
+                "reward/arithmetic/mean",
+                "reward/arithmetic/std",
+                "metric/correct",
+                "pass_rate",
+                "seq_len/mean",
+                "truncation_rate",
+                "rollout_errors",
+                "policy_lag/mean",
+                "policy_lag/max",
+                "dropped_stale",
+                "dropped_stale/total",
+                "zero_advantage_groups",
+                "skipped_turns",
+                "trained_sequences",
+                "trained_tokens",
+                "loss",
+                "mismatch/max",
+                "mismatch/mean",
+                "mismatch/tokens",
+                "entropy",
+                "grad_norm",
+                "lr",
+                "time/train",
+                "time/generate",
+                "tokens_per_s",
+                "time/wait",
+                "time/publish",
+                "eval/accuracy",
+                "eval/reward",
+                "time/step",
+                "time/elapsed",
+            ]
+        );
+        // Counts are integers, measurements floats — as before.
+        assert_eq!(record["step"], serde_json::json!(1));
+        assert_eq!(record["rollout_errors"], serde_json::json!(2));
+        assert_eq!(record["policy_lag/max"], serde_json::json!(0.0));
+        // Without an evaluation the eval keys are absent.
+        m.time.eval_accuracy = None;
+        m.time.eval_reward = None;
+        assert!(!m.to_record().unwrap().contains_key("eval/accuracy"));
+    }
+}

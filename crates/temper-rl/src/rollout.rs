@@ -1,0 +1,348 @@
+//! Sampling: which rows each step's groups prompt, and rolling each group
+//! out against a published policy — inline (the synchronous loop) or in a
+//! producer task that runs ahead of the trainer by at most
+//! `max_off_policy_steps` policy versions.
+//!
+//! Randomness is derived from `(seed, step, group, rollout)` and rows from
+//! the step, so a resumed run samples exactly what the uninterrupted run
+//! would have.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use temper_env::{Environment, Rollout, Row, SamplingArgs, Score, Split};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::config::{AsyncSection, RlConfig, SamplingSection};
+use crate::error::{Result, RlError};
+use crate::policy::Batcher;
+use crate::publish::Published;
+
+/// One prompt's rollouts, scored.
+#[derive(Debug, Clone)]
+pub struct Group {
+    /// Index of the environment in the config's `[[env]]` list.
+    pub env: usize,
+    /// The row.
+    pub row: Row,
+    /// Its rollouts.
+    pub rollouts: Vec<Rollout>,
+    /// Their scores.
+    pub scores: Vec<Score>,
+    /// Oldest policy version among the rollouts' model turns.
+    pub version: u64,
+}
+
+impl Group {
+    /// The reward of each rollout.
+    pub fn rewards_r(&self) -> Vec<f64> {
+        self.scores.iter().map(|s| s.reward).collect()
+    }
+}
+
+/// One step's groups.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    /// The step that trains on it.
+    pub step: u64,
+    /// Its groups, one per prompt.
+    pub groups_g: Vec<Group>,
+    /// Seconds spent generating it.
+    pub generate_s: f64,
+}
+
+impl Batch {
+    /// Split off the groups whose policy lags `step` by more than
+    /// `max_off` versions: (the groups to train on, how many were dropped).
+    /// A stale group is never trained on (it can happen with an external
+    /// sampler that swaps adapters late).
+    pub fn drop_stale(self, step: u64, max_off: u64) -> (Vec<Group>, u64) {
+        let total = self.groups_g.len();
+        let fresh_g: Vec<Group> = self
+            .groups_g
+            .into_iter()
+            .filter(|g| step.saturating_sub(g.version) <= max_off)
+            .collect();
+        let dropped = (total - fresh_g.len()) as u64;
+        (fresh_g, dropped)
+    }
+}
+
+/// Everything sampling reads: the environments, their training rows and
+/// the order they are mixed in.
+pub struct RolloutPlan {
+    sampling: SamplingSection,
+    batch_size: usize,
+    seed: u64,
+    envs: Vec<Arc<dyn Environment>>,
+    pools: Vec<Vec<Row>>,
+    schedule: Vec<usize>,
+}
+
+impl RolloutPlan {
+    /// Load `cfg`'s environments and enough training rows of each for the
+    /// run.
+    pub fn load(cfg: &RlConfig) -> Result<Self> {
+        let mut envs = Vec::new();
+        let mut pools = Vec::new();
+        let total_groups = (cfg.trainer.max_steps as usize) * cfg.trainer.batch_size;
+        let total_weight = cfg.env.iter().map(|x| x.weight).sum::<f64>();
+        for e in &cfg.env {
+            let env = temper_env::load_environment(&e.id, &e.args)
+                .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
+            let share = (total_groups as f64 * e.weight / total_weight).ceil() as usize;
+            let rows = env
+                .rows(Split::Train, share.clamp(1, 100_000), cfg.seed)
+                .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
+            if rows.is_empty() {
+                return Err(RlError::Env(format!("{} has no training rows", e.id)));
+            }
+            envs.push(env);
+            pools.push(rows);
+        }
+        let schedule = mixing_schedule(&cfg.env.iter().map(|e| e.weight).collect::<Vec<_>>())?;
+        Ok(Self {
+            sampling: cfg.sampling.clone(),
+            batch_size: cfg.trainer.batch_size,
+            seed: cfg.seed,
+            envs,
+            pools,
+            schedule,
+        })
+    }
+
+    /// The environments' ids, by index.
+    pub fn env_ids(&self) -> Vec<String> {
+        self.envs.iter().map(|e| e.id().to_string()).collect()
+    }
+
+    /// The groups of batch `step`: (env index, row).
+    fn batch_rows(&self, step: u64) -> Vec<(usize, Row)> {
+        let b = self.batch_size as u64;
+        (0..b)
+            .map(|g| {
+                let i = (step * b + g) as usize;
+                let e = self.schedule[i % self.schedule.len()];
+                // How many earlier groups used env e: its row position.
+                let cycles = i / self.schedule.len();
+                let per_cycle = self.schedule.iter().filter(|&&x| x == e).count();
+                let before = self.schedule[..i % self.schedule.len()]
+                    .iter()
+                    .filter(|&&x| x == e)
+                    .count();
+                let pos = cycles * per_cycle + before;
+                let pool = &self.pools[e];
+                (e, pool[pos % pool.len()].clone())
+            })
+            .collect()
+    }
+
+    fn sampling(&self, seed: u64) -> SamplingArgs {
+        SamplingArgs {
+            max_tokens: self.sampling.max_tokens,
+            temperature: self.sampling.temperature,
+            top_p: self.sampling.top_p,
+            seed: Some(seed),
+            ..Default::default()
+        }
+    }
+
+    /// Roll out and score every group of batch `step` against `policy`.
+    pub async fn sample_batch(
+        &self,
+        step: u64,
+        policy: &Published,
+        batcher: Option<&Batcher>,
+    ) -> Batch {
+        let t0 = Instant::now();
+        let rows = self.batch_rows(step);
+        let g_size = self.sampling.group_size;
+        if let Some(b) = batcher {
+            b.expect(rows.len() * g_size);
+        }
+        let groups_g = rows.into_iter().enumerate().map(|(g, (e, row))| {
+            let env = self.envs[e].clone();
+            let model = policy.model.clone();
+            let fallback = policy.version;
+            let args_r: Vec<SamplingArgs> = (0..g_size)
+                .map(|k| self.sampling(mix(&[self.seed, step, g as u64, k as u64])))
+                .collect();
+            async move {
+                let mut rollouts: Vec<Rollout> = futures::future::join_all(
+                    args_r.iter().map(|a| env.rollout(model.as_ref(), &row, a)),
+                )
+                .await;
+                let scores = temper_env::score_and_time(env.as_ref(), &row, &mut rollouts).await;
+                let version = rollouts
+                    .iter()
+                    .flat_map(|r| r.model_turns.iter())
+                    .filter_map(|t| t.trace.as_ref())
+                    .map(|t| t.version)
+                    .min()
+                    .unwrap_or(fallback);
+                Group {
+                    env: e,
+                    row,
+                    rollouts,
+                    scores,
+                    version,
+                }
+            }
+        });
+        let groups_g = futures::future::join_all(groups_g).await;
+        Batch {
+            step,
+            groups_g,
+            generate_s: t0.elapsed().as_secs_f64(),
+        }
+    }
+}
+
+/// A seed from small integers (SplitMix64 over the parts).
+pub(crate) fn mix(parts: &[u64]) -> u64 {
+    let mut h: u64 = 0x243F_6A88_85A3_08D3;
+    for &p in parts {
+        h ^= p.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        h = (h ^ (h >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        h = (h ^ (h >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        h ^= h >> 31;
+    }
+    h
+}
+
+/// A deterministic interleaving of environments by weight (smooth weighted
+/// round robin over a cycle of at most 100 slots).
+fn mixing_schedule(weights: &[f64]) -> Result<Vec<usize>> {
+    if weights.is_empty() {
+        return Err(RlError::Config("at least one [[env]] is needed".into()));
+    }
+    if weights.iter().any(|w| !(w.is_finite() && *w > 0.0)) {
+        return Err(RlError::Config("env weights must be > 0".into()));
+    }
+    let total: f64 = weights.iter().sum();
+    let slots = 100usize;
+    let mut current = vec![0.0; weights.len()];
+    let mut out = Vec::with_capacity(slots);
+    for _ in 0..slots {
+        for (c, w) in current.iter_mut().zip(weights) {
+            *c += w;
+        }
+        let (best, _) =
+            current.iter().enumerate().fold(
+                (0, f64::MIN),
+                |acc, (i, &c)| if c > acc.1 { (i, c) } else { acc },
+            );
+        current[best] -= total;
+        out.push(best);
+    }
+    Ok(out)
+}
+
+/// Where the loop's batches come from.
+pub enum Rollouts {
+    /// Sampled when asked, from the newest published policy (the
+    /// synchronous loop: generate, then train).
+    Inline {
+        /// The plan.
+        plan: Arc<RolloutPlan>,
+        /// The published policies.
+        policies: watch::Receiver<Option<Published>>,
+        /// The in-process sampler's batcher.
+        batcher: Option<Batcher>,
+    },
+    /// Sampled ahead by a producer task: batch `j` starts once version
+    /// `j − max_off_policy_steps` is published.
+    Ahead {
+        /// Batches in step order.
+        batches: mpsc::Receiver<Batch>,
+        /// The producer.
+        producer: JoinHandle<()>,
+    },
+}
+
+impl Rollouts {
+    /// Start sampling the batches of `steps`.
+    pub fn start(
+        plan: Arc<RolloutPlan>,
+        cfg: &AsyncSection,
+        policies: watch::Receiver<Option<Published>>,
+        batcher: Option<Batcher>,
+        steps: Range<u64>,
+    ) -> Self {
+        if !cfg.enabled {
+            return Rollouts::Inline {
+                plan,
+                policies,
+                batcher,
+            };
+        }
+        let max_off = cfg.max_off_policy_steps;
+        let (tx, batches) = mpsc::channel::<Batch>(1 + max_off as usize);
+        let mut policies = policies;
+        let producer = tokio::spawn(async move {
+            for j in steps {
+                let need = j.saturating_sub(max_off);
+                let policy = match policies
+                    .wait_for(|p| p.as_ref().is_some_and(|p| p.version >= need))
+                    .await
+                {
+                    Ok(p) => p.clone(),
+                    Err(_) => return,
+                };
+                let Some(policy) = policy else { return };
+                let batch = plan.sample_batch(j, &policy, batcher.as_ref()).await;
+                if tx.send(batch).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Rollouts::Ahead { batches, producer }
+    }
+
+    /// The batch of `step`.
+    pub async fn next(&mut self, step: u64) -> Result<Batch> {
+        match self {
+            Rollouts::Inline {
+                plan,
+                policies,
+                batcher,
+            } => {
+                let policy = policies
+                    .borrow()
+                    .clone()
+                    .ok_or_else(|| RlError::Sampler("no policy is published yet".into()))?;
+                Ok(plan.sample_batch(step, &policy, batcher.as_ref()).await)
+            }
+            Rollouts::Ahead { batches, .. } => batches
+                .recv()
+                .await
+                .ok_or_else(|| RlError::Sampler("the rollout producer stopped".into())),
+        }
+    }
+}
+
+impl Drop for Rollouts {
+    fn drop(&mut self) {
+        if let Rollouts::Ahead { producer, .. } = self {
+            producer.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mixing_schedule_follows_the_weights() {
+        let s = mixing_schedule(&[3.0, 1.0]).unwrap();
+        assert_eq!(s.iter().filter(|&&e| e == 0).count(), 75);
+        assert_eq!(s.iter().filter(|&&e| e == 1).count(), 25);
+        // Interleaved, not blocked.
+        assert!(s[..8].contains(&1));
+        assert!(mixing_schedule(&[]).is_err());
+        assert!(mixing_schedule(&[1.0, 0.0]).is_err());
+    }
+}

@@ -1,0 +1,144 @@
+//! The train step: `forward_backward` over the datums (in micro-batches),
+//! then one `optim_step`, back to back — and what the learner's logprobs say
+//! about the sampler's (the mismatch on on-policy tokens).
+
+use std::time::Instant;
+
+use temper_engine::{AdamParams, Datum, Loss, Trainer};
+
+use crate::config::TrainerSection;
+use crate::datum::TrainTurn;
+use crate::error::{Result, RlError};
+
+/// What one train step reports.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOutput {
+    /// Summed loss over the micro-batches.
+    pub loss_sum: f64,
+    /// Gradient norm before clipping (0 when nothing was trained).
+    pub grad_norm: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Largest |learner − sampler| logprob over on-policy tokens.
+    pub mismatch_max: f64,
+    /// Sum of |learner − sampler| logprob over on-policy tokens.
+    pub mismatch_sum: f64,
+    /// On-policy completion tokens (sampled by the weights being trained).
+    pub mismatch_tokens: usize,
+    /// Sum of the learner's entropy over the tokens that report one.
+    pub entropy_sum: f64,
+    /// Tokens that reported an entropy.
+    pub entropy_tokens: usize,
+    /// Seconds in forward_backward + optim_step.
+    pub train_s: f64,
+}
+
+/// The loss of `trainer.loss` (validated here).
+pub fn loss_of(cfg: &TrainerSection) -> Result<Loss> {
+    match cfg.loss.as_str() {
+        "importance_sampling" => Ok(Loss::ImportanceSampling),
+        "ppo" => Ok(Loss::Ppo {
+            clip_low: cfg.clip_low,
+            clip_high: cfg.clip_high,
+        }),
+        "cispo" => Ok(Loss::Cispo {
+            clip_low: cfg.clip_low,
+            clip_high: cfg.clip_high,
+        }),
+        other => Err(RlError::Config(format!(
+            "trainer.loss {other:?}: use importance_sampling, ppo or cispo"
+        ))),
+    }
+}
+
+/// Linear warm-up to `lr` over `warmup` steps, then constant.
+pub fn learning_rate(lr: f64, warmup: u64, step: u64) -> f64 {
+    if warmup == 0 {
+        lr
+    } else {
+        lr * ((step + 1) as f64 / warmup as f64).min(1.0)
+    }
+}
+
+/// Train step `step` on `datums_d` (one per turn of `turns_d`). Without
+/// datums nothing is trained and no optimizer step is taken.
+pub async fn train_step(
+    trainer: &dyn Trainer,
+    hp: &TrainerSection,
+    step: u64,
+    datums_d: Vec<Datum>,
+    turns_d: &[TrainTurn],
+) -> Result<StepOutput> {
+    let t_train = Instant::now();
+    let loss = loss_of(hp)?;
+    let mut out = StepOutput {
+        lr: learning_rate(hp.lr, hp.warmup_steps, step),
+        ..Default::default()
+    };
+    let micro = if hp.micro_batch == 0 {
+        datums_d.len().max(1)
+    } else {
+        hp.micro_batch
+    };
+    if !datums_d.is_empty() {
+        for (chunk, turns) in datums_d.chunks(micro).zip(turns_d.chunks(micro)) {
+            let fb = trainer
+                .forward_backward(chunk.to_vec(), loss.clone())
+                .await?;
+            out.loss_sum += fb.metrics.get("loss:sum").copied().unwrap_or(0.0);
+            for (o, turn) in fb.loss_fn_outputs.iter().zip(turns) {
+                let t = turn.trace();
+                let p = t.prompt_ids.len();
+                let n = t.completion_ids.len();
+                let Some(learner) = o.logprobs.get(p - 1..p - 1 + n) else {
+                    return Err(RlError::Data(format!(
+                        "the trainer returned {} logprobs for a datum of {} targets",
+                        o.logprobs.len(),
+                        p - 1 + n
+                    )));
+                };
+                if t.version == step {
+                    for (&l, &q) in learner.iter().zip(&t.logprobs) {
+                        let d = (f64::from(l) - f64::from(q)).abs();
+                        out.mismatch_max = out.mismatch_max.max(d);
+                        out.mismatch_sum += d;
+                    }
+                }
+                // A training API (the tinker protocol) returns no entropy;
+                // the metric then averages over the tokens that have one.
+                if let Some(ent) = o.entropy.get(p - 1..p - 1 + n) {
+                    out.entropy_sum += ent.iter().map(|&e| f64::from(e)).sum::<f64>();
+                    out.entropy_tokens += ent.len();
+                }
+            }
+        }
+        let stats = trainer
+            .optim_step(AdamParams {
+                learning_rate: out.lr,
+                weight_decay: hp.weight_decay,
+                grad_clip_norm: hp.grad_clip,
+                ..AdamParams::default()
+            })
+            .await?;
+        out.grad_norm = stats.grad_norm;
+    }
+    out.train_s = t_train.elapsed().as_secs_f64();
+    out.mismatch_tokens = turns_d
+        .iter()
+        .filter(|t| t.trace().version == step)
+        .map(|t| t.trace().completion_ids.len())
+        .sum();
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warmup_ramps_linearly() {
+        assert_eq!(learning_rate(1.0, 0, 0), 1.0);
+        assert_eq!(learning_rate(1.0, 4, 0), 0.25);
+        assert_eq!(learning_rate(1.0, 4, 9), 1.0);
+    }
+}
