@@ -155,18 +155,14 @@ fn serve(args: ServeArgs) -> Result<()> {
         .context("starting the async runtime")?;
     rt.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("binding {addr}"))?;
-        let addr = listener.local_addr().context("reading the bound address")?;
-        eprintln!(
-            "temper training API on http://{addr} (TINKER_BASE_URL=http://{addr}){}",
-            if args.api_key.is_some() {
-                ", API key required"
-            } else {
-                ""
-            }
-        );
-        crate::conn::serve(listener, app(state), &args.conn).await
+        let key = if args.api_key.is_some() {
+            ", API key required"
+        } else {
+            ""
+        };
+        crate::conn::serve(app(state), &addr, &args.conn, |addr| {
+            format!("temper training API on http://{addr} (TINKER_BASE_URL=http://{addr}){key}")
+        })
+        .await
     })
 }
