@@ -119,14 +119,10 @@ fn normalize_message(i: usize, m: &Value) -> Result<Value, OpenAiError> {
     Ok(Value::Object(obj))
 }
 
-pub(super) async fn chat_completions(State(s): State<OpenAiState>, body: Bytes) -> Response {
-    match chat_inner(s, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn chat_inner(s: OpenAiState, body: Bytes) -> Result<Response, OpenAiError> {
+pub(super) async fn chat_completions(
+    State(s): State<OpenAiState>,
+    body: Bytes,
+) -> Result<Response, OpenAiError> {
     let started = Instant::now();
     let req: ChatRequest = parse_body(&body)?;
     let sampling = req.sampling.clone().check(&s.inner.defaults)?;

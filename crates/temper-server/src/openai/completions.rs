@@ -19,14 +19,10 @@ use super::response::{completion_logprobs, usage, TokenEntry};
 use super::state::{now_secs, OpenAiState};
 use super::streaming::{sse, StreamKind};
 
-pub(super) async fn completions(State(s): State<OpenAiState>, body: Bytes) -> Response {
-    match completions_inner(s, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn completions_inner(s: OpenAiState, body: Bytes) -> Result<Response, OpenAiError> {
+pub(super) async fn completions(
+    State(s): State<OpenAiState>,
+    body: Bytes,
+) -> Result<Response, OpenAiError> {
     let started = Instant::now();
     let req: CompletionRequest = parse_body(&body)?;
     let sampling = req.sampling.clone().check(&s.inner.defaults)?;

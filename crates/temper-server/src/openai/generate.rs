@@ -15,14 +15,10 @@ use super::jobs::{collect, prepare, score, submit};
 use super::response::usage;
 use super::state::{now_secs, OpenAiState};
 
-pub(super) async fn generate(State(s): State<OpenAiState>, body: Bytes) -> Response {
-    match generate_inner(s, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn generate_inner(s: OpenAiState, body: Bytes) -> Result<Response, OpenAiError> {
+pub(super) async fn generate(
+    State(s): State<OpenAiState>,
+    body: Bytes,
+) -> Result<Response, OpenAiError> {
     let started = Instant::now();
     let req: GenerateRequest = parse_body(&body)?;
     let sampling = req.sampling.clone().check(&s.inner.defaults)?;
