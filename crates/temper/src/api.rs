@@ -149,11 +149,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             adapters,
         },
     );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    rt.block_on(async move {
+    crate::conn::runtime()?.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
         let key = if args.api_key.is_some() {
             ", API key required"

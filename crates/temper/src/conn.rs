@@ -38,6 +38,14 @@ impl ConnArgs {
     }
 }
 
+/// The multi-threaded runtime the servers run on.
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
 /// Bind `addr`, print `banner(bound address)` to stderr, then serve
 /// `router` within `conn`'s bounds until Ctrl-C: the one start-up of every
 /// `temper … serve`.

@@ -353,7 +353,7 @@ fn serve(mut args: ServeArgs) -> Result<()> {
     );
     let state = AppState::with_config(runner, service);
     let addr = format!("{}:{}", args.host, args.port);
-    tokio::runtime::Runtime::new()?.block_on(async move {
+    crate::conn::runtime()?.block_on(async move {
         // Reclaim expired sessions even when nobody calls the API.
         let sessions = state.sessions().clone();
         tokio::spawn(async move {

@@ -132,11 +132,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         eprintln!("adapter {n} v{v}: {}", dir.display());
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    rt.block_on(async move {
+    crate::conn::runtime()?.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
         let key = if args.api_key.is_some() {
             ", API key required"
