@@ -96,6 +96,39 @@ fn read_state_meta(dir: &Path) -> Result<(StateMeta, PathBuf)> {
     Ok((meta, meta_path))
 }
 
+/// Write the directory `dir` atomically: `fill` writes a temporary sibling
+/// (`.{name}.tmp-{pid}`), which then replaces `dir` by rename; an existing
+/// `dir` is moved aside first and removed after. A reader sees the old
+/// directory or the new one, never a half-written one. `default_name` names
+/// the temporaries when `dir` has no file name.
+fn write_dir_atomically(
+    dir: &Path,
+    default_name: &str,
+    fill: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| EngineError::io(parent, e))?;
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| default_name.into());
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
+    fill(&tmp)?;
+    let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+    if dir.exists() {
+        std::fs::rename(dir, &old).map_err(|e| EngineError::io(dir, e))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(|e| EngineError::io(dir, e))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| EngineError::io(&old, e))?;
+    }
+    Ok(())
+}
+
 impl TrainingRun {
     /// A LoRA run (A random with `seed`, B = 0).
     pub fn lora(base: Arc<Pretrained>, config: LoraConfig, seed: u64) -> Result<Self> {
@@ -379,41 +412,24 @@ impl TrainingRun {
             }
             Trainable::Full { model, .. } => model.as_ref(),
         };
-        let parent = dir.parent().unwrap_or(Path::new("."));
-        std::fs::create_dir_all(parent).map_err(|e| EngineError::io(parent, e))?;
-        let name = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into());
-        let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
-        }
-        std::fs::create_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
-        let weights: HashMap<String, Tensor> = model.named_weights().into_iter().collect();
-        temper_model::candle_core::safetensors::save(&weights, tmp.join("model.safetensors"))?;
-        for f in [
-            "config.json",
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "chat_template.jinja",
-            "generation_config.json",
-            "special_tokens_map.json",
-        ] {
-            let src = self.base.dir.join(f);
-            if src.exists() {
-                std::fs::copy(&src, tmp.join(f)).map_err(|e| EngineError::io(&src, e))?;
+        write_dir_atomically(dir, "model", |tmp| {
+            let weights: HashMap<String, Tensor> = model.named_weights().into_iter().collect();
+            temper_model::candle_core::safetensors::save(&weights, tmp.join("model.safetensors"))?;
+            for f in [
+                "config.json",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "chat_template.jinja",
+                "generation_config.json",
+                "special_tokens_map.json",
+            ] {
+                let src = self.base.dir.join(f);
+                if src.exists() {
+                    std::fs::copy(&src, tmp.join(f)).map_err(|e| EngineError::io(&src, e))?;
+                }
             }
-        }
-        let old = parent.join(format!(".{name}.old-{}", std::process::id()));
-        if dir.exists() {
-            std::fs::rename(dir, &old).map_err(|e| EngineError::io(dir, e))?;
-        }
-        std::fs::rename(&tmp, dir).map_err(|e| EngineError::io(dir, e))?;
-        if old.exists() {
-            std::fs::remove_dir_all(&old).map_err(|e| EngineError::io(&old, e))?;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Export the LoRA adapter in the PEFT layout.
@@ -429,53 +445,43 @@ impl TrainingRun {
     /// Save weights, optimizer state and step into `dir`, atomically: a
     /// temporary sibling directory is written, then renamed over `dir`.
     pub fn save_state(&self, dir: &Path) -> Result<()> {
-        let parent = dir.parent().unwrap_or(Path::new("."));
-        std::fs::create_dir_all(parent).map_err(|e| EngineError::io(parent, e))?;
-        let name = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "state".into());
-        let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
-        }
-        std::fs::create_dir_all(&tmp).map_err(|e| EngineError::io(&tmp, e))?;
-        let weights: HashMap<String, Tensor> = self
-            .named_params()
-            .into_iter()
-            .map(|(n, v)| (n, v.as_tensor().clone()))
-            .collect();
-        temper_model::candle_core::safetensors::save(&weights, tmp.join("weights.safetensors"))?;
-        let mut opt: HashMap<String, Tensor> = HashMap::new();
-        for (n, t) in &self.optim.m {
-            opt.insert(format!("m.{n}"), t.clone());
-        }
-        for (n, t) in &self.optim.v {
-            opt.insert(format!("v.{n}"), t.clone());
-        }
-        if !opt.is_empty() {
-            temper_model::candle_core::safetensors::save(&opt, tmp.join("optimizer.safetensors"))?;
-        }
-        let meta = StateMeta {
-            kind: self.kind(),
-            step: self.optim.step,
-            base_model: self.base.dir.display().to_string(),
-        };
-        let meta_path = tmp.join("state.json");
-        let text = serde_json::to_string_pretty(&meta).map_err(|e| EngineError::BadCheckpoint {
-            path: meta_path.clone(),
-            reason: e.to_string(),
-        })?;
-        std::fs::write(&meta_path, text).map_err(|e| EngineError::io(&meta_path, e))?;
-        let old = parent.join(format!(".{name}.old-{}", std::process::id()));
-        if dir.exists() {
-            std::fs::rename(dir, &old).map_err(|e| EngineError::io(dir, e))?;
-        }
-        std::fs::rename(&tmp, dir).map_err(|e| EngineError::io(dir, e))?;
-        if old.exists() {
-            std::fs::remove_dir_all(&old).map_err(|e| EngineError::io(&old, e))?;
-        }
-        Ok(())
+        write_dir_atomically(dir, "state", |tmp| {
+            let weights: HashMap<String, Tensor> = self
+                .named_params()
+                .into_iter()
+                .map(|(n, v)| (n, v.as_tensor().clone()))
+                .collect();
+            temper_model::candle_core::safetensors::save(
+                &weights,
+                tmp.join("weights.safetensors"),
+            )?;
+            let mut opt: HashMap<String, Tensor> = HashMap::new();
+            for (n, t) in &self.optim.m {
+                opt.insert(format!("m.{n}"), t.clone());
+            }
+            for (n, t) in &self.optim.v {
+                opt.insert(format!("v.{n}"), t.clone());
+            }
+            if !opt.is_empty() {
+                temper_model::candle_core::safetensors::save(
+                    &opt,
+                    tmp.join("optimizer.safetensors"),
+                )?;
+            }
+            let meta = StateMeta {
+                kind: self.kind(),
+                step: self.optim.step,
+                base_model: self.base.dir.display().to_string(),
+            };
+            let meta_path = tmp.join("state.json");
+            let text =
+                serde_json::to_string_pretty(&meta).map_err(|e| EngineError::BadCheckpoint {
+                    path: meta_path.clone(),
+                    reason: e.to_string(),
+                })?;
+            std::fs::write(&meta_path, text).map_err(|e| EngineError::io(&meta_path, e))?;
+            Ok(())
+        })
     }
 
     /// What a checkpoint written by [`save_state`](Self::save_state) holds:

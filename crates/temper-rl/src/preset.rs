@@ -14,13 +14,10 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use serde_json::json;
-use temper_model::candle_core::{Device, Tensor};
+use temper_model::RandomInit;
 
 use crate::error::{Result, RlError};
 
@@ -180,50 +177,15 @@ impl TinyPreset {
                 .map_err(|e| RlError::Config(format!("{name}: {e}")))?;
             std::fs::write(&path, text).map_err(|e| RlError::io(&path, e))
         };
-        write_json("config.json", &config)?;
         write_json("tokenizer.json", &tokenizer_json())?;
         write_json("tokenizer_config.json", &tok_config)?;
         write_json("generation_config.json", &gen_config)?;
         let tpl = dir.join("chat_template.jinja");
         std::fs::write(&tpl, CHAT_TEMPLATE).map_err(|e| RlError::io(&tpl, e))?;
 
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut weights: HashMap<String, Tensor> = HashMap::new();
-        let mut normal = |rows: usize, cols: usize| -> Result<Tensor> {
-            let data: Vec<f32> = (0..rows * cols)
-                .map(|_| 0.02 * gaussian(&mut rng))
-                .collect();
-            Ok(Tensor::from_vec(data, (rows, cols), &Device::Cpu)?)
-        };
-        let ones = |n: usize| Tensor::ones(n, temper_model::candle_core::DType::F32, &Device::Cpu);
-        let (h, i) = (self.hidden_size, self.intermediate_size);
-        let kv = self.num_kv_heads * head_dim;
-        weights.insert("model.embed_tokens.weight".into(), normal(vocab, h)?);
-        for l in 0..self.num_layers {
-            let p = format!("model.layers.{l}");
-            weights.insert(format!("{p}.self_attn.q_proj.weight"), normal(h, h)?);
-            weights.insert(format!("{p}.self_attn.k_proj.weight"), normal(kv, h)?);
-            weights.insert(format!("{p}.self_attn.v_proj.weight"), normal(kv, h)?);
-            weights.insert(format!("{p}.self_attn.o_proj.weight"), normal(h, h)?);
-            weights.insert(format!("{p}.mlp.gate_proj.weight"), normal(i, h)?);
-            weights.insert(format!("{p}.mlp.up_proj.weight"), normal(i, h)?);
-            weights.insert(format!("{p}.mlp.down_proj.weight"), normal(h, i)?);
-            weights.insert(format!("{p}.input_layernorm.weight"), ones(h)?);
-            weights.insert(format!("{p}.post_attention_layernorm.weight"), ones(h)?);
-        }
-        weights.insert("model.norm.weight".into(), ones(h)?);
-        let path = dir.join("model.safetensors");
-        temper_model::candle_core::safetensors::save(&weights, &path)?;
+        temper_model::write_random_model(dir, &config, RandomInit { std: 0.02, seed })?;
         Ok(())
     }
-}
-
-/// A standard normal draw (Box–Muller), from a seeded generator so the
-/// weights are reproducible.
-fn gaussian(rng: &mut impl Rng) -> f32 {
-    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
-    let u2: f64 = rng.random::<f64>();
-    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
 }
 
 #[cfg(test)]

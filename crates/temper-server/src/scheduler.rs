@@ -167,7 +167,7 @@ impl Scheduler {
         metrics
             .kv_budget
             .store(cfg.kv_budget_tokens as u64, Ordering::Relaxed);
-        let engine = Engine {
+        let batch_loop = BatchLoop {
             model,
             cfg: cfg.clone(),
             rx,
@@ -180,7 +180,7 @@ impl Scheduler {
         };
         let spawned = std::thread::Builder::new()
             .name("temper-engine".into())
-            .spawn(move || engine.run());
+            .spawn(move || batch_loop.run());
         if let Err(e) = spawned {
             // The sender's receiver is gone with the closure: submits fail
             // with `Stopped` instead of hanging.
@@ -277,7 +277,10 @@ struct Seq {
     sent: String,
 }
 
-struct Engine {
+/// The loop on the engine thread: it owns the model and the waiting, running,
+/// preempted and prefilling sequences, and steps them (named apart from
+/// `temper_engine::Engine`, the training engine).
+struct BatchLoop {
     model: Arc<Pretrained>,
     cfg: SchedulerConfig,
     rx: mpsc::Receiver<Job>,
@@ -332,7 +335,7 @@ struct Prefill {
     seqs: usize,
 }
 
-impl Engine {
+impl BatchLoop {
     fn run(mut self) {
         loop {
             if self.running.is_empty()
@@ -399,7 +402,7 @@ impl Engine {
     /// they fit: at most `max_running` sequences, and KV-cache tokens in use
     /// (or reserved by prompts still prefilling) plus the new prompts plus
     /// one token of growth per sequence within the budget. Admitted work
-    /// joins the prefill queue; [`Engine::prefill_step`] runs it in chunks.
+    /// joins the prefill queue; [`BatchLoop::prefill_step`] runs it in chunks.
     fn admit(&mut self) {
         let budget = self.cfg.kv_budget_tokens;
         let mut used = self.kv_used();

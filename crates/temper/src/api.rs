@@ -149,24 +149,16 @@ fn serve(args: ServeArgs) -> Result<()> {
             adapters,
         },
     );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    rt.block_on(async move {
+    crate::conn::runtime()?.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("binding {addr}"))?;
-        let addr = listener.local_addr().context("reading the bound address")?;
-        eprintln!(
-            "temper training API on http://{addr} (TINKER_BASE_URL=http://{addr}){}",
-            if args.api_key.is_some() {
-                ", API key required"
-            } else {
-                ""
-            }
-        );
-        crate::conn::serve(listener, app(state), &args.conn).await
+        let key = if args.api_key.is_some() {
+            ", API key required"
+        } else {
+            ""
+        };
+        crate::conn::serve(app(state), &addr, &args.conn, |addr| {
+            format!("temper training API on http://{addr} (TINKER_BASE_URL=http://{addr}){key}")
+        })
+        .await
     })
 }

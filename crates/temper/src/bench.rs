@@ -11,8 +11,8 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use temper_model::candle_core::{DType, Device, Tensor};
 use temper_model::{
-    Checkpoint, GenerationRequest, HfConfig, LoadOptions, LoraAdapter, LoraConfig, Model,
-    Pretrained, Sampler, SamplingParams, Target, Tokenizer,
+    Checkpoint, GenerationRequest, LoadOptions, LoraAdapter, LoraConfig, Model, Pretrained,
+    RandomInit, Sampler, SamplingParams, Tokenizer,
 };
 
 /// Benchmarks.
@@ -65,45 +65,23 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     }
 }
 
-fn config() -> Result<HfConfig> {
-    Ok(serde_json::from_value(serde_json::json!({
+fn config() -> serde_json::Value {
+    serde_json::json!({
         "model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": INTER,
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
         "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": false
-    }))?)
+    })
 }
 
 /// A random checkpoint written to a scratch directory and loaded through the
 /// real loader.
-fn random_model(hf: &HfConfig) -> Result<Model> {
-    let cfg = hf.validate()?;
+fn random_model() -> Result<Model> {
     let dev = Device::Cpu;
-    let mut ts: HashMap<String, Tensor> = HashMap::new();
-    let rand = |shape: &[usize]| Tensor::randn(0f32, 0.05, shape, &dev);
-    ts.insert("model.embed_tokens.weight".into(), rand(&[VOCAB, HIDDEN])?);
-    ts.insert("lm_head.weight".into(), rand(&[VOCAB, HIDDEN])?);
-    ts.insert(
-        "model.norm.weight".into(),
-        Tensor::ones(HIDDEN, DType::F32, &dev)?,
-    );
-    for l in 0..LAYERS {
-        let p = format!("model.layers.{l}");
-        for n in ["input_layernorm", "post_attention_layernorm"] {
-            ts.insert(
-                format!("{p}.{n}.weight"),
-                Tensor::ones(HIDDEN, DType::F32, &dev)?,
-            );
-        }
-        for t in Target::ALL {
-            let (o, i) = t.shape(&cfg);
-            ts.insert(format!("{p}.{}.weight", t.path()), rand(&[o, i])?);
-        }
-    }
     let dir = std::env::temp_dir().join(format!("temper-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    temper_model::candle_core::safetensors::save(&ts, dir.join("model.safetensors"))?;
+    let init = RandomInit { std: 0.05, seed: 0 };
+    let cfg = temper_model::write_random_model(&dir, &config(), init)?;
     let ck = Checkpoint::open(&dir, DType::F32, &dev)?;
     let model = Model::load(&cfg, &ck, DType::F32, &dev);
     drop(ck);
@@ -172,8 +150,7 @@ fn model(args: ModelBenchArgs) -> Result<()> {
             (p.model, p.tokenizer, p.generation.eos_token_ids, label)
         }
         None => {
-            let hf = config()?;
-            let model = random_model(&hf).context("building the benchmark model")?;
+            let model = random_model().context("building the benchmark model")?;
             (
                 model,
                 word_tokenizer()?,

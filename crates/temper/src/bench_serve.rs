@@ -20,8 +20,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use temper_model::candle_core::{DType, Device, Tensor};
-use temper_model::{HfConfig, LoadOptions, Pretrained, Target};
+use temper_model::{LoadOptions, Pretrained, RandomInit};
 use temper_server::openai::{app, OpenAiState, ServeConfig};
 
 /// Arguments of `temper bench serve`.
@@ -64,7 +63,6 @@ fn repo_root() -> PathBuf {
 
 /// Write the benchmark model as a Hugging Face directory.
 fn write_model(dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir)?;
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
@@ -73,40 +71,13 @@ fn write_model(dir: &Path) -> Result<()> {
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false,
         "hidden_act": "silu", "bos_token_id": 994, "eos_token_id": 998, "torch_dtype": "float32",
     });
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string_pretty(&config)?,
-    )?;
+    let init = RandomInit { std: 0.05, seed: 0 };
+    temper_model::write_random_model(dir, &config, init)?;
     let fixture = repo_root().join("fixtures/models/tiny-llama");
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(fixture.join(f), dir.join(f))
             .with_context(|| format!("copying {f} from {}", fixture.display()))?;
     }
-    let hf: HfConfig = serde_json::from_value(config)?;
-    let cfg = hf.validate()?;
-    let dev = Device::Cpu;
-    let mut ts: HashMap<String, Tensor> = HashMap::new();
-    let rand = |shape: &[usize]| Tensor::randn(0f32, 0.05, shape, &dev);
-    ts.insert("model.embed_tokens.weight".into(), rand(&[VOCAB, HIDDEN])?);
-    ts.insert("lm_head.weight".into(), rand(&[VOCAB, HIDDEN])?);
-    ts.insert(
-        "model.norm.weight".into(),
-        Tensor::ones(HIDDEN, DType::F32, &dev)?,
-    );
-    for l in 0..LAYERS {
-        let p = format!("model.layers.{l}");
-        for n in ["input_layernorm", "post_attention_layernorm"] {
-            ts.insert(
-                format!("{p}.{n}.weight"),
-                Tensor::ones(HIDDEN, DType::F32, &dev)?,
-            );
-        }
-        for t in Target::ALL {
-            let (o, i) = t.shape(&cfg);
-            ts.insert(format!("{p}.{}.weight", t.path()), rand(&[o, i])?);
-        }
-    }
-    temper_model::candle_core::safetensors::save(&ts, dir.join("model.safetensors"))?;
     Ok(())
 }
 

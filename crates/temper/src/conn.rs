@@ -1,6 +1,7 @@
 //! Connection bounds shared by `temper serve`, `temper api serve` and
 //! `temper sandbox serve`, and the one way each of them serves HTTP.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -37,13 +38,30 @@ impl ConnArgs {
     }
 }
 
-/// Serve `router` on `listener` within `conn`'s bounds until Ctrl-C.
+/// The multi-threaded runtime the servers run on.
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Bind `addr`, print `banner(bound address)` to stderr, then serve
+/// `router` within `conn`'s bounds until Ctrl-C: the one start-up of every
+/// `temper … serve`.
 pub async fn serve(
-    listener: tokio::net::TcpListener,
     router: axum::Router,
+    addr: &str,
     conn: &ConnArgs,
+    banner: impl FnOnce(SocketAddr) -> String,
 ) -> Result<()> {
-    temper_server::http::serve(listener, router, conn.limits()?, async {
+    let limits = conn.limits()?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let local = listener.local_addr().context("reading the bound address")?;
+    eprintln!("{}", banner(local));
+    temper_server::http::serve(listener, router, limits, async {
         let _ = tokio::signal::ctrl_c().await;
     })
     .await

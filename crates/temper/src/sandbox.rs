@@ -353,7 +353,7 @@ fn serve(mut args: ServeArgs) -> Result<()> {
     );
     let state = AppState::with_config(runner, service);
     let addr = format!("{}:{}", args.host, args.port);
-    tokio::runtime::Runtime::new()?.block_on(async move {
+    crate::conn::runtime()?.block_on(async move {
         // Reclaim expired sessions even when nobody calls the API.
         let sessions = state.sessions().clone();
         tokio::spawn(async move {
@@ -364,14 +364,10 @@ fn serve(mut args: ServeArgs) -> Result<()> {
                 let _ = tokio::task::spawn_blocking(move || sessions.reap()).await;
             }
         });
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("binding {addr}"))?;
-        eprintln!(
-            "temper sandbox listening on http://{}",
-            listener.local_addr()?
-        );
-        crate::conn::serve(listener, app(state), &args.conn).await
+        crate::conn::serve(app(state), &addr, &args.conn, |local| {
+            format!("temper sandbox listening on http://{local}")
+        })
+        .await
     })
 }
 

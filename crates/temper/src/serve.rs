@@ -132,28 +132,22 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         eprintln!("adapter {n} v{v}: {}", dir.display());
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    rt.block_on(async move {
+    crate::conn::runtime()?.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("binding {addr}"))?;
-        let local = listener.local_addr().context("reading the bound address")?;
-        eprintln!(
-            "model {name}: max_model_len {}, max_running {}, kv_budget_tokens {}{}",
-            cfg.scheduler.max_model_len,
-            cfg.scheduler.max_running,
-            cfg.scheduler.kv_budget_tokens,
-            if args.api_key.is_some() {
-                ", API key required"
-            } else {
-                ""
-            }
-        );
-        eprintln!("temper serve listening on http://{local}");
-        crate::conn::serve(listener, app(state), &args.conn).await
+        let key = if args.api_key.is_some() {
+            ", API key required"
+        } else {
+            ""
+        };
+        crate::conn::serve(app(state), &addr, &args.conn, |local| {
+            format!(
+                "model {name}: max_model_len {}, max_running {}, kv_budget_tokens {}{key}\n\
+                 temper serve listening on http://{local}",
+                cfg.scheduler.max_model_len,
+                cfg.scheduler.max_running,
+                cfg.scheduler.kv_budget_tokens,
+            )
+        })
+        .await
     })
 }

@@ -1,0 +1,236 @@
+//! From a parsed request to scheduler jobs and back: resolve the model and
+//! settle lengths, submit every choice, collect the finished samples, and
+//! score them for logprobs.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use temper_model::TopLogprobs;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::error::OpenAiError;
+use super::protocol::Sampling;
+
+use super::state::OpenAiState;
+use crate::scheduler::{Event, Finished, Job, LoadedAdapter, SubmitError};
+
+/// A request ready for the scheduler.
+pub(super) struct Prepared {
+    pub(super) prompts: Vec<Vec<u32>>,
+    pub(super) sampling: Sampling,
+    pub(super) adapter: Option<Arc<LoadedAdapter>>,
+    pub(super) model_name: String,
+    pub(super) version: u64,
+    pub(super) top_logprobs: usize,
+    pub(super) logprobs: bool,
+}
+
+impl Prepared {
+    pub(super) fn fingerprint(&self) -> String {
+        format!("{}@v{}", self.model_name, self.version)
+    }
+
+    pub(super) fn prompt_tokens(&self) -> usize {
+        self.prompts.iter().map(Vec::len).sum()
+    }
+
+    pub(super) fn total_choices(&self) -> usize {
+        self.prompts.len() * self.sampling.n
+    }
+}
+
+/// Resolve the model, check lengths, settle `max_tokens`.
+pub(super) fn prepare(
+    s: &OpenAiState,
+    model: &str,
+    prompts: Vec<Vec<u32>>,
+    mut sampling: Sampling,
+    max_tokens: Option<usize>,
+    default_max_tokens: Option<usize>,
+    what: &str,
+) -> Result<Prepared, OpenAiError> {
+    let adapter = s.resolve(model)?;
+    let len = s.inner.cfg.scheduler.max_model_len;
+    let vocab = s.inner.model.config.vocab_size;
+    let budget = s.inner.cfg.scheduler.kv_budget_tokens;
+    let n = sampling.n;
+    let mut settled = usize::MAX;
+    for p in &prompts {
+        if p.is_empty() {
+            return Err(OpenAiError::invalid(
+                "prompt",
+                "the prompt must not be empty",
+            ));
+        }
+        if let Some(&bad) = p.iter().find(|&&t| t as usize >= vocab) {
+            return Err(OpenAiError::invalid(
+                "prompt",
+                format!("token id {bad} is out of range for vocabulary size {vocab}"),
+            ));
+        }
+        let exceeded = |requested: String| {
+            OpenAiError::BadRequest {
+            message: format!(
+                "This model's maximum context length is {len} tokens. However, you requested {requested}. Please reduce the length of the {what} or completion."
+            ),
+            param: Some("messages"),
+            code: Some("context_length_exceeded"),
+        }
+        };
+        if p.len() >= len {
+            return Err(exceeded(format!(
+                "{} tokens in the {what}, which leaves no room for a completion",
+                p.len()
+            )));
+        }
+        let m = match max_tokens {
+            Some(m) => {
+                if p.len() + m > len {
+                    return Err(exceeded(format!(
+                        "{} tokens ({} in the {what}, {m} in the completion)",
+                        p.len() + m,
+                        p.len()
+                    )));
+                }
+                m
+            }
+            None => {
+                // Unset: the rest of the context (capped by `default_max_tokens`),
+                // shrunk to what the KV budget can ever hold.
+                let rest = len - p.len();
+                let rest = default_max_tokens.map_or(rest, |d| d.min(rest));
+                let fits = (budget / n).saturating_sub(p.len());
+                rest.min(fits).max(1)
+            }
+        };
+        settled = settled.min(m);
+    }
+    sampling.params.max_tokens = settled;
+    let (model_name, version) = match &adapter {
+        Some(a) => (a.name.clone(), a.version),
+        None => (s.inner.cfg.model_name.clone(), 0),
+    };
+    Ok(Prepared {
+        prompts,
+        sampling,
+        adapter,
+        model_name,
+        version,
+        top_logprobs: 0,
+        logprobs: false,
+    })
+}
+
+/// Queue every prompt of `p` on one event channel (choice index =
+/// prompt index × n + sample index).
+pub(super) fn submit(
+    s: &OpenAiState,
+    p: &Prepared,
+    stream: bool,
+) -> Result<UnboundedReceiver<Event>, OpenAiError> {
+    // Each prompt is queued as one job: a request with more prompts than the
+    // queue holds could never be admitted, so it is a 400, not a "retry".
+    // (`--max-queue 0` is draining: every request is a 503.)
+    let max_queue = s.inner.scheduler.config().max_queue;
+    if p.prompts.len() > max_queue.max(1) {
+        return Err(OpenAiError::BadRequest {
+            message: format!(
+                "this request has {} prompts; the server queues at most {max_queue} (--max-queue): split it",
+                p.prompts.len()
+            ),
+            param: Some("prompt"),
+            code: None,
+        });
+    }
+    let (tx, rx) = unbounded_channel();
+    for (i, prompt) in p.prompts.iter().enumerate() {
+        let job = Job {
+            prompt: prompt.clone(),
+            n: p.sampling.n,
+            first_index: i * p.sampling.n,
+            params: p.sampling.params.clone(),
+            adapter: p.adapter.clone(),
+            stream,
+            events: tx.clone(),
+        };
+        s.inner.scheduler.submit(job).map_err(|e| match e {
+            SubmitError::Overloaded { .. } => OpenAiError::Overloaded(e.to_string()),
+            SubmitError::TooLarge { .. } => OpenAiError::BadRequest {
+                message: e.to_string(),
+                param: Some("max_tokens"),
+                code: Some("context_length_exceeded"),
+            },
+            _ => OpenAiError::Internal(e.to_string()),
+        })?;
+    }
+    Ok(rx)
+}
+
+/// Wait for every choice; `Finished` in choice order.
+pub(super) async fn collect(
+    s: &OpenAiState,
+    mut rx: UnboundedReceiver<Event>,
+    total: usize,
+    started: Instant,
+) -> Result<Vec<Finished>, OpenAiError> {
+    let mut out: Vec<Option<Finished>> = vec![None; total];
+    let mut left = total;
+    let mut first = true;
+    while left > 0 {
+        match rx.recv().await {
+            Some(Event::Done(f)) => {
+                if first {
+                    s.inner
+                        .metrics
+                        .ttft
+                        .observe(started.elapsed().as_secs_f64());
+                    first = false;
+                }
+                let i = f.index;
+                if i < total && out[i].is_none() {
+                    out[i] = Some(f);
+                    left -= 1;
+                }
+            }
+            Some(Event::Delta { .. }) => {}
+            Some(Event::Failed(m)) => return Err(OpenAiError::Internal(m)),
+            None => return Err(OpenAiError::Internal("the engine dropped a request".into())),
+        }
+    }
+    s.inner
+        .metrics
+        .latency
+        .observe(started.elapsed().as_secs_f64());
+    Ok(out.into_iter().flatten().collect())
+}
+
+/// Canonical logprobs of `tokens` after `prompt` (see the module docs);
+/// `prompt_too`: also of the prompt's tokens 1.. (for `echo`).
+pub(super) async fn score(
+    s: &OpenAiState,
+    adapter: Option<Arc<LoadedAdapter>>,
+    prompt: Vec<u32>,
+    tokens: Vec<u32>,
+    temperature: f64,
+    k: usize,
+    prompt_too: bool,
+) -> Result<TopLogprobs, OpenAiError> {
+    let model = s.inner.model.clone();
+    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    tokio::task::spawn_blocking(move || {
+        let full: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
+        let lora = adapter.as_ref().map(|a| &a.lora);
+        let mut r = model
+            .model
+            .score_with_top(&full[..full.len() - 1], &full[1..], lora, t, k)?;
+        if !prompt_too {
+            let skip = r.logprobs.len() - tokens.len();
+            r.logprobs.drain(..skip);
+            r.top.drain(..skip);
+        }
+        Ok::<_, temper_model::ModelError>(r)
+    })
+    .await
+    .map_err(|e| OpenAiError::Internal(format!("scoring task: {e}")))?
+    .map_err(|e| OpenAiError::Internal(format!("scoring: {e}")))
+}

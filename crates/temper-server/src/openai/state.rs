@@ -1,0 +1,222 @@
+//! Server settings and the shared state: the model, its scheduler, the
+//! loaded LoRA adapters and their versions.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use temper_model::{LoraAdapter, Pretrained};
+
+use super::error::OpenAiError;
+use super::protocol::SamplingDefaults;
+
+use crate::metrics::Metrics;
+use crate::scheduler::{LoadedAdapter, Scheduler, SchedulerConfig};
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// The name of the base model in `model` fields and `/v1/models`.
+    pub model_name: String,
+    /// Required bearer token on `/v1/*`; `None` accepts any.
+    pub api_key: Option<String>,
+    /// Scheduler limits.
+    pub scheduler: SchedulerConfig,
+    /// Directories `POST /v1/load_lora_adapter` may load adapters from
+    /// (canonical paths); empty: loading at run time is off.
+    pub lora_roots: Vec<PathBuf>,
+}
+
+impl ServeConfig {
+    /// Defaults for `model`: 256 running sequences, a KV budget of 4 GiB of
+    /// cache (at least one full-length sequence), 1024 queued requests,
+    /// 512 prompt tokens prefilled per step.
+    pub fn defaults(model_name: impl Into<String>, model: &Pretrained) -> Self {
+        let cfg = &model.config;
+        let max_model_len = cfg.max_position_embeddings;
+        let bytes_per_token = 2
+            * cfg.num_layers
+            * cfg.num_kv_heads
+            * cfg.head_dim
+            * model.model.dtype().size_in_bytes();
+        let kv_budget_tokens = ((4usize << 30) / bytes_per_token.max(1)).max(max_model_len);
+        Self {
+            model_name: model_name.into(),
+            api_key: None,
+            lora_roots: Vec::new(),
+            scheduler: SchedulerConfig {
+                max_running: 256,
+                kv_budget_tokens,
+                max_queue: 1024,
+                max_model_len,
+                max_prefill_tokens: 512,
+            },
+        }
+    }
+}
+
+/// Shared state: the model, its scheduler, the adapters.
+#[derive(Clone)]
+pub struct OpenAiState {
+    pub(super) inner: Arc<Inner>,
+}
+
+pub(super) struct Inner {
+    pub(super) model: Arc<Pretrained>,
+    pub(super) cfg: ServeConfig,
+    pub(super) scheduler: Scheduler,
+    pub(super) adapters: RwLock<HashMap<String, Arc<LoadedAdapter>>>,
+    /// Load counts per name; kept across unloads so versions never repeat.
+    versions: Mutex<HashMap<String, u64>>,
+    pub(super) metrics: Arc<Metrics>,
+    pub(super) defaults: SamplingDefaults,
+    pub(super) created: u64,
+    next_id: AtomicU64,
+}
+
+pub(super) fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl OpenAiState {
+    /// Start the scheduler over `model`.
+    pub fn new(model: Arc<Pretrained>, cfg: ServeConfig) -> Self {
+        let metrics = Arc::new(Metrics::default());
+        let mut sched = cfg.scheduler.clone();
+        sched.max_model_len = sched
+            .max_model_len
+            .clamp(2, model.config.max_position_embeddings.max(2));
+        let scheduler = Scheduler::start(model.clone(), sched.clone(), metrics.clone());
+        let defaults = SamplingDefaults {
+            temperature: model.generation.temperature,
+            top_p: model.generation.top_p,
+            top_k: model.generation.top_k,
+        };
+        let start = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Self {
+            inner: Arc::new(Inner {
+                model,
+                cfg: ServeConfig {
+                    scheduler: sched,
+                    ..cfg
+                },
+                scheduler,
+                adapters: RwLock::new(HashMap::new()),
+                versions: Mutex::new(HashMap::new()),
+                metrics,
+                defaults,
+                created: now_secs(),
+                next_id: AtomicU64::new(start & 0xffff_ffff_ffff),
+            }),
+        }
+    }
+
+    /// The metrics registry.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    /// A client's `lora_path`, allowed only inside a configured root. The
+    /// error is the same whether or not the path exists, so it reveals
+    /// nothing about the server's files.
+    pub(super) fn adapter_dir_in_roots(&self, path: &str) -> Result<PathBuf, OpenAiError> {
+        let roots = &self.inner.cfg.lora_roots;
+        if roots.is_empty() {
+            return Err(OpenAiError::invalid(
+                "lora_path",
+                "loading adapters at run time is off: start temper serve with --lora-root DIR",
+            ));
+        }
+        std::path::Path::new(path)
+            .canonicalize()
+            .ok()
+            .filter(|p| p.is_dir() && roots.iter().any(|r| p.starts_with(r)))
+            .ok_or_else(|| {
+                OpenAiError::invalid(
+                    "lora_path",
+                    format!("lora_path {path:?} is not an adapter directory under a --lora-root"),
+                )
+            })
+    }
+
+    /// Load (or atomically replace) adapter `name` from a PEFT directory;
+    /// blocking (reads files). Returns the new version.
+    pub fn load_adapter(&self, name: &str, dir: &std::path::Path) -> Result<u64, OpenAiError> {
+        if name.is_empty() {
+            return Err(OpenAiError::invalid(
+                "lora_name",
+                "lora_name must not be empty",
+            ));
+        }
+        if name == self.inner.cfg.model_name {
+            return Err(OpenAiError::invalid(
+                "lora_name",
+                format!("lora_name {name:?} is the base model's name"),
+            ));
+        }
+        let m = &self.inner.model;
+        let lora = LoraAdapter::load_peft(dir, &m.config, m.model.dtype(), m.model.device())
+            .map_err(|e| {
+                OpenAiError::invalid(
+                    "lora_path",
+                    format!("cannot load LoRA adapter from {}: {e}", dir.display()),
+                )
+            })?
+            .inference_view();
+        let mut versions = self
+            .inner
+            .versions
+            .lock()
+            .map_err(|_| OpenAiError::Internal("adapter versions lock poisoned".into()))?;
+        let version = versions.get(name).copied().unwrap_or(0) + 1;
+        let adapter = Arc::new(LoadedAdapter {
+            name: name.to_string(),
+            version,
+            lora,
+        });
+        self.inner
+            .adapters
+            .write()
+            .map_err(|_| OpenAiError::Internal("adapter table lock poisoned".into()))?
+            .insert(name.to_string(), adapter);
+        versions.insert(name.to_string(), version);
+        self.inner
+            .metrics
+            .adapter_loads
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(name, version, dir = %dir.display(), "loaded LoRA adapter");
+        Ok(version)
+    }
+
+    pub(super) fn resolve(&self, model: &str) -> Result<Option<Arc<LoadedAdapter>>, OpenAiError> {
+        if model == self.inner.cfg.model_name {
+            return Ok(None);
+        }
+        let table = self
+            .inner
+            .adapters
+            .read()
+            .map_err(|_| OpenAiError::Internal("adapter table lock poisoned".into()))?;
+        match table.get(model) {
+            Some(a) => Ok(Some(a.clone())),
+            None => Err(OpenAiError::NotFound(format!(
+                "The model `{model}` does not exist. Served: {}",
+                std::iter::once(self.inner.cfg.model_name.as_str())
+                    .chain(table.keys().map(String::as_str))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))),
+        }
+    }
+
+    pub(super) fn request_id(&self, prefix: &str) -> String {
+        let n = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{n:016x}")
+    }
+}

@@ -1,0 +1,390 @@
+//! Server-sent events: chunks per choice as text arrives, logprobs and
+//! tool calls with the last chunk, then `[DONE]`.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::error::OpenAiError;
+
+use super::chat::chat_message;
+use super::jobs::{score, Prepared};
+use super::response::{chat_logprobs, completion_logprobs, usage};
+use super::state::{now_secs, OpenAiState};
+use super::tools;
+use crate::scheduler::Event;
+
+pub(super) enum StreamKind {
+    Chat { tools: bool },
+    Completion,
+}
+
+struct ChoiceState {
+    /// Text received from the engine.
+    text: String,
+    /// Bytes of `text` sent as content.
+    sent: usize,
+    started: bool,
+}
+
+impl ChoiceState {
+    fn sent_text(&self) -> &str {
+        self.text.get(..self.sent).unwrap_or("")
+    }
+}
+
+struct StreamState {
+    s: OpenAiState,
+    rx: UnboundedReceiver<Event>,
+    p: Prepared,
+    kind: StreamKind,
+    id: String,
+    include_usage: bool,
+    started: Instant,
+    created: u64,
+    choices: Vec<ChoiceState>,
+    left: usize,
+    completion_tokens: usize,
+    queue: VecDeque<Bytes>,
+    first_token: bool,
+    finished: bool,
+}
+
+impl StreamState {
+    pub(super) fn chunk(&self, choices: Value, usage: Option<Value>) -> Bytes {
+        let object = match self.kind {
+            StreamKind::Chat { .. } => "chat.completion.chunk",
+            StreamKind::Completion => "text_completion",
+        };
+        let mut v = json!({
+            "id": self.id, "object": object, "created": self.created, "model": self.p.model_name,
+            "system_fingerprint": self.p.fingerprint(), "version": self.p.version, "choices": choices,
+        });
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        Bytes::from(format!("data: {v}\n\n"))
+    }
+
+    /// Send content for choice `i` up to what may be shown now.
+    fn push_content(&mut self, i: usize, final_text: Option<&str>) {
+        let tools = matches!(self.kind, StreamKind::Chat { tools: true });
+        let c = &self.choices[i];
+        let text: &str = final_text.unwrap_or(&c.text);
+        // Mid-stream with tools on, hold back a possible `<tool_call>` and
+        // trailing whitespace (the parsed content is trimmed); the final text
+        // goes out whole.
+        let end = if tools && final_text.is_none() {
+            text[..tools::content_prefix_len(text)].trim_end().len()
+        } else {
+            text.len()
+        };
+        if end <= c.sent || !text.is_char_boundary(c.sent) || !text.is_char_boundary(end) {
+            return;
+        }
+        let delta = text[c.sent..end].to_string();
+        self.choices[i].sent = end;
+        let choice = match self.kind {
+            StreamKind::Chat { .. } => {
+                let mut d = json!({"content": delta});
+                if !self.choices[i].started {
+                    d["role"] = json!("assistant");
+                    self.choices[i].started = true;
+                }
+                json!([{"index": i, "delta": d, "logprobs": null, "finish_reason": null}])
+            }
+            StreamKind::Completion => {
+                json!([{"index": i, "text": delta, "logprobs": null, "finish_reason": null}])
+            }
+        };
+        let b = self.chunk(choice, None);
+        self.queue.push_back(b);
+    }
+
+    async fn handle(&mut self, ev: Event) -> Result<(), OpenAiError> {
+        if self.first_token && matches!(ev, Event::Delta { .. } | Event::Done(_)) {
+            self.first_token = false;
+            self.s
+                .inner
+                .metrics
+                .ttft
+                .observe(self.started.elapsed().as_secs_f64());
+        }
+        match ev {
+            Event::Delta { index, text } => {
+                if index < self.choices.len() {
+                    self.choices[index].text.push_str(&text);
+                    self.push_content(index, None);
+                }
+                Ok(())
+            }
+            Event::Done(f) => {
+                let i = f.index;
+                if i >= self.choices.len() {
+                    return Ok(());
+                }
+                self.left -= 1;
+                self.completion_tokens += f.tokens.len();
+                let lp = if self.p.logprobs {
+                    let r = score(
+                        &self.s,
+                        self.p.adapter.clone(),
+                        self.p.prompts[i / self.p.sampling.n].clone(),
+                        f.tokens.clone(),
+                        self.p.sampling.params.temperature,
+                        self.p.top_logprobs,
+                        false,
+                    )
+                    .await?;
+                    match self.kind {
+                        StreamKind::Chat { .. } => chat_logprobs(&self.s, &f.tokens, &r),
+                        StreamKind::Completion => {
+                            let e: Vec<_> = r
+                                .logprobs
+                                .iter()
+                                .zip(r.top)
+                                .map(|(&l, t)| Some((l, t)))
+                                .collect();
+                            completion_logprobs(&self.s, &f.tokens, &e, 0)
+                        }
+                    }
+                } else {
+                    Value::Null
+                };
+                let last = match self.kind {
+                    StreamKind::Chat { tools } => {
+                        let (message, finish) = chat_message(&f, tools, &self.id);
+                        let content = message
+                            .get("content")
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_string();
+                        if content.starts_with(self.choices[i].sent_text()) {
+                            self.push_content(i, Some(&content));
+                        }
+                        let mut delta = json!({});
+                        if !self.choices[i].started {
+                            delta["role"] = json!("assistant");
+                            delta["content"] = json!("");
+                        }
+                        if let Some(Value::Array(calls)) = message.get("tool_calls") {
+                            let calls: Vec<Value> = calls
+                                .iter()
+                                .enumerate()
+                                .map(|(k, c)| {
+                                    let mut c = c.clone();
+                                    c["index"] = json!(k);
+                                    c
+                                })
+                                .collect();
+                            delta["tool_calls"] = Value::Array(calls);
+                        }
+                        json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+                    }
+                    StreamKind::Completion => {
+                        if f.text.starts_with(self.choices[i].sent_text()) {
+                            self.push_content(i, Some(&f.text));
+                        }
+                        json!([{"index": i, "text": "", "logprobs": lp, "finish_reason": f.finish_reason.as_str()}])
+                    }
+                };
+                let b = self.chunk(last, None);
+                self.queue.push_back(b);
+                if self.left == 0 {
+                    self.s
+                        .inner
+                        .metrics
+                        .latency
+                        .observe(self.started.elapsed().as_secs_f64());
+                    if self.include_usage {
+                        let u = usage(self.p.prompt_tokens(), self.completion_tokens);
+                        let b = self.chunk(json!([]), Some(u));
+                        self.queue.push_back(b);
+                    }
+                    self.queue
+                        .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    self.finished = true;
+                }
+                Ok(())
+            }
+            Event::Failed(m) => Err(OpenAiError::Internal(m)),
+        }
+    }
+}
+
+/// A server-sent-event response. Dropping it (the client went away) drops
+/// the event receiver, which cancels the request in the scheduler.
+pub(super) fn sse(
+    s: OpenAiState,
+    rx: UnboundedReceiver<Event>,
+    p: Prepared,
+    kind: StreamKind,
+    id: String,
+    include_usage: bool,
+    started: Instant,
+) -> Response {
+    let total = p.total_choices();
+    let state = StreamState {
+        s,
+        rx,
+        kind,
+        id,
+        include_usage,
+        started,
+        created: now_secs(),
+        choices: (0..total)
+            .map(|_| ChoiceState {
+                text: String::new(),
+                sent: 0,
+                started: false,
+            })
+            .collect(),
+        left: total,
+        completion_tokens: 0,
+        queue: VecDeque::new(),
+        first_token: true,
+        finished: false,
+        p,
+    };
+    let stream = futures_util::stream::unfold(Some(state), |st| async move {
+        let mut st = st?;
+        loop {
+            if let Some(b) = st.queue.pop_front() {
+                return Some((Ok::<Bytes, Infallible>(b), Some(st)));
+            }
+            if st.finished {
+                return None;
+            }
+            let failure = match st.rx.recv().await {
+                Some(ev) => match st.handle(ev).await {
+                    Ok(()) => continue,
+                    Err(e) => e,
+                },
+                None => OpenAiError::Internal("the engine dropped a request".into()),
+            };
+            // Headers are sent: report the failure in-band and end the stream.
+            tracing::error!("stream failed: {failure}");
+            let body = json!({"error": {"message": "internal error (see the server log)", "type": "server_error"}});
+            return Some((Ok(Bytes::from(format!("data: {body}\n\n"))), None));
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| OpenAiError::Internal("building the stream".into()).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use temper_model::{FinishReason, LoadOptions, Pretrained, SamplingParams};
+    use tokio::sync::mpsc::unbounded_channel;
+
+    use super::*;
+    use crate::openai::protocol::Sampling;
+    use crate::openai::ServeConfig;
+    use crate::scheduler::Finished;
+
+    fn state() -> OpenAiState {
+        let dir =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
+        let m = Pretrained::load(&dir, &LoadOptions::default()).expect("fixture");
+        let cfg = ServeConfig::defaults("tiny", &m);
+        OpenAiState::new(Arc::new(m), cfg)
+    }
+
+    /// A streamed answer that ends in a Hermes tool call: the content before
+    /// it streams (the tag never leaks), the last chunk carries `tool_calls`
+    /// with finish_reason `tool_calls` — the same message as non-streamed.
+    #[tokio::test]
+    async fn streamed_tool_calls_end_with_tool_calls() {
+        let s = state();
+        let (_tx, rx) = unbounded_channel();
+        let p = Prepared {
+            prompts: vec![vec![1, 2]],
+            sampling: Sampling {
+                params: SamplingParams::default(),
+                n: 1,
+            },
+            adapter: None,
+            model_name: "tiny".into(),
+            version: 0,
+            top_logprobs: 0,
+            logprobs: false,
+        };
+        let mut st = StreamState {
+            s,
+            rx,
+            p,
+            kind: StreamKind::Chat { tools: true },
+            id: "chatcmpl-t".into(),
+            include_usage: false,
+            started: Instant::now(),
+            created: 0,
+            choices: vec![ChoiceState {
+                text: String::new(),
+                sent: 0,
+                started: false,
+            }],
+            left: 1,
+            completion_tokens: 0,
+            queue: VecDeque::new(),
+            first_token: true,
+            finished: false,
+        };
+        let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let full = format!("Let me check. {call}");
+        for piece in ["Let me ", "check. <tool", &call[5..]] {
+            st.handle(Event::Delta {
+                index: 0,
+                text: piece.to_string(),
+            })
+            .await
+            .expect("delta");
+        }
+        let done = Finished {
+            index: 0,
+            tokens: vec![3, 4, 5],
+            text: full.clone(),
+            finish_reason: FinishReason::Stop,
+        };
+        let (message, finish) = chat_message(&done, true, "chatcmpl-t");
+        st.handle(Event::Done(done)).await.expect("done");
+        let events: Vec<String> = st
+            .queue
+            .iter()
+            .map(|b| String::from_utf8(b.to_vec()).expect("utf8"))
+            .collect();
+        assert_eq!(events.last().map(String::as_str), Some("data: [DONE]\n\n"));
+        let chunks: Vec<Value> = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e.trim_start_matches("data: ").trim()).expect("json"))
+            .collect();
+        let content: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, "Let me check.");
+        assert_eq!(message["content"], "Let me check.");
+        assert_eq!(finish, "tool_calls");
+        let last = &chunks[chunks.len() - 1]["choices"][0];
+        assert_eq!(last["finish_reason"], "tool_calls");
+        let tc = &last["delta"]["tool_calls"][0];
+        assert_eq!(tc["index"], 0);
+        assert_eq!(tc["type"], "function");
+        assert_eq!(tc["function"]["name"], "get_weather");
+        assert_eq!(tc["function"]["arguments"], "{\"city\":\"Paris\"}");
+        assert_eq!(tc["id"], message["tool_calls"][0]["id"]);
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    }
+}
