@@ -110,6 +110,7 @@ pub(crate) async fn evaluate(
         api_key: None,
         api_key_env: None,
         num_examples: n,
+        split: temper_env::Split::Eval,
         rollouts_per_example: 1,
         max_concurrent: n.max(1),
         sampling: SamplingArgs {
