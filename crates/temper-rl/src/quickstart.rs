@@ -114,7 +114,11 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
             max_seq_len: 256,
             ..Default::default()
         },
-        eval: EvalSection::default(),
+        // The RL run evaluates the SFT model (its step 0).
+        eval: EvalSection {
+            num_examples: 0,
+            ..EvalSection::default()
+        },
         ckpt: CkptSection {
             interval: 0,
             keep: 1,

@@ -26,7 +26,7 @@ use crate::checkpoint::{self, checkpoint_due};
 use crate::config::RlConfig;
 use crate::datum::TrainTurns;
 use crate::error::{Result, RlError};
-use crate::eval::{evaluate, evaluate_if_due};
+use crate::eval::Evaluator;
 use crate::metrics::{DataMetrics, RolloutMetrics, StepMetrics, TimeMetrics, TrainMetrics};
 use crate::publish::Publisher;
 use crate::rollout::{RolloutPlan, Rollouts};
@@ -96,7 +96,8 @@ pub async fn run_rl_with(
 ) -> Result<RlOutcome> {
     let run_dir = cfg.log.dir.clone();
     validate(&cfg)?;
-    let plan = Arc::new(RolloutPlan::load(&cfg)?);
+    let plan = Arc::new(RolloutPlan::load(&cfg).await?);
+    let evaluator = Evaluator::for_rl(&cfg).await?;
     let env_ids = plan.env_ids();
     let mut state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
     let start = state.step;
@@ -106,10 +107,18 @@ pub async fn run_rl_with(
     let mut publisher = Publisher::new(&cfg, trainer.clone(), base, &run_dir)?;
     let batcher = publisher.batcher();
     let first = publisher.publish(start).await?;
-    if state.eval_before.is_none() && cfg.eval.num_examples > 0 && start == 0 {
-        let r = evaluate(&cfg, first.model.clone(), &run_dir, 0, batcher.as_ref()).await?;
+    if let Some(ev) = evaluator
+        .as_ref()
+        .filter(|_| state.eval_before.is_none() && start == 0)
+    {
+        let r = ev
+            .evaluate(first.model.clone(), &run_dir, 0, batcher.as_ref())
+            .await?;
         progress(&cfg, &r.before_line());
         state.eval_before = Some(r);
+    }
+    if let Some(r) = &state.eval_before {
+        log.set_baseline(r.plot_record());
     }
 
     let max_steps = cfg.trainer.max_steps;
@@ -136,7 +145,13 @@ pub async fn run_rl_with(
         let t_pub = Instant::now();
         let published = publisher.publish(version).await?;
         let publish_s = t_pub.elapsed().as_secs_f64();
-        let eval = evaluate_if_due(&cfg, version, &published, &run_dir, batcher.as_ref()).await?;
+        let eval = match &evaluator {
+            Some(ev) => {
+                ev.evaluate_if_due(version, &published, &run_dir, batcher.as_ref())
+                    .await?
+            }
+            None => None,
+        };
 
         let metrics = StepMetrics {
             step: version,
@@ -164,14 +179,14 @@ pub async fn run_rl_with(
             state.step = version;
             last_ckpt = checkpoint::save(&run_dir, &*trainer, state.clone(), cfg.ckpt.keep).await?;
         }
-        log.write_plots(&run_dir, "temper RL run", PLOTTED)?;
+        log.write_plots(&run_dir, "temper RL run", PLOTTED, "")?;
     }
     drop(rollouts);
 
     let steps = end.max(start);
     let finished = steps == max_steps;
     let output = checkpoint::final_output(&cfg, &*trainer, &run_dir, finished, &last_ckpt).await?;
-    log.write_plots(&run_dir, "temper RL run", PLOTTED)?;
+    log.write_plots(&run_dir, "temper RL run", PLOTTED, "")?;
     Ok(RlOutcome {
         run_dir,
         steps,
