@@ -227,6 +227,9 @@ pub struct LogSection {
     pub dir: PathBuf,
     /// Live progress line in the terminal.
     pub progress: bool,
+    /// Rollouts per step written to `samples.jsonl` (prompt, completion,
+    /// reward, env) and shown in `plots.html`; 0 = none. RL only.
+    pub samples: usize,
 }
 
 impl Default for LogSection {
@@ -234,6 +237,7 @@ impl Default for LogSection {
         Self {
             dir: PathBuf::from("runs/rl"),
             progress: true,
+            samples: 4,
         }
     }
 }

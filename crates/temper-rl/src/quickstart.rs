@@ -126,6 +126,7 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
         log: LogSection {
             dir: o.dir.join("sft"),
             progress: o.progress,
+            samples: 0,
         },
     }
 }
@@ -183,6 +184,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
         log: LogSection {
             dir: o.dir.join("rl"),
             progress: o.progress,
+            ..Default::default()
         },
         sampler: Default::default(),
         remote_trainer: Default::default(),

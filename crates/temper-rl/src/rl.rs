@@ -31,6 +31,7 @@ use crate::metrics::{DataMetrics, RolloutMetrics, StepMetrics, TimeMetrics, Trai
 use crate::publish::Publisher;
 use crate::rollout::{RolloutPlan, Rollouts};
 use crate::runlog::{write_atomic, MetricsLog};
+use crate::samples::{LoggedSample, SamplesLog};
 use crate::step::{loss_of, train_step};
 
 pub use crate::advantage::group_advantages;
@@ -102,6 +103,7 @@ pub async fn run_rl_with(
     let mut state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
     let start = state.step;
     let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
+    let mut samples = SamplesLog::open(&run_dir, opts.resume.then_some(start))?;
 
     // Publish the starting policy; evaluate it on a fresh run.
     let mut publisher = Publisher::new(&cfg, trainer.clone(), base, &run_dir)?;
@@ -139,6 +141,12 @@ pub async fn run_rl_with(
         let turns = TrainTurns::of(&groups_g, &advantages_g);
         let datums_d = turns.datums();
         let trained = train_step(&*trainer, &cfg.trainer, step, datums_d, turns.turns_d()).await?;
+        samples.write(LoggedSample::pick(
+            &groups_g,
+            step,
+            cfg.log.samples,
+            &env_ids,
+        ))?;
 
         // Step `step` made policy version `step + 1`.
         let version = step + 1;
@@ -179,14 +187,14 @@ pub async fn run_rl_with(
             state.step = version;
             last_ckpt = checkpoint::save(&run_dir, &*trainer, state.clone(), cfg.ckpt.keep).await?;
         }
-        log.write_plots(&run_dir, "temper RL run", PLOTTED, "")?;
+        log.write_plots(&run_dir, "temper RL run", PLOTTED, &samples.html())?;
     }
     drop(rollouts);
 
     let steps = end.max(start);
     let finished = steps == max_steps;
     let output = checkpoint::final_output(&cfg, &*trainer, &run_dir, finished, &last_ckpt).await?;
-    log.write_plots(&run_dir, "temper RL run", PLOTTED, "")?;
+    log.write_plots(&run_dir, "temper RL run", PLOTTED, &samples.html())?;
     Ok(RlOutcome {
         run_dir,
         steps,
