@@ -103,7 +103,7 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
         TrainCommand::Rl(args) => {
             let r = resolve::<RlConfig>(&args, |c, d| c.log.dir = d)?;
             if r.dry_run {
-                print!("{}", config::to_toml(&r.cfg)?);
+                print!("{}", r.cfg.dry_run()?);
                 return Ok(());
             }
             let out = runtime()?.block_on(run_rl(
@@ -130,7 +130,7 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
         TrainCommand::Sft(args) => {
             let r = resolve::<SftConfig>(&args, |c, d| c.log.dir = d)?;
             if r.dry_run {
-                print!("{}", config::to_toml(&r.cfg)?);
+                print!("{}", r.cfg.dry_run()?);
                 return Ok(());
             }
             let dir = r.cfg.log.dir.clone();
