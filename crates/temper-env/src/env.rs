@@ -20,7 +20,9 @@ pub trait Environment: Send + Sync {
     /// Its name (`arithmetic`, the manifest's `name`, ...).
     fn id(&self) -> &str;
     /// `n` rows of `split`, deterministic in `seed`. Train and eval rows
-    /// never overlap.
+    /// never overlap. It may block (reading files, or an external
+    /// environment's reply over a pipe): from async code call it inside
+    /// `tokio::task::spawn_blocking`.
     fn rows(&self, split: Split, n: usize, seed: u64) -> Result<Vec<Row>, EnvError>;
     /// One rollout of `row`; failures are recorded on the rollout.
     async fn rollout(&self, model: &dyn ChatModel, row: &Row, sampling: &SamplingArgs) -> Rollout;

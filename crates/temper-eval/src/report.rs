@@ -114,8 +114,11 @@ pub fn summary_table(meta: &Metadata, s: &Summary) -> String {
     let _ = writeln!(t, "model      {} @ {}", meta.model, meta.base_url);
     let _ = writeln!(
         t,
-        "rollouts   {} ({} examples × {})",
-        s.num_rollouts, s.num_examples, meta.rollouts_per_example
+        "rollouts   {} ({} {} examples × {})",
+        s.num_rollouts,
+        s.num_examples,
+        meta.split.as_str(),
+        meta.rollouts_per_example
     );
     let _ = writeln!(t, "reward     {:.4} ± {:.4}", s.avg_reward, s.std_reward);
     for (k, v) in &s.avg_metrics {

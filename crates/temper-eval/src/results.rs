@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use temper_env::{Message, SamplingArgs, Timing, TokenUsage};
+use temper_env::{Message, SamplingArgs, Split, Timing, TokenUsage};
 
 use crate::EvalError;
 
@@ -53,6 +53,10 @@ pub struct RunUsage {
     pub output_tokens: u64,
 }
 
+fn eval_split() -> Split {
+    Split::Eval
+}
+
 /// `metadata.json`: verifiers' fields, then what `--resume` needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Metadata {
@@ -64,6 +68,10 @@ pub struct Metadata {
     pub base_url: String,
     /// Examples.
     pub num_examples: usize,
+    /// Which rows were evaluated (`eval`, the held-out split, unless
+    /// `--split train`); absent in runs written before the field existed.
+    #[serde(default = "eval_split")]
+    pub split: Split,
     /// Rollouts per example.
     pub rollouts_per_example: usize,
     /// Sampling arguments.

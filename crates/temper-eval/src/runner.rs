@@ -39,6 +39,9 @@ pub struct EvalConfig {
     pub api_key_env: Option<String>,
     /// Examples.
     pub num_examples: usize,
+    /// Which rows: the held-out `Eval` split (the default of `temper
+    /// eval`), or `Train` (to sample training data from a teacher).
+    pub split: Split,
     /// Rollouts per example.
     pub rollouts_per_example: usize,
     /// Most model calls in flight.
@@ -141,8 +144,8 @@ pub async fn run_eval_with(
     let date = date.unwrap_or_else(|| chrono::Utc::now().to_rfc3339());
 
     let rows_env = env.clone();
-    let (n, seed) = (cfg.num_examples, cfg.seed);
-    let rows = tokio::task::spawn_blocking(move || rows_env.rows(Split::Eval, n, seed))
+    let (n, seed, split) = (cfg.num_examples, cfg.seed, cfg.split);
+    let rows = tokio::task::spawn_blocking(move || rows_env.rows(split, n, seed))
         .await
         .map_err(|e| EvalError::Results(e.to_string()))??;
     let todo: Vec<Row> = rows
@@ -160,6 +163,7 @@ pub async fn run_eval_with(
         model: cfg.model.clone(),
         base_url: cfg.base_url.clone(),
         num_examples: cfg.num_examples,
+        split: cfg.split,
         rollouts_per_example: r,
         sampling_args: cfg.sampling.clone(),
         avg_reward: 0.0,

@@ -19,6 +19,7 @@ fn config(base_url: String, dir: &std::path::Path, n: usize, r: usize) -> EvalCo
         api_key: None,
         api_key_env: None,
         num_examples: n,
+        split: temper_env::Split::Eval,
         rollouts_per_example: r,
         max_concurrent: 64,
         sampling: Default::default(),

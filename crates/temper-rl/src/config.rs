@@ -227,6 +227,9 @@ pub struct LogSection {
     pub dir: PathBuf,
     /// Live progress line in the terminal.
     pub progress: bool,
+    /// Rollouts per step written to `samples.jsonl` (prompt, completion,
+    /// reward, env) and shown in `plots.html`; 0 = none. RL only.
+    pub samples: usize,
 }
 
 impl Default for LogSection {
@@ -234,6 +237,7 @@ impl Default for LogSection {
         Self {
             dir: PathBuf::from("runs/rl"),
             progress: true,
+            samples: 4,
         }
     }
 }
@@ -451,6 +455,77 @@ fn set_path(root: &mut toml::Value, key: &str, value: toml::Value) -> Result<()>
     Ok(())
 }
 
+impl RlConfig {
+    /// The resolved config as `--dry-run` prints it: only the keys that
+    /// apply to this run (no `[model.tiny]` without the tiny preset, no
+    /// SFT-only `max_seq_len`, no external sampler / remote trainer keys
+    /// without their `url`). It parses back to the same config.
+    pub fn dry_run(&self) -> Result<String> {
+        let mut root = to_value(self)?;
+        drop_model_keys(&mut root, &self.model);
+        remove(&mut root, &["trainer", "max_seq_len"]);
+        if self.sampler.url.is_none() {
+            remove(&mut root, &["sampler"]);
+        }
+        if self.remote_trainer.url.is_none() {
+            remove(&mut root, &["remote_trainer"]);
+        }
+        pretty(&root)
+    }
+}
+
+impl SftConfig {
+    /// The resolved config as `--dry-run` prints it: only the keys that
+    /// apply (no RL-only trainer keys — `loss`, `normalize_std`, the clips
+    /// — or `log.samples`; `answer_format` and `teacher_noise` only with
+    /// `[data] env`; no `[model.tiny]` without the tiny preset). It parses
+    /// back to the same config.
+    pub fn dry_run(&self) -> Result<String> {
+        let mut root = to_value(self)?;
+        drop_model_keys(&mut root, &self.model);
+        for key in ["loss", "normalize_std", "clip_low", "clip_high"] {
+            remove(&mut root, &["trainer", key]);
+        }
+        remove(&mut root, &["log", "samples"]);
+        if self.data.env.is_none() {
+            remove(&mut root, &["data", "answer_format"]);
+            remove(&mut root, &["data", "teacher_noise"]);
+        }
+        pretty(&root)
+    }
+}
+
+fn drop_model_keys(root: &mut toml::Value, model: &ModelSection) {
+    if model.preset.as_deref() != Some("tiny") {
+        remove(root, &["model", "tiny"]);
+    }
+}
+
+fn to_value<T: Serialize>(cfg: &T) -> Result<toml::Value> {
+    toml::Value::try_from(cfg).map_err(|e| RlError::Config(e.to_string()))
+}
+
+fn pretty(root: &toml::Value) -> Result<String> {
+    toml::to_string_pretty(root).map_err(|e| RlError::Config(e.to_string()))
+}
+
+/// Remove the key at `path` (a no-op when absent).
+fn remove(root: &mut toml::Value, path: &[&str]) {
+    let Some((last, parents)) = path.split_last() else {
+        return;
+    };
+    let mut cur = root;
+    for p in parents {
+        match cur.get_mut(*p) {
+            Some(next) => cur = next,
+            None => return,
+        }
+    }
+    if let Some(t) = cur.as_table_mut() {
+        t.remove(*last);
+    }
+}
+
 /// The resolved config as TOML (for `--dry-run` and the run directory).
 pub fn to_toml<T: Serialize>(cfg: &T) -> Result<String> {
     toml::to_string_pretty(cfg).map_err(|e| RlError::Config(e.to_string()))
@@ -509,5 +584,61 @@ mod tests {
             "{e}"
         );
         assert!(parse_overrides(&["trainer.lr".into()]).is_err());
+    }
+
+    /// Issue 12: dry runs printed keys that do not apply (`[model.tiny]`
+    /// for a model path, `teacher_noise` for a file dataset, SFT `loss`).
+    #[test]
+    fn issue_12_dry_runs_print_only_the_keys_that_apply() {
+        let rl: RlConfig = resolve(
+            "[model]\npath = \"m.gguf\"\n[[env]]\nid = \"arithmetic\"\n",
+            &[],
+        )
+        .unwrap();
+        let text = rl.dry_run().unwrap();
+        for absent in [
+            "[model.tiny]",
+            "max_seq_len",
+            "[sampler]",
+            "[remote_trainer]",
+        ] {
+            assert!(!text.contains(absent), "{absent} in\n{text}");
+        }
+        for present in ["loss = ", "samples = ", "[eval]"] {
+            assert!(text.contains(present), "{present} not in\n{text}");
+        }
+        assert_eq!(resolve::<RlConfig>(&text, &[]).unwrap(), rl);
+        // The tiny preset keeps its sizes.
+        let tiny: RlConfig = resolve(EXAMPLE, &[]).unwrap();
+        assert!(tiny.dry_run().unwrap().contains("[model.tiny]"));
+
+        let sft: SftConfig = resolve(
+            "[model]\npath = \"m\"\n[data]\npath = \"chat.jsonl\"\n",
+            &[],
+        )
+        .unwrap();
+        let text = sft.dry_run().unwrap();
+        for absent in [
+            "loss",
+            "clip_low",
+            "normalize_std",
+            "teacher_noise",
+            "answer_format",
+            "samples",
+            "[model.tiny]",
+        ] {
+            assert!(!text.contains(absent), "{absent} in\n{text}");
+        }
+        assert!(
+            text.contains("max_seq_len") && text.contains("[eval]"),
+            "{text}"
+        );
+        assert_eq!(resolve::<SftConfig>(&text, &[]).unwrap(), sft);
+        let from_env: SftConfig = resolve(
+            "[model]\npath = \"m\"\n[data]\nenv = { id = \"arithmetic\" }\n",
+            &[],
+        )
+        .unwrap();
+        assert!(from_env.dry_run().unwrap().contains("teacher_noise"));
     }
 }

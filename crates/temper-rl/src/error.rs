@@ -27,6 +27,15 @@ pub enum RlError {
     /// A sampler (e.g. a `temper serve` process) failed.
     #[error("sampler: {0}")]
     Sampler(String),
+    /// Work moved off the async runtime (model loading, environment
+    /// loading) panicked or was cancelled.
+    #[error("{what}: {source}")]
+    Blocking {
+        /// What was running.
+        what: &'static str,
+        /// Cause.
+        source: tokio::task::JoinError,
+    },
     /// File I/O.
     #[error("io error on {path}: {source}")]
     Io {

@@ -1,15 +1,16 @@
-//! Held-out evaluation during a run, through `temper eval`'s runner: the
-//! published policy on the eval split of the eval environment; results
-//! land in `run_dir/evals/step-N`.
+//! Held-out evaluation during a run (RL or SFT), through `temper eval`'s
+//! runner: the current policy on the eval split of the eval environment
+//! (loaded once per run by an [`Evaluator`]); results land in
+//! `run_dir/evals/step-N`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use temper_env::{ChatModel, SamplingArgs};
+use temper_env::{ChatModel, Environment, SamplingArgs};
 
-use crate::config::RlConfig;
+use crate::config::{EvalSection, RlConfig, SftConfig};
 use crate::error::{Result, RlError};
 use crate::policy::Batcher;
 use crate::publish::Published;
@@ -52,6 +53,16 @@ impl EvalResult {
         )
     }
 
+    /// Its point on `plots.html`'s eval charts (not a `metrics.jsonl`
+    /// line): `step`, `eval/accuracy`, `eval/reward`.
+    pub fn plot_record(&self) -> serde_json::Map<String, Value> {
+        let mut m = serde_json::Map::new();
+        m.insert("step".into(), self.step.into());
+        m.insert("eval/accuracy".into(), self.accuracy.into());
+        m.insert("eval/reward".into(), self.reward.into());
+        m
+    }
+
     /// The progress line of an evaluation during training.
     pub fn step_line(&self) -> String {
         format!(
@@ -63,102 +74,179 @@ impl EvalResult {
     }
 }
 
-/// Evaluate `policy` (version `step`) if an evaluation is due after `step`
-/// steps: every `eval.interval` steps and after the last.
-pub(crate) async fn evaluate_if_due(
-    cfg: &RlConfig,
-    step: u64,
-    policy: &Published,
-    run_dir: &Path,
-    batcher: Option<&Batcher>,
-) -> Result<Option<EvalResult>> {
-    let due = cfg.eval.num_examples > 0
-        && ((cfg.eval.interval > 0 && step.is_multiple_of(cfg.eval.interval))
-            || step == cfg.trainer.max_steps);
-    if !due {
-        return Ok(None);
-    }
-    let model = policy.model.clone();
-    Ok(Some(evaluate(cfg, model, run_dir, step, batcher).await?))
+/// Held-out evaluation of a run: the eval environment, loaded once (off
+/// the async runtime) and reused by every evaluation, and how to sample.
+pub struct Evaluator {
+    env: Arc<dyn Environment>,
+    spec: String,
+    args: Value,
+    eval: EvalSection,
+    max_tokens: usize,
+    seed: u64,
+    pass_threshold: f64,
+    last_step: u64,
 }
 
-/// Evaluate `model` (policy `step`) on the held-out split of the eval env,
-/// through `temper eval`'s runner; results land in `run_dir/evals/step-N`.
-pub(crate) async fn evaluate(
-    cfg: &RlConfig,
-    model: Arc<dyn ChatModel>,
-    run_dir: &Path,
-    step: u64,
-    batcher: Option<&Batcher>,
-) -> Result<EvalResult> {
-    let (spec, args) = eval_env(cfg);
-    let env = temper_env::load_environment(&spec, &args)
-        .map_err(|e| RlError::Env(format!("{spec}: {e}")))?;
-    let dir = run_dir.join("evals").join(format!("step-{step:06}"));
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir).map_err(|e| RlError::io(&dir, e))?;
-    }
-    let n = cfg.eval.num_examples;
-    if let Some(b) = batcher {
-        b.expect(n);
-    }
-    let ecfg = temper_eval::EvalConfig {
-        env_spec: spec.clone(),
-        env_args: args,
-        model: format!("policy@{step}"),
-        base_url: "in-process".into(),
-        api_key: None,
-        api_key_env: None,
-        num_examples: n,
-        rollouts_per_example: 1,
-        max_concurrent: n.max(1),
-        sampling: SamplingArgs {
-            max_tokens: cfg.sampling.max_tokens,
-            temperature: cfg.eval.temperature,
-            top_p: 1.0,
-            seed: Some(mix(&[cfg.seed, 0xE7A1])),
-            ..Default::default()
-        },
-        seed: cfg.seed,
-        run_dir: dir.clone(),
-        request_timeout: std::time::Duration::from_secs(3600),
-        retry: Default::default(),
-        pass_threshold: cfg.eval_pass_threshold(),
-        resume: false,
-        progress: false,
-    };
-    let out = temper_eval::run_eval_with(env, model, &ecfg)
+impl Evaluator {
+    /// The evaluator of an RL run: `[eval]`, defaulting to the first
+    /// `[[env]]`; `None` when `eval.num_examples` is 0.
+    pub async fn for_rl(cfg: &RlConfig) -> Result<Option<Self>> {
+        let first = cfg.env.first();
+        let spec = cfg.eval.env.clone().or_else(|| first.map(|e| e.id.clone()));
+        let args = cfg.eval.args.clone().unwrap_or_else(|| {
+            first
+                .filter(|e| Some(&e.id) == spec.as_ref())
+                .map(|e| e.args.clone())
+                .unwrap_or(Value::Null)
+        });
+        Self::load(
+            spec,
+            args,
+            &cfg.eval,
+            Some(cfg.sampling.max_tokens),
+            cfg.seed,
+            cfg.trainer.max_steps,
+            cfg.eval_pass_threshold(),
+        )
         .await
-        .map_err(|e| RlError::Env(format!("evaluation: {e}")))?;
-    let results = std::fs::read_to_string(dir.join("results.jsonl")).unwrap_or_default();
-    let distinct: std::collections::HashSet<String> = results
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .map(|v| v["prompt"].to_string())
-        .collect();
-    Ok(EvalResult {
-        step,
-        reward: out.metadata.avg_reward,
-        accuracy: out.metadata.pass_at_k.get("1").copied().unwrap_or(0.0),
-        n: out.metadata.num_rollouts,
-        distinct: distinct.len(),
-        dir,
-    })
-}
+    }
 
-fn eval_env(cfg: &RlConfig) -> (String, Value) {
-    let first = cfg.env.first();
-    let spec = cfg
-        .eval
-        .env
-        .clone()
-        .or_else(|| first.map(|e| e.id.clone()))
-        .unwrap_or_default();
-    let args = cfg.eval.args.clone().unwrap_or_else(|| {
-        first
-            .filter(|e| e.id == spec)
-            .map(|e| e.args.clone())
-            .unwrap_or(Value::Null)
-    });
-    (spec, args)
+    /// The evaluator of an SFT run: `[eval]`, defaulting to `[data] env`;
+    /// `None` when `eval.num_examples` is 0 or no environment is named (a
+    /// file dataset and no `eval.env`). Completions get the environment's
+    /// own `max_tokens` (what `temper eval` would use).
+    pub async fn for_sft(cfg: &SftConfig, max_steps: u64) -> Result<Option<Self>> {
+        let data_env = cfg.data.env.as_ref();
+        let spec = cfg
+            .eval
+            .env
+            .clone()
+            .or_else(|| data_env.map(|e| e.id.clone()));
+        let args = cfg.eval.args.clone().unwrap_or_else(|| {
+            data_env
+                .filter(|e| Some(&e.id) == spec.as_ref())
+                .map(|e| e.args.clone())
+                .unwrap_or(Value::Null)
+        });
+        Self::load(spec, args, &cfg.eval, None, cfg.seed, max_steps, 1.0).await
+    }
+
+    async fn load(
+        spec: Option<String>,
+        args: Value,
+        eval: &EvalSection,
+        max_tokens: Option<usize>,
+        seed: u64,
+        last_step: u64,
+        pass_threshold: f64,
+    ) -> Result<Option<Self>> {
+        let Some(spec) = spec.filter(|_| eval.num_examples > 0) else {
+            return Ok(None);
+        };
+        // Loading may read files or start an external environment's process.
+        let (s, a) = (spec.clone(), args.clone());
+        let env = tokio::task::spawn_blocking(move || temper_env::load_environment(&s, &a))
+            .await
+            .map_err(|source| RlError::Blocking {
+                what: "loading the eval environment",
+                source,
+            })?
+            .map_err(|e| RlError::Env(format!("{spec}: {e}")))?;
+        let max_tokens = max_tokens.unwrap_or_else(|| env.eval_defaults().sampling.max_tokens);
+        Ok(Some(Self {
+            env,
+            spec,
+            args,
+            eval: eval.clone(),
+            max_tokens,
+            seed,
+            pass_threshold,
+            last_step,
+        }))
+    }
+
+    /// Whether an evaluation is due after `step` steps: every
+    /// `eval.interval` steps and after the last.
+    pub fn due(&self, step: u64) -> bool {
+        (self.eval.interval > 0 && step.is_multiple_of(self.eval.interval))
+            || step == self.last_step
+    }
+
+    /// Evaluate `model` (policy `step`) on the held-out split, through
+    /// `temper eval`'s runner; results land in `run_dir/evals/step-N`.
+    pub async fn evaluate(
+        &self,
+        model: Arc<dyn ChatModel>,
+        run_dir: &Path,
+        step: u64,
+        batcher: Option<&Batcher>,
+    ) -> Result<EvalResult> {
+        let dir = run_dir.join("evals").join(format!("step-{step:06}"));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(|e| RlError::io(&dir, e))?;
+        }
+        let n = self.eval.num_examples;
+        if let Some(b) = batcher {
+            b.expect(n);
+        }
+        let ecfg = temper_eval::EvalConfig {
+            env_spec: self.spec.clone(),
+            env_args: self.args.clone(),
+            model: format!("policy@{step}"),
+            base_url: "in-process".into(),
+            api_key: None,
+            api_key_env: None,
+            num_examples: n,
+            split: temper_env::Split::Eval,
+            rollouts_per_example: 1,
+            max_concurrent: n.max(1),
+            sampling: SamplingArgs {
+                max_tokens: self.max_tokens,
+                temperature: self.eval.temperature,
+                top_p: 1.0,
+                seed: Some(mix(&[self.seed, 0xE7A1])),
+                ..Default::default()
+            },
+            seed: self.seed,
+            run_dir: dir.clone(),
+            request_timeout: std::time::Duration::from_secs(3600),
+            retry: Default::default(),
+            pass_threshold: self.pass_threshold,
+            resume: false,
+            progress: false,
+        };
+        let out = temper_eval::run_eval_with(self.env.clone(), model, &ecfg)
+            .await
+            .map_err(|e| RlError::Env(format!("evaluation: {e}")))?;
+        let results = std::fs::read_to_string(dir.join("results.jsonl")).unwrap_or_default();
+        let distinct: std::collections::HashSet<String> = results
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .map(|v| v["prompt"].to_string())
+            .collect();
+        Ok(EvalResult {
+            step,
+            reward: out.metadata.avg_reward,
+            accuracy: out.metadata.pass_at_k.get("1").copied().unwrap_or(0.0),
+            n: out.metadata.num_rollouts,
+            distinct: distinct.len(),
+            dir,
+        })
+    }
+
+    /// Evaluate `policy` (version `step`) if an evaluation is
+    /// [`due`](Self::due).
+    pub(crate) async fn evaluate_if_due(
+        &self,
+        step: u64,
+        policy: &Published,
+        run_dir: &Path,
+        batcher: Option<&Batcher>,
+    ) -> Result<Option<EvalResult>> {
+        if !self.due(step) {
+            return Ok(None);
+        }
+        let model = policy.model.clone();
+        Ok(Some(self.evaluate(model, run_dir, step, batcher).await?))
+    }
 }

@@ -16,7 +16,8 @@
 //!
 //! Around it: [`config`] (the TOML file), [`trainer`] (in-process or remote
 //! trainer), [`policy`] (policies as chat models), [`eval`] (held-out
-//! evaluation), [`runlog`] (`metrics.jsonl`, `plots.html`), [`sft`]
+//! evaluation), [`runlog`] (`metrics.jsonl`, `plots.html`), [`samples`]
+//! (a few rollouts per step as text, `samples.jsonl`), [`sft`]
 //! (supervised fine-tuning), [`preset`] (a tiny model written from
 //! nothing) and [`quickstart`].
 //!
@@ -100,6 +101,7 @@ pub mod quickstart;
 pub mod rl;
 pub mod rollout;
 pub mod runlog;
+pub mod samples;
 pub mod sft;
 pub mod step;
 pub mod trainer;

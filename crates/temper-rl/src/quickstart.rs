@@ -114,7 +114,11 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
             max_seq_len: 256,
             ..Default::default()
         },
-        eval: EvalSection::default(),
+        // The RL run evaluates the SFT model (its step 0).
+        eval: EvalSection {
+            num_examples: 0,
+            ..EvalSection::default()
+        },
         ckpt: CkptSection {
             interval: 0,
             keep: 1,
@@ -122,6 +126,7 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
         log: LogSection {
             dir: o.dir.join("sft"),
             progress: o.progress,
+            samples: 0,
         },
     }
 }
@@ -179,6 +184,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
         log: LogSection {
             dir: o.dir.join("rl"),
             progress: o.progress,
+            ..Default::default()
         },
         sampler: Default::default(),
         remote_trainer: Default::default(),

@@ -26,11 +26,12 @@ use crate::checkpoint::{self, checkpoint_due};
 use crate::config::RlConfig;
 use crate::datum::TrainTurns;
 use crate::error::{Result, RlError};
-use crate::eval::{evaluate, evaluate_if_due};
+use crate::eval::Evaluator;
 use crate::metrics::{DataMetrics, RolloutMetrics, StepMetrics, TimeMetrics, TrainMetrics};
 use crate::publish::Publisher;
 use crate::rollout::{RolloutPlan, Rollouts};
 use crate::runlog::{write_atomic, MetricsLog};
+use crate::samples::{LoggedSample, SamplesLog};
 use crate::step::{loss_of, train_step};
 
 pub use crate::advantage::group_advantages;
@@ -96,20 +97,30 @@ pub async fn run_rl_with(
 ) -> Result<RlOutcome> {
     let run_dir = cfg.log.dir.clone();
     validate(&cfg)?;
-    let plan = Arc::new(RolloutPlan::load(&cfg)?);
+    let plan = Arc::new(RolloutPlan::load(&cfg).await?);
+    let evaluator = Evaluator::for_rl(&cfg).await?;
     let env_ids = plan.env_ids();
     let mut state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
     let start = state.step;
     let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
+    let mut samples = SamplesLog::open(&run_dir, opts.resume.then_some(start))?;
 
     // Publish the starting policy; evaluate it on a fresh run.
     let mut publisher = Publisher::new(&cfg, trainer.clone(), base, &run_dir)?;
     let batcher = publisher.batcher();
     let first = publisher.publish(start).await?;
-    if state.eval_before.is_none() && cfg.eval.num_examples > 0 && start == 0 {
-        let r = evaluate(&cfg, first.model.clone(), &run_dir, 0, batcher.as_ref()).await?;
+    if let Some(ev) = evaluator
+        .as_ref()
+        .filter(|_| state.eval_before.is_none() && start == 0)
+    {
+        let r = ev
+            .evaluate(first.model.clone(), &run_dir, 0, batcher.as_ref())
+            .await?;
         progress(&cfg, &r.before_line());
         state.eval_before = Some(r);
+    }
+    if let Some(r) = &state.eval_before {
+        log.set_baseline(r.plot_record());
     }
 
     let max_steps = cfg.trainer.max_steps;
@@ -130,13 +141,25 @@ pub async fn run_rl_with(
         let turns = TrainTurns::of(&groups_g, &advantages_g);
         let datums_d = turns.datums();
         let trained = train_step(&*trainer, &cfg.trainer, step, datums_d, turns.turns_d()).await?;
+        samples.write(LoggedSample::pick(
+            &groups_g,
+            step,
+            cfg.log.samples,
+            &env_ids,
+        ))?;
 
         // Step `step` made policy version `step + 1`.
         let version = step + 1;
         let t_pub = Instant::now();
         let published = publisher.publish(version).await?;
         let publish_s = t_pub.elapsed().as_secs_f64();
-        let eval = evaluate_if_due(&cfg, version, &published, &run_dir, batcher.as_ref()).await?;
+        let eval = match &evaluator {
+            Some(ev) => {
+                ev.evaluate_if_due(version, &published, &run_dir, batcher.as_ref())
+                    .await?
+            }
+            None => None,
+        };
 
         let metrics = StepMetrics {
             step: version,
@@ -164,14 +187,14 @@ pub async fn run_rl_with(
             state.step = version;
             last_ckpt = checkpoint::save(&run_dir, &*trainer, state.clone(), cfg.ckpt.keep).await?;
         }
-        log.write_plots(&run_dir, "temper RL run", PLOTTED)?;
+        log.write_plots(&run_dir, "temper RL run", PLOTTED, &samples.html())?;
     }
     drop(rollouts);
 
     let steps = end.max(start);
     let finished = steps == max_steps;
     let output = checkpoint::final_output(&cfg, &*trainer, &run_dir, finished, &last_ckpt).await?;
-    log.write_plots(&run_dir, "temper RL run", PLOTTED)?;
+    log.write_plots(&run_dir, "temper RL run", PLOTTED, &samples.html())?;
     Ok(RlOutcome {
         run_dir,
         steps,

@@ -83,25 +83,35 @@ pub struct RolloutPlan {
 
 impl RolloutPlan {
     /// Load `cfg`'s environments and enough training rows of each for the
-    /// run.
-    pub fn load(cfg: &RlConfig) -> Result<Self> {
-        let mut envs = Vec::new();
-        let mut pools = Vec::new();
+    /// run — off the async runtime: loading reads files, and an external
+    /// environment starts a process and answers `rows` over a pipe.
+    pub async fn load(cfg: &RlConfig) -> Result<Self> {
         let total_groups = (cfg.trainer.max_steps as usize) * cfg.trainer.batch_size;
         let total_weight = cfg.env.iter().map(|x| x.weight).sum::<f64>();
-        for e in &cfg.env {
-            let env = temper_env::load_environment(&e.id, &e.args)
-                .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
-            let share = (total_groups as f64 * e.weight / total_weight).ceil() as usize;
-            let rows = env
-                .rows(Split::Train, share.clamp(1, 100_000), cfg.seed)
-                .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
-            if rows.is_empty() {
-                return Err(RlError::Env(format!("{} has no training rows", e.id)));
-            }
-            envs.push(env);
-            pools.push(rows);
-        }
+        let (seed, sections) = (cfg.seed, cfg.env.clone());
+        let loaded = tokio::task::spawn_blocking(move || {
+            sections
+                .iter()
+                .map(|e| {
+                    let env = temper_env::load_environment(&e.id, &e.args)
+                        .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
+                    let share = (total_groups as f64 * e.weight / total_weight).ceil() as usize;
+                    let rows = env
+                        .rows(Split::Train, share.clamp(1, 100_000), seed)
+                        .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
+                    if rows.is_empty() {
+                        return Err(RlError::Env(format!("{} has no training rows", e.id)));
+                    }
+                    Ok((env, rows))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .await
+        .map_err(|source| RlError::Blocking {
+            what: "loading the environments",
+            source,
+        })??;
+        let (envs, pools) = loaded.into_iter().unzip();
         let schedule = mixing_schedule(&cfg.env.iter().map(|e| e.weight).collect::<Vec<_>>())?;
         Ok(Self {
             sampling: cfg.sampling.clone(),

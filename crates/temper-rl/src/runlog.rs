@@ -34,6 +34,7 @@ pub struct MetricsLog {
     path: PathBuf,
     file: std::fs::File,
     records: Vec<Map<String, Value>>,
+    baseline: Option<Map<String, Value>>,
 }
 
 impl MetricsLog {
@@ -74,7 +75,14 @@ impl MetricsLog {
             path,
             file,
             records,
+            baseline: None,
         })
+    }
+
+    /// A record plotted before the steps' but not written to
+    /// `metrics.jsonl`: the evaluation before training, at step 0.
+    pub fn set_baseline(&mut self, record: Map<String, Value>) {
+        self.baseline = Some(record);
     }
 
     /// Append one record (flushed before returning).
@@ -95,17 +103,31 @@ impl MetricsLog {
     }
 
     /// Write `dir/plots.html`: one chart per metric in `keys` that appears
-    /// in the records, against `step`.
-    pub fn write_plots(&self, dir: &Path, title: &str, keys: &[&str]) -> Result<PathBuf> {
+    /// in the baseline or the records, against `step`; then `appendix`
+    /// (HTML, e.g. the last step's samples).
+    pub fn write_plots(
+        &self,
+        dir: &Path,
+        title: &str,
+        keys: &[&str],
+        appendix: &str,
+    ) -> Result<PathBuf> {
         let path = dir.join("plots.html");
-        let html = plots_html(title, &self.records, keys);
+        let records: Vec<&Map<String, Value>> = self.baseline.iter().chain(&self.records).collect();
+        let html = plots_html(title, &records, keys, appendix);
         write_atomic(&path, html.as_bytes())?;
         Ok(path)
     }
 }
 
-/// A self-contained HTML page with one SVG line chart per metric.
-pub fn plots_html(title: &str, records: &[Map<String, Value>], keys: &[&str]) -> String {
+/// A self-contained HTML page with one SVG line chart per metric, then
+/// `appendix`.
+pub fn plots_html(
+    title: &str,
+    records: &[&Map<String, Value>],
+    keys: &[&str],
+    appendix: &str,
+) -> String {
     let mut series: BTreeMap<usize, Vec<(f64, f64)>> = BTreeMap::new();
     for r in records {
         let Some(step) = r.get("step").and_then(Value::as_f64) else {
@@ -134,6 +156,7 @@ pub fn plots_html(title: &str, records: &[Map<String, Value>], keys: &[&str]) ->
     if series.is_empty() {
         out.push_str("<p>No metrics recorded yet.</p>");
     }
+    out.push_str(appendix);
     out.push_str("</body></html>\n");
     out
 }
@@ -159,12 +182,27 @@ fn chart(name: &str, pts: &[(f64, f64)]) -> String {
         .iter()
         .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
         .collect();
+    // A marker on every point, so a metric with one value (an evaluation
+    // before and after a short run) is still visible.
+    let dots: String = if pts.len() <= 100 {
+        pts.iter()
+            .map(|&(x, y)| {
+                format!(
+                    "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"2.5\" fill=\"#1f77b4\"/>",
+                    sx(x),
+                    sy(y)
+                )
+            })
+            .collect()
+    } else {
+        String::new()
+    };
     let last = pts.last().map(|p| p.1).unwrap_or(0.0);
     format!(
         "<div class=\"c\"><h3>{n} <small>(last {last:.4})</small></h3>\
          <svg width=\"{w}\" height=\"{h}\" xmlns=\"http://www.w3.org/2000/svg\">\
          <rect x=\"{pad}\" y=\"{pad}\" width=\"{iw}\" height=\"{ih}\" fill=\"none\" stroke=\"#ccc\"/>\
-         <polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{p}\"/>\
+         <polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{p}\"/>{dots}\
          <text x=\"2\" y=\"{ty1}\" font-size=\"10\">{y1:.3}</text>\
          <text x=\"2\" y=\"{ty0}\" font-size=\"10\">{y0:.3}</text>\
          <text x=\"{pad}\" y=\"{tx}\" font-size=\"10\">step {x0}</text>\
@@ -226,7 +264,7 @@ mod tests {
             .collect();
         assert_eq!(steps, vec![1, 2, 3, 4]);
         let html = std::fs::read_to_string(
-            log.write_plots(dir.path(), "run <1>", &["reward/mean", "absent"])
+            log.write_plots(dir.path(), "run <1>", &["reward/mean", "absent"], "")
                 .unwrap(),
         )
         .unwrap();
@@ -236,5 +274,34 @@ mod tests {
             !html.contains("absent"),
             "metrics never recorded get no chart"
         );
+    }
+
+    /// Issue 12: the eval chart was blank — the evaluation before training
+    /// (step 0) was not plotted, leaving one point after a run.
+    #[test]
+    fn issue_12_the_baseline_evaluation_is_plotted_at_step_0() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = MetricsLog::open(dir.path(), None).unwrap();
+        log.set_baseline(
+            json!({"step": 0, "eval/accuracy": 0.125})
+                .as_object()
+                .cloned()
+                .unwrap(),
+        );
+        let mut r = rec(4, 0.5);
+        r.insert("eval/accuracy".into(), json!(0.675));
+        log.write(r).unwrap();
+        let html = std::fs::read_to_string(
+            log.write_plots(dir.path(), "run", &["eval/accuracy"], "<p>samples</p>")
+                .unwrap(),
+        )
+        .unwrap();
+        let chart = html.split("eval/accuracy").nth(1).unwrap();
+        assert!(chart.contains("step 0"), "{chart}");
+        assert_eq!(chart.matches("<circle").count(), 2, "{chart}");
+        assert!(html.ends_with("<p>samples</p></body></html>\n"));
+        // Not written to metrics.jsonl.
+        let text = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        assert_eq!(text.lines().count(), 1);
     }
 }

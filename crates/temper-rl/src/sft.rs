@@ -11,6 +11,7 @@
 //! error rather than silently mis-masked.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use rand::seq::SliceRandom;
@@ -22,7 +23,9 @@ use temper_model::{ChatTemplate, Pretrained, Tokenizer};
 
 use crate::config::SftConfig;
 use crate::error::{Result, RlError};
-use crate::rl::{local_trainer, RunOptions};
+use crate::eval::{EvalResult, Evaluator};
+use crate::policy::{Batcher, EnginePolicy, Renderer};
+use crate::rl::RunOptions;
 use crate::runlog::{write_atomic, MetricsLog};
 
 /// One tokenized conversation: the input tokens and, per position, the
@@ -153,6 +156,11 @@ pub struct SftOutcome {
     pub output: PathBuf,
     /// Mean per-token loss of the last step.
     pub final_loss: f64,
+    /// Held-out reward before training (when `[eval]` names an
+    /// environment, or the data comes from one).
+    pub eval_before: Option<EvalResult>,
+    /// Held-out reward after the last evaluation.
+    pub eval_after: Option<EvalResult>,
     /// Every step's metrics.
     pub metrics: Vec<Map<String, Value>>,
 }
@@ -320,15 +328,29 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         &run_dir.join("config.toml"),
         crate::config::to_toml(&cfg)?.as_bytes(),
     )?;
-    let (base, trainer) = local_trainer(&cfg.model, &cfg.lora, cfg.seed, &run_dir)?;
-    let examples = load_examples(&cfg, &base)?;
+    let (base, trainer) = crate::trainer::local_trainer_off_runtime(
+        cfg.model.clone(),
+        cfg.lora.clone(),
+        cfg.seed,
+        &run_dir,
+    )
+    .await?;
+    let examples = {
+        let (cfg, base) = (cfg.clone(), base.clone());
+        tokio::task::spawn_blocking(move || load_examples(&cfg, &base))
+            .await
+            .map_err(|source| RlError::Blocking {
+                what: "loading the SFT data",
+                source,
+            })??
+    };
     let bs = cfg.trainer.batch_size.max(1);
     let per_epoch = examples.len().div_ceil(bs) as u64;
     let max_steps = match cfg.data.epochs {
         Some(e) => cfg.trainer.max_steps.min(e * per_epoch),
         None => cfg.trainer.max_steps,
     };
-    let mut start = 0;
+    let (mut start, mut eval_before) = (0, None);
     if opts.resume {
         let text = std::fs::read_to_string(&latest).map_err(|e| RlError::io(&latest, e))?;
         let v: Value = serde_json::from_str(&text)
@@ -336,8 +358,27 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         let path = v["state_path"].as_str().unwrap_or_default().to_string();
         trainer.load_state(&path, true).await?;
         start = v["step"].as_u64().unwrap_or(0);
+        eval_before = serde_json::from_value(v["eval_before"].clone()).ok();
     }
     let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
+    let evaluator = match Evaluator::for_sft(&cfg, max_steps).await? {
+        Some(ev) => Some((ev, SftPolicy::new(&base, trainer.clone())?)),
+        None => None,
+    };
+    let mut eval_after = None;
+    if let Some((ev, policy)) = evaluator
+        .as_ref()
+        .filter(|_| eval_before.is_none() && start == 0)
+    {
+        let r = policy.evaluate(ev, &run_dir, 0).await?;
+        if cfg.log.progress {
+            eprintln!("{}", r.before_line());
+        }
+        eval_before = Some(r);
+    }
+    if let Some(r) = &eval_before {
+        log.set_baseline(r.plot_record());
+    }
     let end = opts
         .stop_after
         .map_or(max_steps, |n| (start + n).min(max_steps));
@@ -392,6 +433,15 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         m.insert("lr".into(), json!(lr));
         m.insert("tokens_per_s".into(), json!(tokens as f64 / dt.max(1e-9)));
         m.insert("time/step".into(), json!(dt));
+        if let Some((ev, policy)) = evaluator.as_ref().filter(|(ev, _)| ev.due(step)) {
+            let r = policy.evaluate(ev, &run_dir, step).await?;
+            if cfg.log.progress {
+                eprintln!("{}", r.step_line());
+            }
+            m.insert("eval/accuracy".into(), json!(r.accuracy));
+            m.insert("eval/reward".into(), json!(r.reward));
+            eval_after = Some(r);
+        }
         m.insert("time/elapsed".into(), json!(t_run.elapsed().as_secs_f64()));
         if cfg.log.progress && (step.is_multiple_of(10) || step == end) {
             eprintln!(
@@ -403,14 +453,15 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         log.write(m)?;
         if (cfg.ckpt.interval > 0 && step.is_multiple_of(cfg.ckpt.interval)) || step == max_steps {
             let path = trainer.save_state(&format!("step-{step:06}")).await?;
-            let v = json!({"step": step, "state_path": path});
+            let v = json!({"step": step, "state_path": path, "eval_before": eval_before});
             write_atomic(&latest, v.to_string().as_bytes())?;
         }
     }
     log.write_plots(
         &run_dir,
         "temper SFT run",
-        &["loss", "grad_norm", "lr", "tokens_per_s"],
+        &["loss", "eval/accuracy", "grad_norm", "lr", "tokens_per_s"],
+        "",
     )?;
     let output = if cfg.lora.enabled {
         let d = run_dir.join("adapter");
@@ -428,8 +479,46 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         steps: step,
         output,
         final_loss,
+        eval_before,
+        eval_after,
         metrics: log.records().to_vec(),
     })
+}
+
+/// The SFT run's current weights as a chat model, for evaluation.
+struct SftPolicy {
+    trainer: Arc<dyn Trainer>,
+    renderer: Renderer,
+    batcher: Batcher,
+}
+
+impl SftPolicy {
+    fn new(base: &Arc<Pretrained>, trainer: Arc<dyn Trainer>) -> Result<Self> {
+        Ok(Self {
+            renderer: Renderer::new(base.clone())?,
+            batcher: Batcher::spawn(trainer.clone()),
+            trainer,
+        })
+    }
+
+    /// Evaluate the weights after `step` steps, then drop their snapshot.
+    async fn evaluate(&self, ev: &Evaluator, run_dir: &Path, step: u64) -> Result<EvalResult> {
+        let handle = self
+            .trainer
+            .save_weights_for_sampler(&format!("sft-eval-{step}"))
+            .await?;
+        let model = EnginePolicy::new(
+            self.renderer.clone(),
+            self.batcher.clone(),
+            handle.clone(),
+            step,
+        );
+        let r = ev
+            .evaluate(Arc::new(model), run_dir, step, Some(&self.batcher))
+            .await;
+        self.trainer.release_sampler(&handle).await?;
+        r
+    }
 }
 
 #[cfg(test)]

@@ -90,6 +90,31 @@ pub fn local_trainer(
     Ok((base, Arc::new(trainer)))
 }
 
+/// [`local_trainer`] on a blocking thread: loading reads and converts the
+/// weights, and the engine's setup is waited on synchronously, neither of
+/// which may stall the async runtime.
+pub async fn local_trainer_off_runtime(
+    model: ModelSection,
+    lora: LoraSection,
+    seed: u64,
+    run_dir: &Path,
+) -> Result<(Arc<Pretrained>, Arc<LocalTrainer>)> {
+    let run_dir = run_dir.to_path_buf();
+    off_runtime(move || local_trainer(&model, &lora, seed, &run_dir)).await
+}
+
+/// Run blocking `f` on tokio's blocking pool.
+async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|source| RlError::Blocking {
+            what: "loading the model",
+            source,
+        })?
+}
+
 /// The trainer of `cfg` (in process, or `remote_trainer.url`) and the base
 /// model it trains (for its tokenizer and chat template).
 pub async fn trainer_for(
@@ -97,7 +122,9 @@ pub async fn trainer_for(
     run_dir: &Path,
 ) -> Result<(Arc<Pretrained>, Arc<dyn Trainer>)> {
     let Some(url) = &cfg.remote_trainer.url else {
-        let (base, local) = local_trainer(&cfg.model, &cfg.lora, cfg.seed, run_dir)?;
+        let (base, local) =
+            local_trainer_off_runtime(cfg.model.clone(), cfg.lora.clone(), cfg.seed, run_dir)
+                .await?;
         return Ok((base, local));
     };
     if !cfg.lora.enabled || cfg.lora.alpha != 32.0 {
@@ -106,7 +133,8 @@ pub async fn trainer_for(
         ));
     }
     let dir = model_dir(&cfg.model, run_dir)?;
-    let base = Arc::new(Pretrained::load(&dir, &LoadOptions::default())?);
+    let base =
+        off_runtime(move || Ok(Arc::new(Pretrained::load(&dir, &LoadOptions::default())?))).await?;
     let key = cfg
         .remote_trainer
         .api_key_env

@@ -195,6 +195,9 @@ fn a_stopped_run_resumes_from_its_checkpoint_and_matches_an_uninterrupted_one() 
     assert_eq!(comparable(&whole.metrics), comparable(&resumed.metrics));
     let adapter = |d: &Path| std::fs::read(d.join("adapter/adapter_model.safetensors")).unwrap();
     assert_eq!(adapter(full.path()), adapter(cut.path()));
+    // The samples log, too, has each step once and as the whole run wrote it.
+    let samples = |d: &Path| std::fs::read_to_string(d.join("samples.jsonl")).unwrap();
+    assert_eq!(samples(full.path()), samples(cut.path()));
     // Only `keep` checkpoints remain.
     let states: Vec<_> = std::fs::read_dir(cut.path().join("checkpoints/run-1"))
         .unwrap()
@@ -202,4 +205,53 @@ fn a_stopped_run_resumes_from_its_checkpoint_and_matches_an_uninterrupted_one() 
         .filter(|e| e.file_name().to_string_lossy().starts_with("step-"))
         .collect();
     assert_eq!(states.len(), 2);
+}
+
+/// Issue 12: a few rollouts of every step (prompt, completion, reward,
+/// env) go to `samples.jsonl` and the last step's into `plots.html`; the
+/// evaluation before training is plotted at step 0.
+#[test]
+fn issue_12_samples_are_logged_and_the_step_0_eval_is_plotted() {
+    let d = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(d.path(), "");
+    c.trainer.max_steps = 2;
+    c.log.samples = 3;
+    c.eval.num_examples = 2;
+    let out = rt().block_on(run_rl(c, RunOptions::default())).unwrap();
+    let text = std::fs::read_to_string(d.path().join("samples.jsonl")).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [1, 1, 1, 2, 2, 2]);
+    for l in &lines {
+        assert_eq!(l["env"], "graded");
+        assert!(l["prompt"].as_str().unwrap().starts_with("echo "), "{l}");
+        assert!(l["completion"].is_string() && l["reward"].is_f64(), "{l}");
+    }
+    // Three distinct prompts (batch_size 2: both groups' first rollouts,
+    // then the first group's second).
+    assert_eq!(lines[0]["example_id"], lines[2]["example_id"]);
+    assert_ne!(lines[0]["example_id"], lines[1]["example_id"]);
+    let html = std::fs::read_to_string(d.path().join("plots.html")).unwrap();
+    assert!(
+        html.contains("Samples of step 2"),
+        "the report shows the samples"
+    );
+    let eval_chart = html.split("<h3>eval/accuracy").nth(1).unwrap();
+    assert!(eval_chart.contains("step 0"), "the step-0 eval is plotted");
+    assert!(out.eval_before.is_some());
+    // metrics.jsonl stays one line per step (the step-0 eval is not one).
+    let metrics = std::fs::read_to_string(d.path().join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2);
+
+    // `log.samples = 0` writes none.
+    let e = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(e.path(), "");
+    c.trainer.max_steps = 1;
+    c.log.samples = 0;
+    rt().block_on(run_rl(c, RunOptions::default())).unwrap();
+    let text = std::fs::read_to_string(e.path().join("samples.jsonl")).unwrap();
+    assert!(text.is_empty());
 }

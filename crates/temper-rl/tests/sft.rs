@@ -121,3 +121,81 @@ fn generate_sft_keeps_successful_rollouts_only() {
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["messages"][1]["content"], "a");
 }
+
+/// Issue 12: SFT evaluates on `[eval]` (its dry run showed `[eval]`, but it
+/// ran none): before training, every `eval.interval` steps and at the end,
+/// on the data's environment by default; plotted from step 0.
+#[test]
+fn issue_12_sft_evaluates_on_the_eval_section() {
+    let d = tempfile::tempdir().unwrap();
+    let run = d.path().join("run");
+    let text = format!(
+        r#"
+        [model]
+        preset = "tiny"
+        [model.tiny]
+        hidden_size = 32
+        num_layers = 1
+        num_heads = 2
+        num_kv_heads = 1
+        intermediate_size = 64
+        [lora]
+        rank = 2
+        [data]
+        env = {{ id = "arithmetic", args = {{ digits = 1 }} }}
+        answer_format = "{{answer}}"
+        [trainer]
+        batch_size = 2
+        max_steps = 4
+        [eval]
+        num_examples = 3
+        interval = 2
+        [ckpt]
+        interval = 0
+        [log]
+        dir = "{}"
+        progress = false
+        "#,
+        run.display()
+    );
+    let cfg: SftConfig = config::resolve(&text, &[]).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let out = rt.block_on(run_sft(cfg, RunOptions::default())).unwrap();
+    let before = out.eval_before.expect("an evaluation before training");
+    let after = out.eval_after.expect("an evaluation after training");
+    assert_eq!((before.step, before.n), (0, 3));
+    assert_eq!((after.step, after.n), (4, 3));
+    for step in [0, 2, 4] {
+        let dir = run.join(format!("evals/step-{step:06}"));
+        assert!(dir.join("results.jsonl").is_file(), "{}", dir.display());
+    }
+    let evaluated: Vec<u64> = out
+        .metrics
+        .iter()
+        .filter(|m| m.contains_key("eval/accuracy") && m.contains_key("eval/reward"))
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evaluated, [2, 4]);
+    let html = std::fs::read_to_string(run.join("plots.html")).unwrap();
+    let chart = html.split("eval/accuracy").nth(1).unwrap();
+    assert!(chart.contains("step 0"), "the step-0 evaluation is plotted");
+
+    // A file dataset names no environment: no evaluation, as before.
+    let data = d.path().join("chat.jsonl");
+    std::fs::write(
+        &data,
+        json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+            .to_string()
+            + "\n",
+    )
+    .unwrap();
+    let text = text
+        .replace(
+            "env = { id = \"arithmetic\", args = { digits = 1 } }\n        answer_format = \"{answer}\"",
+            &format!("path = \"{}\"", data.display()),
+        )
+        .replace(&run.display().to_string(), &d.path().join("run2").display().to_string());
+    let cfg: SftConfig = config::resolve(&text, &[]).unwrap();
+    let out = rt.block_on(run_sft(cfg, RunOptions::default())).unwrap();
+    assert!(out.eval_before.is_none() && out.eval_after.is_none());
+}

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::Value;
+use temper_env::Split;
 use temper_eval::report::{summarize, summary_table};
 use temper_eval::results::{read_metadata, read_results};
 use temper_eval::{default_run_dir, run_eval, EvalConfig, RetryPolicy};
@@ -37,6 +38,10 @@ pub struct EvalArgs {
     /// Examples (default: the environment's).
     #[arg(short = 'n', long = "num-examples")]
     num_examples: Option<usize>,
+    /// Which rows: `eval` (held out) or `train` (e.g. to sample a teacher
+    /// on training questions for `temper generate-sft`).
+    #[arg(long, value_parser = parse_split, default_value = "eval")]
+    split: Split,
     /// Rollouts per example (default: the environment's).
     #[arg(short = 'r', long = "rollouts-per-example")]
     rollouts: Option<usize>,
@@ -75,6 +80,14 @@ pub struct EvalArgs {
     quiet: bool,
 }
 
+fn parse_split(s: &str) -> std::result::Result<Split, String> {
+    match s {
+        "eval" => Ok(Split::Eval),
+        "train" => Ok(Split::Train),
+        other => Err(format!("{other:?}: use train or eval")),
+    }
+}
+
 fn json_arg(flag: &str, s: &Option<String>) -> Result<Value> {
     match s {
         Some(s) => serde_json::from_str(s).with_context(|| format!("{flag} is not JSON")),
@@ -101,6 +114,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 api_key,
                 api_key_env: m.api_key_env,
                 num_examples: m.num_examples,
+                split: m.split,
                 rollouts_per_example: m.rollouts_per_example,
                 max_concurrent: m.max_concurrent,
                 sampling: m.sampling_args,
@@ -152,6 +166,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 api_key,
                 api_key_env: a.api_key_var.clone(),
                 num_examples: a.num_examples.unwrap_or(d.num_examples),
+                split: a.split,
                 rollouts_per_example: a.rollouts.unwrap_or(d.rollouts_per_example).max(1),
                 max_concurrent: a.concurrency,
                 sampling,

@@ -91,13 +91,19 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
+/// `12.5%`, or `-` without an evaluation.
+fn accuracy(e: &Option<temper_rl::rl::EvalResult>) -> String {
+    e.as_ref()
+        .map_or("-".to_string(), |e| format!("{:.1}%", 100.0 * e.accuracy))
+}
+
 /// Run a training command.
 pub fn run(cmd: TrainCommand) -> Result<()> {
     match cmd {
         TrainCommand::Rl(args) => {
             let r = resolve::<RlConfig>(&args, |c, d| c.log.dir = d)?;
             if r.dry_run {
-                print!("{}", config::to_toml(&r.cfg)?);
+                print!("{}", r.cfg.dry_run()?);
                 return Ok(());
             }
             let out = runtime()?.block_on(run_rl(
@@ -107,15 +113,11 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                     stop_after: None,
                 },
             ))?;
-            let acc = |e: &Option<temper_rl::rl::EvalResult>| {
-                e.as_ref()
-                    .map_or("-".to_string(), |e| format!("{:.1}%", 100.0 * e.accuracy))
-            };
             println!(
                 "done: {} steps; held-out accuracy {} -> {}",
                 out.steps,
-                acc(&out.eval_before),
-                acc(&out.eval_after)
+                accuracy(&out.eval_before),
+                accuracy(&out.eval_after)
             );
             println!("  weights:  {}", out.output.display());
             println!(
@@ -128,7 +130,7 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
         TrainCommand::Sft(args) => {
             let r = resolve::<SftConfig>(&args, |c, d| c.log.dir = d)?;
             if r.dry_run {
-                print!("{}", config::to_toml(&r.cfg)?);
+                print!("{}", r.cfg.dry_run()?);
                 return Ok(());
             }
             let dir = r.cfg.log.dir.clone();
@@ -139,7 +141,18 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                     stop_after: None,
                 },
             ))?;
-            println!("done: {} steps; last loss {:.4}", out.steps, out.final_loss);
+            let eval = match (&out.eval_before, &out.eval_after) {
+                (None, None) => String::new(),
+                (before, after) => format!(
+                    "; held-out accuracy {} -> {}",
+                    accuracy(before),
+                    accuracy(after)
+                ),
+            };
+            println!(
+                "done: {} steps; last loss {:.4}{eval}",
+                out.steps, out.final_loss
+            );
             println!("  weights:  {}", out.output.display());
             println!("  metrics:  {}", dir.join("metrics.jsonl").display());
             println!("  plots:    {}", dir.join("plots.html").display());

@@ -221,6 +221,69 @@ fn env_new_then_eval_then_view_as_in_the_readme() {
     assert!(!html.contains("<script"), "self-contained, no scripts");
 }
 
+/// The questions of a scaffolded env's `split.jsonl`.
+fn questions(env_dir: &Path, split: &str) -> std::collections::BTreeSet<String> {
+    std::fs::read_to_string(env_dir.join(format!("{split}.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["question"].to_string())
+        .map(|q| q.trim_matches('"').to_string())
+        .collect()
+}
+
+/// Issue 12: `temper eval --split train` samples training questions (for
+/// `temper generate-sft`); the default stays the held-out split.
+#[test]
+fn issue_12_eval_split_train_samples_training_questions() {
+    let (base, _rt) = mock_server(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let st = temper()
+        .args(["env", "new", "units", "--dir"])
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let env_dir = dir.path().join("units");
+    let (train, held_out) = (questions(&env_dir, "train"), questions(&env_dir, "eval"));
+    assert!(train.is_disjoint(&held_out));
+    for (split, expected) in [(Some("train"), &train), (None, &held_out)] {
+        let save = dir.path().join(format!("out-{split:?}"));
+        let mut cmd = temper();
+        cmd.arg("eval")
+            .arg(&env_dir)
+            .args(["-m", "mock", "-b", &base, "--quiet", "-n", "3", "-r", "1"]);
+        if let Some(s) = split {
+            cmd.args(["--split", s]);
+        }
+        let out = cmd.arg("--save-dir").arg(&save).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let name = split.unwrap_or("eval");
+        assert!(stdout.contains(&format!("3 {name} examples")), "{stdout}");
+        let run = run_dir_of(&save);
+        let asked: Vec<String> = groups(&run).into_values().flatten().collect();
+        assert_eq!(asked.len(), 3);
+        assert!(asked.iter().all(|q| expected.contains(q)), "{asked:?}");
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("metadata.json")).unwrap())
+                .unwrap();
+        assert_eq!(meta["split"], name);
+    }
+    let out = temper()
+        .arg("eval")
+        .arg(&env_dir)
+        .args(["--split", "test"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use train or eval"));
+}
+
 #[test]
 fn env_new_refuses_bad_names_and_existing_dirs() {
     let dir = tempfile::tempdir().unwrap();
