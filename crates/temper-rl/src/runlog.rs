@@ -29,6 +29,20 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::rename(&tmp, path).map_err(|e| RlError::io(path, e))
 }
 
+/// Open a JSON-lines log for appending: a resumed run's (`resume`,
+/// already trimmed to its checkpoint) is continued, a fresh run's replaces
+/// any old file.
+pub(crate) fn open_log(path: &Path, resume: bool) -> Result<std::fs::File> {
+    if !resume && path.exists() {
+        std::fs::remove_file(path).map_err(|e| RlError::io(path, e))?;
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| RlError::io(path, e))
+}
+
 /// Appends step records to `metrics.jsonl` and keeps them for plotting.
 pub struct MetricsLog {
     path: PathBuf,
@@ -63,14 +77,8 @@ impl MetricsLog {
                 text.push('\n');
             }
             write_atomic(&path, text.as_bytes())?;
-        } else if path.exists() {
-            std::fs::remove_file(&path).map_err(|e| RlError::io(&path, e))?;
         }
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(|e| RlError::io(&path, e))?;
+        let file = open_log(&path, keep_until_step.is_some())?;
         Ok(Self {
             path,
             file,

@@ -16,7 +16,7 @@ use temper_env::Message;
 
 use crate::error::{Result, RlError};
 use crate::rollout::Group;
-use crate::runlog::write_atomic;
+use crate::runlog::{open_log, write_atomic};
 
 /// One sampled rollout, as a user reads it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -130,14 +130,8 @@ impl SamplesLog {
                 last.push(s);
             }
             write_atomic(&path, kept.as_bytes())?;
-        } else if path.exists() {
-            std::fs::remove_file(&path).map_err(|e| RlError::io(&path, e))?;
         }
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(|e| RlError::io(&path, e))?;
+        let file = open_log(&path, keep_until_step.is_some())?;
         Ok(Self { path, file, last })
     }
 
