@@ -861,6 +861,65 @@ fn split_regex(pre: &str) -> Option<&'static str> {
 mod tests {
     use super::*;
 
+    /// Issue 14: every common GGUF tensor type is read and dequantised — to
+    /// exactly candle's dequantisation of the stored blocks, and close to
+    /// the values that were quantised.
+    #[test]
+    fn every_common_tensor_type_is_read_and_dequantised() {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let t = Tensor::randn(0f32, 1.0, (4, 256), &Device::Cpu).expect("randn");
+        let want = t
+            .flatten_all()
+            .and_then(|x| x.to_vec1::<f32>())
+            .expect("values");
+        for (dtype, tol) in [
+            (GgmlDType::F32, 0.0),
+            (GgmlDType::F16, 1e-3),
+            (GgmlDType::BF16, 1e-2),
+            (GgmlDType::Q8_0, 2e-2),
+            (GgmlDType::Q5_0, 8e-2),
+            (GgmlDType::Q5_1, 8e-2),
+            (GgmlDType::Q4_0, 0.15),
+            (GgmlDType::Q4_1, 0.15),
+            (GgmlDType::Q6K, 4e-2),
+            (GgmlDType::Q5K, 8e-2),
+            (GgmlDType::Q4K, 0.15),
+            (GgmlDType::Q3K, 0.3),
+            (GgmlDType::Q2K, 0.6),
+        ] {
+            let q = QTensor::quantize(&t, dtype).expect("quantize");
+            let path = dir.path().join(format!("{dtype:?}.gguf"));
+            let arch = Value::String("llama".into());
+            let mut f = File::create(&path).expect("create");
+            candle_core::quantized::gguf_file::write(
+                &mut f,
+                &[("general.architecture", &arch)],
+                &[("blk.0.ffn_down.weight", &q)],
+            )
+            .expect("write");
+            drop(f);
+            let g = GgufFile::open(&path).expect("open");
+            let got = g
+                .raw_tensor("blk.0.ffn_down.weight")
+                .and_then(|x| Ok(x.flatten_all()?.to_vec1::<f32>()?))
+                .expect("read");
+            let exact = q
+                .dequantize(&Device::Cpu)
+                .and_then(|x| x.flatten_all()?.to_vec1::<f32>())
+                .expect("dequantize");
+            assert_eq!(got, exact, "{dtype:?}: not the stored blocks");
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).powi(2))
+                .sum::<f32>()
+                .sqrt()
+                / want.iter().map(|b| b * b).sum::<f32>().sqrt();
+            assert!(err <= tol, "{dtype:?}: relative error {err} > {tol}");
+        }
+    }
+
     #[test]
     fn tensor_names_map_to_llama_cpp() {
         assert_eq!(
