@@ -226,7 +226,8 @@ fn chart(name: &str, pts: &[(f64, f64)]) -> String {
     )
 }
 
-fn escape(s: &str) -> String {
+/// `s` as HTML text or attribute value.
+pub(crate) fn escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")

@@ -16,7 +16,7 @@ use temper_env::Message;
 
 use crate::error::{Result, RlError};
 use crate::rollout::Group;
-use crate::runlog::{open_log, write_atomic};
+use crate::runlog::{escape, open_log, write_atomic};
 
 /// One sampled rollout, as a user reads it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -192,13 +192,6 @@ fn to_line(s: &LoggedSample) -> Result<String> {
     let mut line = serde_json::to_string(s).map_err(|e| RlError::Data(format!("sample: {e}")))?;
     line.push('\n');
     Ok(line)
-}
-
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
 }
 
 #[cfg(test)]

@@ -164,18 +164,23 @@ fn kill_nine_mid_run_then_resume_ends_with_the_same_set() {
     assert_eq!(meta["num_rollouts"], 300);
 }
 
-#[test]
-fn env_new_then_eval_then_view_as_in_the_readme() {
-    let (base, _rt) = mock_server(Duration::ZERO);
-    let dir = tempfile::tempdir().unwrap();
+/// `temper env new units --dir DIR`, as a user starts; the new env's directory.
+fn env_new_units(dir: &Path) -> PathBuf {
     let st = temper()
         .args(["env", "new", "units", "--dir"])
-        .arg(dir.path())
+        .arg(dir)
         .stdout(Stdio::null())
         .status()
         .unwrap();
     assert!(st.success());
-    let env_dir = dir.path().join("units");
+    dir.join("units")
+}
+
+#[test]
+fn env_new_then_eval_then_view_as_in_the_readme() {
+    let (base, _rt) = mock_server(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let env_dir = env_new_units(dir.path());
     for f in ["env.toml", "train.jsonl", "eval.jsonl", "README.md"] {
         assert!(env_dir.join(f).is_file(), "{f}");
     }
@@ -237,14 +242,7 @@ fn questions(env_dir: &Path, split: &str) -> std::collections::BTreeSet<String> 
 fn issue_12_eval_split_train_samples_training_questions() {
     let (base, _rt) = mock_server(Duration::ZERO);
     let dir = tempfile::tempdir().unwrap();
-    let st = temper()
-        .args(["env", "new", "units", "--dir"])
-        .arg(dir.path())
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let env_dir = dir.path().join("units");
+    let env_dir = env_new_units(dir.path());
     let (train, held_out) = (questions(&env_dir, "train"), questions(&env_dir, "eval"));
     assert!(train.is_disjoint(&held_out));
     for (split, expected) in [(Some("train"), &train), (None, &held_out)] {
