@@ -101,11 +101,29 @@ pub fn set_num_threads(n: Option<usize>) {
             .ok()
             .and_then(|s| s.parse::<usize>().ok())
         {
-            Some(n) if n > 0 => return,
+            Some(n) if n > 0 => {
+                single_threaded_elementwise();
+                return;
+            }
             _ => std::thread::available_parallelism().map_or(1, |n| n.get()),
         },
     };
     std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    single_threaded_elementwise();
+}
+
+/// candle 0.11 runs element-wise ops on its own thread pool whose caller
+/// spin-waits for the workers. When the cores are shared (the RL loop
+/// samples and trains at once; anything else running on a laptop) a
+/// descheduled worker leaves the caller spinning for a whole time slice:
+/// measured on SmolLM2 with a busy 2-core machine, 60% of a training step
+/// went to that spin. Element-wise ops are memory-bound, so one thread does
+/// them at nearly the same speed; matmuls and temper's own kernels keep
+/// every thread. `CANDLE_NUM_THREADS`, when set, wins.
+fn single_threaded_elementwise() {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
 }
 
 /// The compute device: CUDA device 0 when built with the `cuda` feature and a

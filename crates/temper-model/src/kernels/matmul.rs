@@ -1,0 +1,490 @@
+//! `y = x·Wᵀ` for the linear layers and the LM head, with every output a
+//! reduction over `k` in one fixed order: a row's result is bit-identical
+//! whatever the number of rows in the call, the row's position in it, or the
+//! thread count.
+//!
+//! # Why not candle's matmul
+//! candle's CPU `gemm` picks its blocking from a cache model and takes a
+//! matrix-vector path for one row, so a token's logits differ (in the last
+//! bits) between a decode step and a full-sequence pass. Here output
+//! `(m, n)` is always `dot(x[m, :], w[n, :])` computed the same way: eight
+//! lane sums over `k = l, l+8, l+16, …` (one fused multiply-add each, in `k`
+//! order), then the lanes added in a fixed tree. Tiling over `m` and `n` and
+//! splitting `n` across threads only decide *which* outputs a loop computes,
+//! never how one is summed.
+//!
+//! `W` is used in its stored `[out, in]` layout (both operands contiguous in
+//! `k`), so nothing is packed or copied per call; a decode step reads each
+//! weight row once for all its sequences.
+//!
+//! The AVX2+FMA path is chosen at run time; other CPUs get a portable loop
+//! with the same lane structure (rounded differently, but one process only
+//! ever uses one of the two).
+
+use std::sync::OnceLock;
+
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{ModelError, Result};
+
+/// Below this many multiply-adds a call runs on the calling thread.
+const SEQUENTIAL_WORK: usize = 1 << 17;
+/// Rows of `x` per register tile.
+const MR: usize = 4;
+/// Rows of `W` (output columns) per register tile.
+const NR: usize = 3;
+/// Weight rows per work item: a block of `W` that stays in L2 while every
+/// row of `x` passes over it.
+const N_BLOCK: usize = 48;
+
+/// `x·Wᵀ`: `x` `[m, k]`, `w` `[n, k]` → `[m, n]`, differentiable w.r.t. both
+/// (the weight's gradient only when `w` is tracked). f32 on the CPU; see
+/// [`matmul_nt_supported`].
+pub fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (_, k) = x.dims2()?;
+    let (_, wk) = w.dims2()?;
+    if k != wk {
+        return Err(ModelError::InvalidInput(format!(
+            "matmul_nt: x {:?} and w {:?} differ in k",
+            x.dims(),
+            w.dims()
+        )));
+    }
+    let op = MatmulNt {
+        weight_grad: w.track_op(),
+    };
+    Ok(x.contiguous()?.apply_op2(&w.contiguous()?, op)?)
+}
+
+/// Whether [`matmul_nt`] handles these operands (f32 on the CPU).
+pub fn matmul_nt_supported(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32
+}
+
+struct MatmulNt {
+    weight_grad: bool,
+}
+
+fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("matmul_nt: non-contiguous {what}")))?;
+    match s {
+        CpuStorage::F32(v) => Ok(&v[a..b]),
+        _ => Err(candle_core::Error::Msg(format!(
+            "matmul_nt: {what} must be f32"
+        ))),
+    }
+}
+
+impl CustomOp2 for MatmulNt {
+    fn name(&self) -> &'static str {
+        "matmul-nt"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, w) = (slice(xs, xl, "x")?, slice(ws, wl, "w")?);
+        let (m, k) = xl.shape().dims2()?;
+        let (n, _) = wl.shape().dims2()?;
+        let mut y = vec![0f32; m * n];
+        matmul_nt_f32(x, w, m, n, k, &mut y);
+        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // Gradients need determinism, not invariance: candle's matmul is
+        // deterministic for a given shape. Detached operands: a gradient
+        // that tracked `x` would keep the whole forward graph alive for as
+        // long as the caller holds the gradient.
+        let dx = grad.matmul(&w.detach())?;
+        let dw = if self.weight_grad {
+            Some(grad.t()?.matmul(&x.detach())?)
+        } else {
+            None
+        };
+        Ok((Some(dx), dw))
+    }
+}
+
+/// `y[m, n] = dot(x[m, :], w[n, :])` into `y` (`[m, n]`, row-major).
+pub(crate) fn matmul_nt_f32(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, y: &mut [f32]) {
+    assert!(x.len() >= m * k && w.len() >= n * k && y.len() >= m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    let kernel = kernel();
+    let out = SendPtr(y.as_mut_ptr());
+    let blocks = n.div_ceil(N_BLOCK);
+    let run = |b: usize| {
+        let n0 = b * N_BLOCK;
+        let n1 = (n0 + N_BLOCK).min(n);
+        // SAFETY: block `b` writes only columns `n0..n1` of `y`, disjoint
+        // from every other block's; `y` outlives the loop.
+        unsafe { kernel(x, w, m, n, k, n0, n1, out.get()) };
+    };
+    if m * n * k < SEQUENTIAL_WORK || rayon::current_num_threads() == 1 {
+        (0..blocks).for_each(run);
+    } else {
+        (0..blocks).into_par_iter().for_each(run);
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: used only to hand disjoint output columns to worker threads.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Computes columns `n0..n1` of `y` for every row.
+type Kernel = unsafe fn(&[f32], &[f32], usize, usize, usize, usize, usize, *mut f32);
+
+fn kernel() -> Kernel {
+    static K: OnceLock<Kernel> = OnceLock::new();
+    *K.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return avx2::block;
+        }
+        portable::block
+    })
+}
+
+mod portable {
+    /// The same eight-lane structure as the AVX2 kernel, in plain Rust.
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0f32; 8];
+        let ca = a.chunks_exact(8);
+        let cb = b.chunks_exact(8);
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for l in 0..8 {
+                acc[l] += x[l] * y[l];
+            }
+        }
+        for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
+            acc[l] += x * y;
+        }
+        ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+    }
+
+    /// # Safety
+    /// `y` must point to `m·n` writable floats; no other thread writes
+    /// columns `n0..n1`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn block(
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        n: usize,
+        k: usize,
+        n0: usize,
+        n1: usize,
+        y: *mut f32,
+    ) {
+        for i in 0..m {
+            let xr = &x[i * k..(i + 1) * k];
+            for j in n0..n1 {
+                *y.add(i * n + j) = dot(xr, &w[j * k..(j + 1) * k]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{MR, NR};
+
+    /// Lanes summed as `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`, the
+    /// portable kernel's order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+    }
+
+    /// Loads `k % 8` trailing floats at `p`, zeros in the other lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load_tail(p: *const f32, rem: usize) -> __m256 {
+        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem as i32), idx);
+        _mm256_maskload_ps(p, mask)
+    }
+
+    /// One `R×C` tile of outputs: rows `x[0..R]` (stride `k`) against
+    /// weight rows `w[0..C]` (stride `k`), written to `y` (row stride `ldy`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile<const R: usize, const C: usize>(
+        x: *const f32,
+        w: *const f32,
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let k8 = k - k % 8;
+        let mut kk = 0;
+        while kk < k8 {
+            let mut wv = [_mm256_setzero_ps(); C];
+            for (c, v) in wv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(w.add(c * k + kk));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(x.add(r * k + kk));
+                for (a, v) in row.iter_mut().zip(&wv) {
+                    *a = _mm256_fmadd_ps(xv, *v, *a);
+                }
+            }
+            kk += 8;
+        }
+        if k8 < k {
+            let rem = k - k8;
+            let mut wv = [_mm256_setzero_ps(); C];
+            for (c, v) in wv.iter_mut().enumerate() {
+                *v = load_tail(w.add(c * k + k8), rem);
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let xv = load_tail(x.add(r * k + k8), rem);
+                for (a, v) in row.iter_mut().zip(&wv) {
+                    *a = _mm256_fmadd_ps(xv, *v, *a);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (c, a) in row.iter().enumerate() {
+                *y.add(r * ldy + c) = hsum(*a);
+            }
+        }
+    }
+
+    /// Rows `R` of one tile row against weight rows `n0..n1`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_row<const R: usize>(
+        x: *const f32,
+        w: *const f32,
+        k: usize,
+        n0: usize,
+        n1: usize,
+        y: *mut f32,
+        ldy: usize,
+    ) {
+        let mut j = n0;
+        while j + NR <= n1 {
+            tile::<R, NR>(x, w.add(j * k), k, y.add(j), ldy);
+            j += NR;
+        }
+        match n1 - j {
+            2 => tile::<R, 2>(x, w.add(j * k), k, y.add(j), ldy),
+            1 => tile::<R, 1>(x, w.add(j * k), k, y.add(j), ldy),
+            _ => {}
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `y` must point to `m·n` writable
+    /// floats; no other thread writes columns `n0..n1`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn block(
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        n: usize,
+        k: usize,
+        n0: usize,
+        n1: usize,
+        y: *mut f32,
+    ) {
+        let (x, w) = (x.as_ptr(), w.as_ptr());
+        let mut i = 0;
+        while i + MR <= m {
+            tile_row::<MR>(x.add(i * k), w, k, n0, n1, y.add(i * n), n);
+            i += MR;
+        }
+        match m - i {
+            3 => tile_row::<3>(x.add(i * k), w, k, n0, n1, y.add(i * n), n),
+            2 => tile_row::<2>(x.add(i * k), w, k, n0, n1, y.add(i * n), n),
+            1 => tile_row::<1>(x.add(i * k), w, k, n0, n1, y.add(i * n), n),
+            _ => {}
+        }
+    }
+}
+
+/// `x·Wᵀ` through [`matmul_nt`] when supported, else candle's matmul.
+pub fn linear_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if matmul_nt_supported(x, w) {
+        matmul_nt(x, w)
+    } else {
+        Ok(x.matmul(&w.t()?)?)
+    }
+}
+
+/// A plain-slice entry point for kernels that already hold f32 rows (the LM
+/// head's blocks): `[rows, k]·Wᵀ` with `W` a CPU f32 tensor.
+#[allow(dead_code)]
+pub(crate) fn rows_times_weight(
+    xb: &[f32],
+    rows: usize,
+    weight: &Tensor,
+) -> candle_core::Result<Vec<f32>> {
+    let (n, k) = weight.dims2()?;
+    let w = weight.to_device(&Device::Cpu)?.contiguous()?;
+    let (storage, layout) = w.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(candle_core::Error::Msg(
+            "matmul_nt: weight not on the CPU".into(),
+        ));
+    };
+    let ws = slice(cpu, layout, "w")?;
+    let mut y = vec![0f32; rows * n];
+    matmul_nt_f32(xb, ws, rows, n, k, &mut y);
+    Ok(y)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    fn rand(shape: (usize, usize), seed: u64) -> Tensor {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let v: Vec<f32> = (0..shape.0 * shape.1)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect()
+    }
+
+    #[test]
+    fn matches_an_f64_reference() {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (5, 7, 9),
+            (37, 53, 37),
+            (130, 97, 576),
+            (4, 200, 1536),
+        ] {
+            let x = rand((m, k), 1);
+            let w = rand((n, k), 2);
+            let y = matmul_nt(&x, &w).unwrap();
+            let r = x
+                .to_dtype(DType::F64)
+                .unwrap()
+                .matmul(&w.to_dtype(DType::F64).unwrap().t().unwrap())
+                .unwrap();
+            let d = (y.to_dtype(DType::F64).unwrap() - r)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            assert!(d < 1e-5 * (k as f64).sqrt(), "{m}x{n}x{k}: max error {d}");
+        }
+    }
+
+    /// The contract: a row's bits do not depend on the call's row count,
+    /// the row's position or the thread count (candle's gemm fails this at
+    /// one row and at small shapes).
+    #[test]
+    fn a_rows_result_does_not_depend_on_the_call() {
+        for &(n, k) in &[(53, 37), (97, 576), (300, 64)] {
+            let x = rand((160, k), 3);
+            let w = rand((n, k), 4);
+            let full = matmul_nt(&x, &w).unwrap();
+            for &(start, len) in &[(0, 1), (7, 1), (159, 1), (3, 2), (10, 5), (1, 150)] {
+                let part = matmul_nt(&x.narrow(0, start, len).unwrap(), &w).unwrap();
+                assert_eq!(
+                    bits(&part),
+                    bits(&full.narrow(0, start, len).unwrap()),
+                    "n={n} k={k}: rows {start}..{} differ",
+                    start + len
+                );
+            }
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let y = pool.install(|| matmul_nt(&x, &w).unwrap());
+                assert_eq!(bits(&y), bits(&full), "{threads} threads");
+            }
+        }
+    }
+
+    #[test]
+    fn gradients_match_candles_matmul() {
+        let x = Var::from_tensor(&rand((9, 21), 5)).unwrap();
+        let w = Var::from_tensor(&rand((13, 21), 6)).unwrap();
+        let g = rand((9, 13), 7);
+        let ours = (matmul_nt(x.as_tensor(), w.as_tensor()).unwrap() * &g)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let theirs = (x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap() * &g)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for v in [&x, &w] {
+            let a = ours.get(v.as_tensor()).unwrap();
+            let b = theirs.get(v.as_tensor()).unwrap();
+            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(d.to_scalar::<f32>().unwrap() < 1e-5);
+        }
+        // A frozen weight gets no gradient.
+        let frozen = rand((13, 21), 6);
+        let grads = matmul_nt(x.as_tensor(), &frozen)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        assert!(grads.get(&frozen).is_none());
+        assert!(grads.get(x.as_tensor()).is_some());
+    }
+
+    #[test]
+    fn rejects_mismatched_inner_dimensions() {
+        assert!(matmul_nt(&rand((2, 3), 1), &rand((4, 5), 2)).is_err());
+    }
+}
