@@ -346,7 +346,6 @@ pub fn linear_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// A plain-slice entry point for kernels that already hold f32 rows (the LM
 /// head's blocks): `[rows, k]·Wᵀ` with `W` a CPU f32 tensor.
-#[allow(dead_code)]
 pub(crate) fn rows_times_weight(
     xb: &[f32],
     rows: usize,
