@@ -94,6 +94,7 @@ pub mod datum;
 pub mod error;
 pub mod eval;
 pub mod metrics;
+pub mod plan;
 pub mod policy;
 pub mod preset;
 pub mod publish;
@@ -108,3 +109,4 @@ pub mod trainer;
 
 pub use error::{Result, RlError};
 pub use metrics::StepMetrics;
+pub use plan::{RlPlan, SftPlan};

@@ -28,11 +28,12 @@ use crate::datum::TrainTurns;
 use crate::error::{Result, RlError};
 use crate::eval::Evaluator;
 use crate::metrics::{DataMetrics, RolloutMetrics, StepMetrics, TimeMetrics, TrainMetrics};
+use crate::plan::RlPlan;
 use crate::publish::Publisher;
 use crate::rollout::{RolloutPlan, Rollouts};
 use crate::runlog::{write_atomic, MetricsLog};
 use crate::samples::{LoggedSample, SamplesLog};
-use crate::step::{loss_of, train_step};
+use crate::step::train_step;
 
 pub use crate::advantage::group_advantages;
 pub use crate::eval::EvalResult;
@@ -69,8 +70,14 @@ pub struct RlOutcome {
     pub metrics: Vec<Map<String, Value>>,
 }
 
-/// Run `temper train rl` with `cfg` in `cfg.log.dir`.
-pub async fn run_rl(cfg: RlConfig, opts: RunOptions) -> Result<RlOutcome> {
+/// Run `temper train rl` with `plan` (an [`RlPlan`], or an [`RlConfig`]
+/// checked into one here) in its `log.dir`.
+pub async fn run_rl<P>(plan: P, opts: RunOptions) -> Result<RlOutcome>
+where
+    P: TryInto<RlPlan>,
+    RlError: From<P::Error>,
+{
+    let cfg: RlPlan = plan.try_into()?;
     let run_dir = cfg.log.dir.clone();
     std::fs::create_dir_all(&run_dir).map_err(|e| RlError::io(&run_dir, e))?;
     if !opts.resume && checkpoint::latest_path(&run_dir).exists() {
@@ -81,22 +88,22 @@ pub async fn run_rl(cfg: RlConfig, opts: RunOptions) -> Result<RlOutcome> {
     }
     write_atomic(
         &run_dir.join("config.toml"),
-        crate::config::to_toml(&cfg)?.as_bytes(),
+        crate::config::to_toml(cfg.config())?.as_bytes(),
     )?;
-    let (base, trainer) = crate::trainer::trainer_for(&cfg, &run_dir).await?;
+    let (base, trainer) =
+        crate::trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir).await?;
     run_rl_with(cfg, opts, base, trainer).await
 }
 
 /// [`run_rl`] with a given trainer (in-process, or a remote training API)
 /// and the base model it trains (for its tokenizer and chat template).
 pub async fn run_rl_with(
-    cfg: RlConfig,
+    cfg: RlPlan,
     opts: RunOptions,
     base: Arc<Pretrained>,
     trainer: Arc<dyn Trainer>,
 ) -> Result<RlOutcome> {
     let run_dir = cfg.log.dir.clone();
-    validate(&cfg)?;
     let plan = Arc::new(RolloutPlan::load(&cfg).await?);
     let evaluator = Evaluator::for_rl(&cfg).await?;
     let env_ids = plan.env_ids();
@@ -140,7 +147,15 @@ pub async fn run_rl_with(
         let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
         let turns = TrainTurns::of(&groups_g, &advantages_g);
         let datums_d = turns.datums();
-        let trained = train_step(&*trainer, &cfg.trainer, step, datums_d, turns.turns_d()).await?;
+        let trained = train_step(
+            &*trainer,
+            &cfg.optim,
+            &cfg.loss,
+            step,
+            datums_d,
+            turns.turns_d(),
+        )
+        .await?;
         samples.write(LoggedSample::pick(
             &groups_g,
             step,
@@ -205,16 +220,6 @@ pub async fn run_rl_with(
     })
 }
 
-/// The checks the loop itself needs before it starts.
-fn validate(cfg: &RlConfig) -> Result<()> {
-    if cfg.trainer.batch_size == 0 || cfg.sampling.group_size == 0 {
-        return Err(RlError::Config(
-            "trainer.batch_size and sampling.group_size must be >= 1".into(),
-        ));
-    }
-    loss_of(&cfg.trainer).map(|_| ())
-}
-
 /// A progress line on stderr, when `log.progress` is on.
 fn progress(cfg: &RlConfig, line: &str) {
     if cfg.log.progress {
@@ -231,7 +236,7 @@ mod tests {
     /// The loop's data path for one batch: drop stale groups, advantages,
     /// datums, train.
     async fn train_on(
-        cfg: &RlConfig,
+        cfg: &RlPlan,
         trainer: &dyn Trainer,
         batch: Batch,
         dropped_total: &mut u64,
@@ -241,9 +246,16 @@ mod tests {
         *dropped_total += dropped;
         let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
         let turns = TrainTurns::of(&groups_g, &advantages_g);
-        let out = train_step(trainer, &cfg.trainer, step, turns.datums(), turns.turns_d())
-            .await
-            .unwrap();
+        let out = train_step(
+            trainer,
+            &cfg.optim,
+            &cfg.loss,
+            step,
+            turns.datums(),
+            turns.turns_d(),
+        )
+        .await
+        .unwrap();
         (
             DataMetrics::of(&turns, dropped, *dropped_total),
             RolloutMetrics::of(&groups_g, step, &[], 1.0),
@@ -261,7 +273,13 @@ mod tests {
         )
         .unwrap();
         cfg.async_.max_off_policy_steps = 1;
+        cfg.env.push(crate::config::EnvSection {
+            id: "unused".into(),
+            weight: 1.0,
+            args: Value::Null,
+        });
         let (_base, trainer) = local_trainer(&cfg.model, &cfg.lora, 0, dir.path()).unwrap();
+        let cfg = RlPlan::try_from(cfg).unwrap();
         let group = |version: u64| {
             let turn = |lp: f32, reward: f64| {
                 let trace = TokenTrace {

@@ -21,9 +21,9 @@ use serde_json::{json, Map, Value};
 use temper_engine::{AdamParams, Datum, Loss, LossInputs, Trainer};
 use temper_model::{ChatTemplate, Pretrained, Tokenizer};
 
-use crate::config::SftConfig;
 use crate::error::{Result, RlError};
 use crate::eval::{EvalResult, Evaluator};
+use crate::plan::{DataSource, SftPlan};
 use crate::policy::{Batcher, EnginePolicy, Renderer};
 use crate::rl::RunOptions;
 use crate::runlog::{write_atomic, MetricsLog};
@@ -167,23 +167,21 @@ pub struct SftOutcome {
 
 /// The tokenized dataset of `cfg.data`: a chat JSONL file, or an
 /// environment's training rows with `answer_format` as the assistant turn.
-pub fn load_examples(cfg: &SftConfig, base: &Pretrained) -> Result<Vec<SftExample>> {
+pub fn load_examples(cfg: &SftPlan, base: &Pretrained) -> Result<Vec<SftExample>> {
     let template = base.chat_template.as_ref().ok_or_else(|| {
         RlError::Config(format!("model {} has no chat template", base.dir.display()))
     })?;
-    let conversations: Vec<Vec<Value>> = match (&cfg.data.path, &cfg.data.env) {
-        (Some(p), None) => read_conversations(p)?,
-        (None, Some(e)) => {
+    let conversations: Vec<Vec<Value>> = match &cfg.data {
+        DataSource::File { path, .. } => read_conversations(path)?,
+        DataSource::Env {
+            env: e,
+            answer_format: fmt,
+            teacher_noise: noise,
+        } => {
+            let noise = *noise;
             let env = temper_env::load_environment(&e.id, &e.args)
                 .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
-            let n = (cfg.trainer.max_steps as usize * cfg.trainer.batch_size).max(1);
-            let fmt = cfg.data.answer_format.as_deref().unwrap_or("{answer}");
-            let noise = cfg.data.teacher_noise;
-            if !(0.0..=1.0).contains(&noise) {
-                return Err(RlError::Config(
-                    "data.teacher_noise must be in [0, 1]".into(),
-                ));
-            }
+            let n = (cfg.optim.max_steps as usize * cfg.optim.batch_size).max(1);
             let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x7EAC_4E25);
             env.rows(temper_env::Split::Train, n, cfg.seed)
                 .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?
@@ -205,16 +203,6 @@ pub fn load_examples(cfg: &SftConfig, base: &Pretrained) -> Result<Vec<SftExampl
                     Ok(msgs)
                 })
                 .collect::<Result<Vec<_>>>()?
-        }
-        (Some(_), Some(_)) => {
-            return Err(RlError::Config(
-                "[data] has both `path` and `env`; pick one".into(),
-            ))
-        }
-        (None, None) => {
-            return Err(RlError::Config(
-                "[data] needs `path` (chat JSONL/Parquet) or `env`".into(),
-            ))
         }
     };
     let mut out = Vec::with_capacity(conversations.len());
@@ -314,7 +302,12 @@ pub fn read_conversations(path: &Path) -> Result<Vec<Vec<Value>>> {
 /// `temper train sft`: cross-entropy on assistant tokens, mean over the
 /// batch's trained tokens; shuffled epochs (seeded); checkpoints and
 /// metrics like the RL loop; resumable.
-pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
+pub async fn run_sft<P>(plan: P, opts: RunOptions) -> Result<SftOutcome>
+where
+    P: TryInto<SftPlan>,
+    RlError: From<P::Error>,
+{
+    let cfg: SftPlan = plan.try_into()?;
     let run_dir = cfg.log.dir.clone();
     std::fs::create_dir_all(&run_dir).map_err(|e| RlError::io(&run_dir, e))?;
     let latest = run_dir.join("checkpoints").join("latest.json");
@@ -326,15 +319,10 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
     }
     write_atomic(
         &run_dir.join("config.toml"),
-        crate::config::to_toml(&cfg)?.as_bytes(),
+        crate::config::to_toml(cfg.config())?.as_bytes(),
     )?;
-    let (base, trainer) = crate::trainer::local_trainer_off_runtime(
-        cfg.model.clone(),
-        cfg.lora.clone(),
-        cfg.seed,
-        &run_dir,
-    )
-    .await?;
+    let (base, trainer) =
+        crate::trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir).await?;
     let examples = {
         let (cfg, base) = (cfg.clone(), base.clone());
         tokio::task::spawn_blocking(move || load_examples(&cfg, &base))
@@ -344,11 +332,13 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
                 source,
             })??
     };
-    let bs = cfg.trainer.batch_size.max(1);
+    let bs = cfg.optim.batch_size;
     let per_epoch = examples.len().div_ceil(bs) as u64;
-    let max_steps = match cfg.data.epochs {
-        Some(e) => cfg.trainer.max_steps.min(e * per_epoch),
-        None => cfg.trainer.max_steps,
+    let max_steps = match cfg.data {
+        DataSource::File {
+            epochs: Some(e), ..
+        } => cfg.optim.max_steps.min(e * per_epoch),
+        _ => cfg.optim.max_steps,
     };
     let (mut start, mut eval_before) = (0, None);
     if opts.resume {
@@ -399,24 +389,20 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         let n_tok: usize = batch.iter().map(|e| e.trained_tokens()).sum();
         let w = 1.0 / n_tok.max(1) as f32;
         let data: Vec<Datum> = batch.iter().map(|e| e.datum(w)).collect();
-        let micro = if cfg.trainer.micro_batch == 0 {
-            data.len()
-        } else {
-            cfg.trainer.micro_batch
-        };
+        let micro = cfg.optim.micro_batch_of(data.len());
         let mut loss = 0.0;
-        for chunk in data.chunks(micro.max(1)) {
+        for chunk in data.chunks(micro) {
             let out = trainer
                 .forward_backward(chunk.to_vec(), Loss::CrossEntropy)
                 .await?;
             loss += out.metrics.get("loss:sum").copied().unwrap_or(0.0);
         }
-        let lr = crate::rl::learning_rate(cfg.trainer.lr, cfg.trainer.warmup_steps, step);
+        let lr = cfg.optim.learning_rate(step);
         let stats = trainer
             .optim_step(AdamParams {
                 learning_rate: lr,
-                weight_decay: cfg.trainer.weight_decay,
-                grad_clip_norm: cfg.trainer.grad_clip,
+                weight_decay: cfg.optim.weight_decay,
+                grad_clip_norm: cfg.optim.grad_clip,
                 ..AdamParams::default()
             })
             .await?;
@@ -463,16 +449,13 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         &["loss", "eval/accuracy", "grad_norm", "lr", "tokens_per_s"],
         "",
     )?;
-    let output = if cfg.lora.enabled {
+    let output = if cfg.model.lora.is_some() {
         let d = run_dir.join("adapter");
         trainer.export_peft(&d).await?;
         d
     } else {
         let d = run_dir.join("model");
-        trainer
-            .engine()
-            .export_model(trainer.run_id(), d.clone())
-            .await?;
+        trainer.export_model(&d).await?;
         d
     };
     Ok(SftOutcome {

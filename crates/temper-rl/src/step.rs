@@ -6,9 +6,9 @@ use std::time::Instant;
 
 use temper_engine::{AdamParams, Datum, Loss, Trainer};
 
-use crate::config::TrainerSection;
 use crate::datum::TrainTurn;
 use crate::error::{Result, RlError};
+use crate::plan::Optim;
 
 /// What one train step reports.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -33,24 +33,6 @@ pub struct StepOutput {
     pub train_s: f64,
 }
 
-/// The loss of `trainer.loss` (validated here).
-pub fn loss_of(cfg: &TrainerSection) -> Result<Loss> {
-    match cfg.loss.as_str() {
-        "importance_sampling" => Ok(Loss::ImportanceSampling),
-        "ppo" => Ok(Loss::Ppo {
-            clip_low: cfg.clip_low,
-            clip_high: cfg.clip_high,
-        }),
-        "cispo" => Ok(Loss::Cispo {
-            clip_low: cfg.clip_low,
-            clip_high: cfg.clip_high,
-        }),
-        other => Err(RlError::Config(format!(
-            "trainer.loss {other:?}: use importance_sampling, ppo or cispo"
-        ))),
-    }
-}
-
 /// Linear warm-up to `lr` over `warmup` steps, then constant.
 pub fn learning_rate(lr: f64, warmup: u64, step: u64) -> f64 {
     if warmup == 0 {
@@ -64,22 +46,18 @@ pub fn learning_rate(lr: f64, warmup: u64, step: u64) -> f64 {
 /// datums nothing is trained and no optimizer step is taken.
 pub async fn train_step(
     trainer: &dyn Trainer,
-    hp: &TrainerSection,
+    hp: &Optim,
+    loss: &Loss,
     step: u64,
     datums_d: Vec<Datum>,
     turns_d: &[TrainTurn],
 ) -> Result<StepOutput> {
     let t_train = Instant::now();
-    let loss = loss_of(hp)?;
     let mut out = StepOutput {
-        lr: learning_rate(hp.lr, hp.warmup_steps, step),
+        lr: hp.learning_rate(step),
         ..Default::default()
     };
-    let micro = if hp.micro_batch == 0 {
-        datums_d.len().max(1)
-    } else {
-        hp.micro_batch
-    };
+    let micro = hp.micro_batch_of(datums_d.len());
     if !datums_d.is_empty() {
         for (chunk, turns) in datums_d.chunks(micro).zip(turns_d.chunks(micro)) {
             let fb = trainer

@@ -8,6 +8,7 @@ use temper_rl::config::{self, RlConfig, SftConfig};
 use temper_rl::quickstart::{quickstart, QuickstartOptions};
 use temper_rl::rl::{run_rl, RunOptions};
 use temper_rl::sft::run_sft;
+use temper_rl::{RlPlan, SftPlan};
 
 /// Training commands.
 #[derive(Subcommand)]
@@ -102,12 +103,14 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
     match cmd {
         TrainCommand::Rl(args) => {
             let r = resolve::<RlConfig>(&args, |c, d| c.log.dir = d)?;
+            // Every check happens here, so a dry run reports what a run would.
+            let plan = RlPlan::try_from(r.cfg)?;
             if r.dry_run {
-                print!("{}", r.cfg.dry_run()?);
+                print!("{}", plan.config().dry_run()?);
                 return Ok(());
             }
             let out = runtime()?.block_on(run_rl(
-                r.cfg,
+                plan,
                 RunOptions {
                     resume: r.resume,
                     stop_after: None,
@@ -129,13 +132,14 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
         }
         TrainCommand::Sft(args) => {
             let r = resolve::<SftConfig>(&args, |c, d| c.log.dir = d)?;
+            let plan = SftPlan::try_from(r.cfg)?;
             if r.dry_run {
-                print!("{}", r.cfg.dry_run()?);
+                print!("{}", plan.config().dry_run()?);
                 return Ok(());
             }
-            let dir = r.cfg.log.dir.clone();
+            let dir = plan.log.dir.clone();
             let out = runtime()?.block_on(run_sft(
-                r.cfg,
+                plan,
                 RunOptions {
                     resume: r.resume,
                     stop_after: None,
