@@ -52,7 +52,9 @@ pub struct RolloutMetrics {
     /// Each rubric metric's mean: `metric/{name}`.
     #[serde(flatten)]
     pub rubric: RubricMetrics,
-    /// Fraction of rollouts at or above the pass threshold.
+    /// Fraction of rollouts at or above the pass threshold: pass@1, the
+    /// name `temper eval` gives it.
+    #[serde(rename = "pass@1")]
     pub pass_rate: f64,
     /// Mean completion tokens per rollout.
     #[serde(rename = "seq_len/mean")]
@@ -158,8 +160,8 @@ pub struct TimeMetrics {
     #[serde(rename = "time/publish")]
     pub publish_s: f64,
     /// Held-out pass@1, when an evaluation ran after this step.
-    #[serde(rename = "eval/accuracy", skip_serializing_if = "Option::is_none")]
-    pub eval_accuracy: Option<f64>,
+    #[serde(rename = "eval/pass@1", skip_serializing_if = "Option::is_none")]
+    pub eval_pass_at_1: Option<f64>,
     /// Held-out mean reward, when an evaluation ran after this step.
     #[serde(rename = "eval/reward", skip_serializing_if = "Option::is_none")]
     pub eval_reward: Option<f64>,
@@ -268,7 +270,7 @@ impl TrainMetrics {
 impl TimeMetrics {
     /// Record the held-out evaluation that ran after this step.
     pub fn with_eval(mut self, eval: Option<&EvalResult>) -> Self {
-        self.eval_accuracy = eval.map(|r| r.accuracy);
+        self.eval_pass_at_1 = eval.map(|r| r.pass_at_1);
         self.eval_reward = eval.map(|r| r.reward);
         self
     }
@@ -295,7 +297,7 @@ impl StepMetrics {
             "n/a".into()
         };
         format!(
-            "step {:>4}/{max_steps}  reward {:.3}  pass {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
+            "step {:>4}/{max_steps}  reward {:.3}  pass@1 {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
             self.step,
             r.reward_mean,
             100.0 * r.pass_rate,
@@ -318,8 +320,8 @@ impl StepMetrics {
 /// The metrics plotted into `plots.html`.
 pub const PLOTTED: &[&str] = &[
     "reward/mean",
-    "pass_rate",
-    "eval/accuracy",
+    "pass@1",
+    "eval/pass@1",
     "seq_len/mean",
     "entropy",
     "grad_norm",
@@ -355,7 +357,7 @@ mod tests {
         m.rollouts.reward_by_env = RewardByEnv(vec![("arithmetic".into(), 0.5, 0.1)]);
         m.rollouts.rubric = RubricMetrics([("correct".to_string(), 0.5)].into());
         m.rollouts.rollout_errors = 2;
-        m.time.eval_accuracy = Some(0.25);
+        m.time.eval_pass_at_1 = Some(0.25);
         m.time.eval_reward = Some(0.5);
         let record = m.to_record().unwrap();
         let keys: Vec<&str> = record.keys().map(String::as_str).collect();
@@ -368,7 +370,7 @@ mod tests {
                 "reward/arithmetic/mean",
                 "reward/arithmetic/std",
                 "metric/correct",
-                "pass_rate",
+                "pass@1",
                 "seq_len/mean",
                 "truncation_rate",
                 "rollout_errors",
@@ -392,7 +394,7 @@ mod tests {
                 "tokens_per_s",
                 "time/wait",
                 "time/publish",
-                "eval/accuracy",
+                "eval/pass@1",
                 "eval/reward",
                 "time/step",
                 "time/elapsed",
@@ -403,8 +405,8 @@ mod tests {
         assert_eq!(record["rollout_errors"], serde_json::json!(2));
         assert_eq!(record["policy_lag/max"], serde_json::json!(0.0));
         // Without an evaluation the eval keys are absent.
-        m.time.eval_accuracy = None;
+        m.time.eval_pass_at_1 = None;
         m.time.eval_reward = None;
-        assert!(!m.to_record().unwrap().contains_key("eval/accuracy"));
+        assert!(!m.to_record().unwrap().contains_key("eval/pass@1"));
     }
 }

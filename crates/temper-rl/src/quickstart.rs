@@ -65,9 +65,9 @@ impl Default for QuickstartOptions {
 /// What the quickstart measured.
 #[derive(Debug, Clone)]
 pub struct QuickstartReport {
-    /// Held-out accuracy of the SFT model.
+    /// Held-out pass@1 of the SFT model.
     pub before: EvalResult,
-    /// Held-out accuracy after RL.
+    /// Held-out pass@1 after RL.
     pub after: EvalResult,
     /// The SFT model directory.
     pub sft_model: PathBuf,

@@ -424,7 +424,7 @@ where
             if cfg.log.progress {
                 eprintln!("{}", r.step_line());
             }
-            m.insert("eval/accuracy".into(), json!(r.accuracy));
+            m.insert("eval/pass@1".into(), json!(r.pass_at_1));
             m.insert("eval/reward".into(), json!(r.reward));
             eval_after = Some(r);
         }
@@ -446,7 +446,7 @@ where
     log.write_plots(
         &run_dir,
         "temper SFT run",
-        &["loss", "eval/accuracy", "grad_norm", "lr", "tokens_per_s"],
+        &["loss", "eval/pass@1", "grad_norm", "lr", "tokens_per_s"],
         "",
     )?;
     let output = if cfg.model.lora.is_some() {

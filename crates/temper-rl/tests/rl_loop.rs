@@ -239,7 +239,7 @@ fn issue_12_samples_are_logged_and_the_step_0_eval_is_plotted() {
         html.contains("Samples of step 2"),
         "the report shows the samples"
     );
-    let eval_chart = html.split("<h3>eval/accuracy").nth(1).unwrap();
+    let eval_chart = html.split("<h3>eval/pass@1").nth(1).unwrap();
     assert!(eval_chart.contains("step 0"), "the step-0 eval is plotted");
     assert!(out.eval_before.is_some());
     // metrics.jsonl stays one line per step (the step-0 eval is not one).

@@ -172,12 +172,12 @@ fn issue_12_sft_evaluates_on_the_eval_section() {
     let evaluated: Vec<u64> = out
         .metrics
         .iter()
-        .filter(|m| m.contains_key("eval/accuracy") && m.contains_key("eval/reward"))
+        .filter(|m| m.contains_key("eval/pass@1") && m.contains_key("eval/reward"))
         .map(|m| m["step"].as_u64().unwrap())
         .collect();
     assert_eq!(evaluated, [2, 4]);
     let html = std::fs::read_to_string(run.join("plots.html")).unwrap();
-    let chart = html.split("eval/accuracy").nth(1).unwrap();
+    let chart = html.split("eval/pass@1").nth(1).unwrap();
     assert!(chart.contains("step 0"), "the step-0 evaluation is plotted");
 
     // A file dataset names no environment: no evaluation, as before.

@@ -93,9 +93,9 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 /// `12.5%`, or `-` without an evaluation.
-fn accuracy(e: &Option<temper_rl::rl::EvalResult>) -> String {
+fn pass_at_1(e: &Option<temper_rl::rl::EvalResult>) -> String {
     e.as_ref()
-        .map_or("-".to_string(), |e| format!("{:.1}%", 100.0 * e.accuracy))
+        .map_or("-".to_string(), |e| format!("{:.1}%", 100.0 * e.pass_at_1))
 }
 
 /// Run a training command.
@@ -117,10 +117,10 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                 },
             ))?;
             println!(
-                "done: {} steps; held-out accuracy {} -> {}",
+                "done: {} steps; held-out pass@1 {} -> {}",
                 out.steps,
-                accuracy(&out.eval_before),
-                accuracy(&out.eval_after)
+                pass_at_1(&out.eval_before),
+                pass_at_1(&out.eval_after)
             );
             println!("  weights:  {}", out.output.display());
             println!(
@@ -148,9 +148,9 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             let eval = match (&out.eval_before, &out.eval_after) {
                 (None, None) => String::new(),
                 (before, after) => format!(
-                    "; held-out accuracy {} -> {}",
-                    accuracy(before),
-                    accuracy(after)
+                    "; held-out pass@1 {} -> {}",
+                    pass_at_1(before),
+                    pass_at_1(after)
                 ),
             };
             println!(
@@ -204,15 +204,15 @@ pub fn run_quickstart(args: QuickstartArgs) -> Result<()> {
     let (sft_s, rl_s, total) = r.seconds;
     println!();
     println!(
-        "before RL: accuracy {:.1}%  (the SFT model; {} greedy answers to {} distinct held-out questions)",
-        100.0 * r.before.accuracy,
+        "before RL: pass@1 {:.1}%  (the SFT model; {} greedy answers to {} distinct held-out questions)",
+        100.0 * r.before.pass_at_1,
         r.before.n,
         r.before.distinct
     );
     println!(
-        "after RL:  accuracy {:.1}%  ({:+.1} points)",
-        100.0 * r.after.accuracy,
-        100.0 * (r.after.accuracy - r.before.accuracy)
+        "after RL:  pass@1 {:.1}%  ({:+.1} points)",
+        100.0 * r.after.pass_at_1,
+        100.0 * (r.after.pass_at_1 - r.before.pass_at_1)
     );
     println!("time: SFT {sft_s:.0}s, RL {rl_s:.0}s, total {total:.0}s");
     println!();
