@@ -117,6 +117,13 @@ pub struct DataMetrics {
     pub trained_sequences: usize,
     /// Completion tokens trained on.
     pub trained_tokens: usize,
+    /// Multi-turn episodes trained as one sequence.
+    #[serde(rename = "multi_turn/merged")]
+    pub multi_turn_merged: u64,
+    /// Multi-turn episodes trained turn by turn because the chat template
+    /// rewrote history (a turn's prompt did not extend the previous turn).
+    #[serde(rename = "multi_turn/fallbacks")]
+    pub multi_turn_fallbacks: u64,
 }
 
 /// The train step's report.
@@ -245,8 +252,10 @@ impl DataMetrics {
             dropped_stale_total,
             zero_advantage_groups: turns.zero_advantage_groups,
             skipped_turns: turns.skipped_turns,
-            trained_sequences: turns.turns_d().len(),
+            trained_sequences: turns.seqs_d().len(),
             trained_tokens: turns.tokens(),
+            multi_turn_merged: turns.multi_turn_merged,
+            multi_turn_fallbacks: turns.multi_turn_fallbacks,
         }
     }
 }
@@ -382,6 +391,8 @@ mod tests {
                 "skipped_turns",
                 "trained_sequences",
                 "trained_tokens",
+                "multi_turn/merged",
+                "multi_turn/fallbacks",
                 "loss",
                 "mismatch/max",
                 "mismatch/mean",

@@ -153,7 +153,7 @@ pub async fn run_rl_with(
             &cfg.loss,
             step,
             datums_d,
-            turns.turns_d(),
+            turns.seqs_d(),
         )
         .await?;
         samples.write(LoggedSample::pick(
@@ -252,7 +252,7 @@ mod tests {
             &cfg.loss,
             step,
             turns.datums(),
-            turns.turns_d(),
+            turns.seqs_d(),
         )
         .await
         .unwrap();

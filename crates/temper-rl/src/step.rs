@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use temper_engine::{AdamParams, Datum, Loss, Trainer};
 
-use crate::datum::TrainTurn;
+use crate::datum::TrainSeq;
 use crate::error::{Result, RlError};
 use crate::plan::Optim;
 
@@ -42,7 +42,7 @@ pub fn learning_rate(lr: f64, warmup: u64, step: u64) -> f64 {
     }
 }
 
-/// Train step `step` on `datums_d` (one per turn of `turns_d`). Without
+/// Train step `step` on `datums_d` (one per sequence of `seqs_d`). Without
 /// datums nothing is trained and no optimizer step is taken.
 pub async fn train_step(
     trainer: &dyn Trainer,
@@ -50,7 +50,7 @@ pub async fn train_step(
     loss: &Loss,
     step: u64,
     datums_d: Vec<Datum>,
-    turns_d: &[TrainTurn],
+    seqs_d: &[TrainSeq],
 ) -> Result<StepOutput> {
     let t_train = Instant::now();
     let mut out = StepOutput {
@@ -59,34 +59,35 @@ pub async fn train_step(
     };
     let micro = hp.micro_batch_of(datums_d.len());
     if !datums_d.is_empty() {
-        for (chunk, turns) in datums_d.chunks(micro).zip(turns_d.chunks(micro)) {
+        for (chunk, seqs) in datums_d.chunks(micro).zip(seqs_d.chunks(micro)) {
             let fb = trainer
                 .forward_backward(chunk.to_vec(), loss.clone())
                 .await?;
             out.loss_sum += fb.metrics.get("loss:sum").copied().unwrap_or(0.0);
-            for (o, turn) in fb.loss_fn_outputs.iter().zip(turns) {
-                let t = turn.trace();
-                let p = t.prompt_ids.len();
-                let n = t.completion_ids.len();
-                let Some(learner) = o.logprobs.get(p - 1..p - 1 + n) else {
-                    return Err(RlError::Data(format!(
-                        "the trainer returned {} logprobs for a datum of {} targets",
-                        o.logprobs.len(),
-                        p - 1 + n
-                    )));
-                };
-                if t.version == step {
-                    for (&l, &q) in learner.iter().zip(&t.logprobs) {
-                        let d = (f64::from(l) - f64::from(q)).abs();
-                        out.mismatch_max = out.mismatch_max.max(d);
-                        out.mismatch_sum += d;
+            for (o, seq) in fb.loss_fn_outputs.iter().zip(seqs) {
+                for span in seq.spans() {
+                    let targets = span.targets();
+                    let Some(learner) = o.logprobs.get(targets.clone()) else {
+                        return Err(RlError::Data(format!(
+                            "the trainer returned {} logprobs for a datum of {} targets",
+                            o.logprobs.len(),
+                            seq.tokens().len() - 1
+                        )));
+                    };
+                    if span.version == step {
+                        for (&l, &q) in learner.iter().zip(&span.logprobs) {
+                            let d = (f64::from(l) - f64::from(q)).abs();
+                            out.mismatch_max = out.mismatch_max.max(d);
+                            out.mismatch_sum += d;
+                        }
                     }
-                }
-                // A training API (the tinker protocol) returns no entropy;
-                // the metric then averages over the tokens that have one.
-                if let Some(ent) = o.entropy.get(p - 1..p - 1 + n) {
-                    out.entropy_sum += ent.iter().map(|&e| f64::from(e)).sum::<f64>();
-                    out.entropy_tokens += ent.len();
+                    // A training API (the tinker protocol) returns no
+                    // entropy; the metric then averages over the tokens
+                    // that have one.
+                    if let Some(ent) = o.entropy.get(targets) {
+                        out.entropy_sum += ent.iter().map(|&e| f64::from(e)).sum::<f64>();
+                        out.entropy_tokens += ent.len();
+                    }
                 }
             }
         }
@@ -101,10 +102,11 @@ pub async fn train_step(
         out.grad_norm = stats.grad_norm;
     }
     out.train_s = t_train.elapsed().as_secs_f64();
-    out.mismatch_tokens = turns_d
+    out.mismatch_tokens = seqs_d
         .iter()
-        .filter(|t| t.trace().version == step)
-        .map(|t| t.trace().completion_ids.len())
+        .flat_map(TrainSeq::spans)
+        .filter(|s| s.version == step)
+        .map(|s| s.logprobs.len())
         .sum();
     Ok(out)
 }
