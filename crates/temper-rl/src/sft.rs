@@ -301,7 +301,9 @@ pub fn read_conversations(path: &Path) -> Result<Vec<Vec<Value>>> {
 
 /// `temper train sft`: cross-entropy on assistant tokens, mean over the
 /// batch's trained tokens; shuffled epochs (seeded); checkpoints and
-/// metrics like the RL loop; resumable.
+/// metrics like the RL loop; resumable. It trains through the [`Trainer`]
+/// trait like RL: in process, or on a training API (`[remote_trainer]`,
+/// e.g. `temper api serve`), where the weights and checkpoints stay.
 pub async fn run_sft<P>(plan: P, opts: RunOptions) -> Result<SftOutcome>
 where
     P: TryInto<SftPlan>,
@@ -373,6 +375,7 @@ where
         .stop_after
         .map_or(max_steps, |n| (start + n).min(max_steps));
     let mut final_loss = f64::NAN;
+    let mut last_state = String::new();
     let t_run = Instant::now();
     let mut step = start;
     while step < end {
@@ -439,6 +442,7 @@ where
         log.write(m)?;
         if (cfg.ckpt.interval > 0 && step.is_multiple_of(cfg.ckpt.interval)) || step == max_steps {
             let path = trainer.save_state(&format!("step-{step:06}")).await?;
+            last_state.clone_from(&path);
             let v = json!({"step": step, "state_path": path, "eval_before": eval_before});
             write_atomic(&latest, v.to_string().as_bytes())?;
         }
@@ -449,7 +453,15 @@ where
         &["loss", "eval/pass@1", "grad_norm", "lr", "tokens_per_s"],
         "",
     )?;
-    let output = if cfg.model.lora.is_some() {
+    let output = if cfg.remote.is_some() {
+        // The weights stay with the training service: its checkpoint path
+        // (the last step is always saved; a run stopped early has none).
+        if last_state.is_empty() {
+            run_dir.join("checkpoints")
+        } else {
+            PathBuf::from(last_state)
+        }
+    } else if cfg.model.lora.is_some() {
         let d = run_dir.join("adapter");
         trainer.export_peft(&d).await?;
         d
