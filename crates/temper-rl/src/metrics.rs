@@ -285,6 +285,85 @@ impl TimeMetrics {
     }
 }
 
+/// A `metrics.jsonl` line read back (a resumed run's earlier steps).
+/// Lines written before the keys were renamed (`pass_rate`,
+/// `eval/accuracy`) or added (`multi_turn/*`, 0 then) still read; any other
+/// missing or mistyped key is an error naming it.
+impl TryFrom<&Map<String, Value>> for StepMetrics {
+    type Error = RlError;
+
+    fn try_from(m: &Map<String, Value>) -> Result<Self> {
+        let bad = |k: &str| RlError::Data(format!("metrics.jsonl: missing or bad {k:?} in {m:?}"));
+        let get = |k: &str| m.get(k);
+        let f = |k: &str| get(k).and_then(Value::as_f64).ok_or_else(|| bad(k));
+        let u = |k: &str| get(k).and_then(Value::as_u64).ok_or_else(|| bad(k));
+        let n = |k: &str| u(k).and_then(|v| usize::try_from(v).map_err(|_| bad(k)));
+        let f_or = |k: &str, old: &str| get(k).or_else(|| get(old)).and_then(Value::as_f64);
+        let since = |k: &str| match get(k) {
+            None => Ok(0),
+            Some(v) => v.as_u64().ok_or_else(|| bad(k)),
+        };
+        let mut reward_by_env = Vec::new();
+        let mut rubric = BTreeMap::new();
+        for (k, v) in m {
+            if let Some(name) = k.strip_prefix("metric/") {
+                rubric.insert(name.to_string(), v.as_f64().ok_or_else(|| bad(k))?);
+            } else if let Some(id) = k
+                .strip_prefix("reward/")
+                .and_then(|rest| rest.strip_suffix("/mean"))
+            {
+                let std = format!("reward/{id}/std");
+                reward_by_env.push((id.to_string(), f(k)?, f(&std)?));
+            }
+        }
+        Ok(Self {
+            step: u("step")?,
+            rollouts: RolloutMetrics {
+                reward_mean: f("reward/mean")?,
+                reward_std: f("reward/std")?,
+                reward_by_env: RewardByEnv(reward_by_env),
+                rubric: RubricMetrics(rubric),
+                pass_rate: f_or("pass@1", "pass_rate").ok_or_else(|| bad("pass@1"))?,
+                seq_len_mean: f("seq_len/mean")?,
+                truncation_rate: f("truncation_rate")?,
+                rollout_errors: n("rollout_errors")?,
+                policy_lag_mean: f("policy_lag/mean")?,
+                policy_lag_max: f("policy_lag/max")?,
+            },
+            data: DataMetrics {
+                dropped_stale: u("dropped_stale")?,
+                dropped_stale_total: u("dropped_stale/total")?,
+                zero_advantage_groups: u("zero_advantage_groups")?,
+                skipped_turns: u("skipped_turns")?,
+                trained_sequences: n("trained_sequences")?,
+                trained_tokens: n("trained_tokens")?,
+                multi_turn_merged: since("multi_turn/merged")?,
+                multi_turn_fallbacks: since("multi_turn/fallbacks")?,
+            },
+            train: TrainMetrics {
+                loss: f("loss")?,
+                mismatch_max: f("mismatch/max")?,
+                mismatch_mean: f("mismatch/mean")?,
+                mismatch_tokens: n("mismatch/tokens")?,
+                entropy: f("entropy")?,
+                grad_norm: f("grad_norm")?,
+                lr: f("lr")?,
+                train_s: f("time/train")?,
+            },
+            time: TimeMetrics {
+                generate_s: f("time/generate")?,
+                tokens_per_s: f("tokens_per_s")?,
+                wait_s: f("time/wait")?,
+                publish_s: f("time/publish")?,
+                eval_pass_at_1: f_or("eval/pass@1", "eval/accuracy"),
+                eval_reward: get("eval/reward").and_then(Value::as_f64),
+                step_s: f("time/step")?,
+                elapsed_s: f("time/elapsed")?,
+            },
+        })
+    }
+}
+
 impl StepMetrics {
     /// The `metrics.jsonl` record.
     pub fn to_record(&self) -> Result<Map<String, Value>> {
@@ -353,6 +432,48 @@ mod tests {
         m.time.step_s = 1.0;
         let line = m.progress_line(5);
         assert!(line.contains("zero-adv 3"), "{line}");
+    }
+
+    /// A resumed run reads its earlier steps back as typed metrics: the
+    /// record round-trips, an older line (renamed keys, no `multi_turn/*`)
+    /// still reads, and a missing key is an error naming it.
+    #[test]
+    fn a_record_reads_back_as_the_same_step_metrics() {
+        let mut m = StepMetrics {
+            step: 3,
+            ..Default::default()
+        };
+        m.rollouts.reward_mean = 0.25;
+        m.rollouts.pass_rate = 0.5;
+        m.rollouts.reward_by_env =
+            RewardByEnv(vec![("envs/a".into(), 0.5, 0.1), ("b".into(), 0.0, 0.0)]);
+        m.rollouts.rubric = RubricMetrics([("correct".to_string(), 0.5)].into());
+        m.data.trained_tokens = 17;
+        m.data.multi_turn_fallbacks = 2;
+        m.train.loss = -0.125;
+        m.time.eval_pass_at_1 = Some(0.75);
+        m.time.eval_reward = Some(1.5);
+        let record = m.to_record().unwrap();
+        assert_eq!(StepMetrics::try_from(&record).unwrap(), m);
+
+        let mut old = record.clone();
+        for (new, was) in [("pass@1", "pass_rate"), ("eval/pass@1", "eval/accuracy")] {
+            let v = old.remove(new).unwrap();
+            old.insert(was.into(), v);
+        }
+        old.remove("multi_turn/merged");
+        old.remove("multi_turn/fallbacks");
+        let back = StepMetrics::try_from(&old).unwrap();
+        assert_eq!(
+            (back.rollouts.pass_rate, back.time.eval_pass_at_1),
+            (0.5, Some(0.75))
+        );
+        assert_eq!(back.data.multi_turn_fallbacks, 0);
+
+        let mut torn = record;
+        torn.remove("grad_norm");
+        let e = StepMetrics::try_from(&torn).unwrap_err();
+        assert!(e.to_string().contains("grad_norm"), "{e}");
     }
 
     /// The keys (and their order) of a `metrics.jsonl` line are what

@@ -17,7 +17,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde_json::{Map, Value};
+#[cfg(test)]
+use serde_json::Value;
 use temper_engine::Trainer;
 use temper_model::Pretrained;
 
@@ -65,9 +66,9 @@ pub struct RlOutcome {
     pub eval_after: Option<EvalResult>,
     /// The trained adapter (PEFT) or model (HF) directory.
     pub output: PathBuf,
-    /// Every step's `metrics.jsonl` record (including those kept from
-    /// before a resume).
-    pub metrics: Vec<Map<String, Value>>,
+    /// Every step's metrics (including those read back from before a
+    /// resume).
+    pub metrics: Vec<StepMetrics>,
 }
 
 /// Run `temper train rl` with `plan` (an [`RlPlan`], or an [`RlConfig`]
@@ -216,7 +217,11 @@ pub async fn run_rl_with(
         eval_before: state.eval_before,
         eval_after: last_eval,
         output,
-        metrics: log.records().to_vec(),
+        metrics: log
+            .records()
+            .iter()
+            .map(StepMetrics::try_from)
+            .collect::<Result<_>>()?,
     })
 }
 
