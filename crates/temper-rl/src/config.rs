@@ -497,11 +497,16 @@ fn set_path(root: &mut toml::Value, key: &str, value: toml::Value) -> Result<()>
 impl RlConfig {
     /// The resolved config as `--dry-run` prints it: only the keys that
     /// apply to this run (no `[model.tiny]` without the tiny preset, no
-    /// external sampler / remote trainer keys without their `url`). It
-    /// parses back to the same config.
+    /// ratio clips unless the loss clips, no external sampler / remote
+    /// trainer keys without their `url`). It parses back to the same
+    /// config.
     pub fn dry_run(&self) -> Result<String> {
         let mut root = to_value(self)?;
         drop_model_keys(&mut root, &self.model);
+        if !matches!(self.trainer.loss.as_str(), "ppo" | "cispo") {
+            remove(&mut root, &["trainer", "clip_low"]);
+            remove(&mut root, &["trainer", "clip_high"]);
+        }
         if self.sampler.url.is_none() {
             remove(&mut root, &["sampler"]);
         }
@@ -663,6 +668,14 @@ mod tests {
             assert!(text.contains(present), "{present} not in\n{text}");
         }
         assert_eq!(resolve::<RlConfig>(&text, &[]).unwrap(), rl);
+        // The ratio clips only with a loss that clips.
+        assert!(!text.contains("clip_low"), "{text}");
+        let ppo: RlConfig = resolve(
+            "[model]\npath = \"m.gguf\"\n[[env]]\nid = \"arithmetic\"\n[trainer]\nloss = \"ppo\"\n",
+            &[],
+        )
+        .unwrap();
+        assert!(ppo.dry_run().unwrap().contains("clip_low = 0.8"));
         // The tiny preset keeps its sizes.
         let tiny: RlConfig = resolve(EXAMPLE, &[]).unwrap();
         assert!(tiny.dry_run().unwrap().contains("[model.tiny]"));
