@@ -1,4 +1,4 @@
-//! Checkpoints of an RL run: trainer state under `checkpoints/`, and
+//! Checkpoints of a run (RL or SFT): trainer state under `checkpoints/`, and
 //! `checkpoints/latest.json` naming the newest complete one with what a
 //! resume needs beyond the weights. Written in an order such that a kill
 //! at any point leaves `latest.json` naming a complete checkpoint.

@@ -21,6 +21,7 @@ use serde_json::{json, Map, Value};
 use temper_engine::{AdamParams, Datum, Loss, LossInputs, Trainer};
 use temper_model::{ChatTemplate, Pretrained, Tokenizer};
 
+use crate::checkpoint::{self, LoopState};
 use crate::error::{Result, RlError};
 use crate::eval::{EvalResult, Evaluator};
 use crate::plan::{DataSource, SftPlan};
@@ -312,8 +313,7 @@ where
     let cfg: SftPlan = plan.try_into()?;
     let run_dir = cfg.log.dir.clone();
     std::fs::create_dir_all(&run_dir).map_err(|e| RlError::io(&run_dir, e))?;
-    let latest = run_dir.join("checkpoints").join("latest.json");
-    if !opts.resume && latest.exists() {
+    if !opts.resume && checkpoint::latest_path(&run_dir).exists() {
         return Err(RlError::Config(format!(
             "{} already holds a run; pass --resume {0} to continue it, or choose another --log.dir",
             run_dir.display()
@@ -342,16 +342,10 @@ where
         } => cfg.optim.max_steps.min(e * per_epoch),
         _ => cfg.optim.max_steps,
     };
-    let (mut start, mut eval_before) = (0, None);
-    if opts.resume {
-        let text = std::fs::read_to_string(&latest).map_err(|e| RlError::io(&latest, e))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| RlError::Config(format!("{}: {e}", latest.display())))?;
-        let path = v["state_path"].as_str().unwrap_or_default().to_string();
-        trainer.load_state(&path, true).await?;
-        start = v["step"].as_u64().unwrap_or(0);
-        eval_before = serde_json::from_value(v["eval_before"].clone()).ok();
-    }
+    // The RL loop's checkpoint format: a missing or malformed field of
+    // latest.json is an error, not a silent step 0.
+    let state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
+    let (start, mut eval_before) = (state.step, state.eval_before);
     let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
     let evaluator = match Evaluator::for_sft(&cfg, max_steps).await? {
         Some(ev) => Some((ev, SftPolicy::new(&base, trainer.clone())?)),
@@ -441,10 +435,14 @@ where
         }
         log.write(m)?;
         if (cfg.ckpt.interval > 0 && step.is_multiple_of(cfg.ckpt.interval)) || step == max_steps {
-            let path = trainer.save_state(&format!("step-{step:06}")).await?;
-            last_state.clone_from(&path);
-            let v = json!({"step": step, "state_path": path, "eval_before": eval_before});
-            write_atomic(&latest, v.to_string().as_bytes())?;
+            let st = LoopState {
+                step,
+                seed: cfg.seed,
+                eval_before: eval_before.clone(),
+                ..LoopState::default()
+            };
+            // Keeps `ckpt.keep` checkpoints, as RL does.
+            last_state = checkpoint::save(&run_dir, &*trainer, st, cfg.ckpt.keep).await?;
         }
     }
     log.write_plots(
