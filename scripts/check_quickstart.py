@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Check a finished `temper quickstart` run: the RL reward rose and the
-held-out accuracy after RL beats the SFT baseline. Stdlib only.
+held-out pass@1 after RL beats the SFT baseline. Stdlib only.
 
     python3 scripts/check_quickstart.py runs/quickstart
 """
@@ -22,11 +22,11 @@ def main() -> int:
     after = json.loads((evals[-1] / "metadata.json").read_text())
     acc = lambda m: m["pass_at_k"]["1"]
     print(f"train reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
-    print(f"held-out accuracy: {100 * acc(before):.1f}% -> {100 * acc(after):.1f}% "
+    print(f"held-out pass@1: {100 * acc(before):.1f}% -> {100 * acc(after):.1f}% "
           f"({100 * (acc(after) - acc(before)):+.1f} points, {after['num_rollouts']} rollouts)")
     assert all(r["mismatch/max"] == 0.0 for r in rows), "sampler/trainer logprob mismatch"
     assert last > first, "the RL reward did not rise"
-    assert acc(after) > acc(before), "RL did not improve held-out accuracy"
+    assert acc(after) > acc(before), "RL did not improve held-out pass@1"
     print("quickstart: OK")
     return 0
 

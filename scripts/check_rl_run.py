@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Check a finished `temper train rl` run: the training reward rose and the
-held-out accuracy improved by at least MIN_POINTS. Stdlib only.
+held-out pass@1 improved by at least MIN_POINTS. Stdlib only.
 
     python3 scripts/check_rl_run.py RUN_DIR [MIN_POINTS]
 """
@@ -22,10 +22,10 @@ def main() -> int:
     acc = lambda m: m["pass_at_k"]["1"]
     gain = 100 * (acc(after) - acc(before))
     print(f"train reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
-    print(f"held-out accuracy: {100 * acc(before):.1f}% -> {100 * acc(after):.1f}% "
+    print(f"held-out pass@1: {100 * acc(before):.1f}% -> {100 * acc(after):.1f}% "
           f"({gain:+.1f} points, {after['num_rollouts']} rollouts)")
     assert last > first, "the RL reward did not rise"
-    assert gain >= min_points, f"held-out accuracy gained {gain:.1f} < {min_points} points"
+    assert gain >= min_points, f"held-out pass@1 gained {gain:.1f} < {min_points} points"
     print("rl run: OK")
     return 0
 

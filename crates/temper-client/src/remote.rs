@@ -343,36 +343,12 @@ fn encode_forward_backward(
     loss: &Loss,
     forward_only: bool,
 ) -> Result<Vec<u8>> {
-    let (name, config): (&str, Vec<(&str, f64)>) = match loss {
-        Loss::CrossEntropy => ("cross_entropy", vec![]),
-        Loss::ImportanceSampling => ("importance_sampling", vec![]),
-        Loss::Ppo {
-            clip_low,
-            clip_high,
-        } => (
-            "ppo",
-            vec![
-                ("clip_low_threshold", *clip_low),
-                ("clip_high_threshold", *clip_high),
-            ],
-        ),
-        Loss::Cispo {
-            clip_low,
-            clip_high,
-        } => (
-            "cispo",
-            vec![
-                ("clip_low_threshold", *clip_low),
-                ("clip_high_threshold", *clip_high),
-            ],
-        ),
-        Loss::Dro { beta } => ("dro", vec![("beta", *beta)]),
-        Loss::Custom(_) => {
-            return Err(EngineError::InvalidRequest(
-                "a custom loss has no server-side forward; use forward_backward".into(),
-            ))
-        }
-    };
+    if let Loss::Custom(_) = loss {
+        return Err(EngineError::InvalidRequest(
+            "a custom loss has no server-side forward; use forward_backward".into(),
+        ));
+    }
+    let (name, config) = (loss.name(), loss.config());
     // The wire carries one scoring temperature per request, in
     // loss_fn_config (see the server): every datum must share it.
     let temperature = data.first().and_then(|d| d.loss_fn_inputs.temperature);

@@ -81,25 +81,67 @@ pub enum Loss {
 
 impl std::fmt::Debug for Loss {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Loss::CrossEntropy => write!(f, "cross_entropy"),
-            Loss::ImportanceSampling => write!(f, "importance_sampling"),
-            Loss::Ppo {
-                clip_low,
-                clip_high,
-            } => write!(f, "ppo({clip_low}, {clip_high})"),
-            Loss::Cispo {
-                clip_low,
-                clip_high,
-            } => write!(f, "cispo({clip_low}, {clip_high})"),
-            Loss::Dro { beta } => write!(f, "dro({beta})"),
-            Loss::Custom(_) => write!(f, "custom"),
+        write!(f, "{}", self.name())?;
+        let config = self.config();
+        if !config.is_empty() {
+            let values: Vec<String> = config.iter().map(|(_, v)| v.to_string()).collect();
+            write!(f, "({})", values.join(", "))?;
         }
+        Ok(())
     }
 }
 
+/// Default lower ratio clip of `ppo` and `cispo`.
+pub const DEFAULT_CLIP_LOW: f64 = 0.8;
+/// Default upper ratio clip of `ppo` and `cispo`.
+pub const DEFAULT_CLIP_HIGH: f64 = 1.2;
+/// Default quadratic penalty of `dro`.
+pub const DEFAULT_DRO_BETA: f64 = 0.05;
+
 impl Loss {
-    /// The loss by its Tinker name, with `loss_fn_config` values where it has any.
+    /// Every loss by its Tinker name (the names [`Loss::from_name`] takes).
+    pub const NAMES: [&'static str; 5] = [
+        "cross_entropy",
+        "importance_sampling",
+        "ppo",
+        "cispo",
+        "dro",
+    ];
+
+    /// Its Tinker name (`custom` for a user function, which has none on the wire).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Loss::CrossEntropy => "cross_entropy",
+            Loss::ImportanceSampling => "importance_sampling",
+            Loss::Ppo { .. } => "ppo",
+            Loss::Cispo { .. } => "cispo",
+            Loss::Dro { .. } => "dro",
+            Loss::Custom(_) => "custom",
+        }
+    }
+
+    /// Its `loss_fn_config` entries (Tinker's keys), the inverse of
+    /// [`Loss::from_name`]'s `config`.
+    pub fn config(&self) -> Vec<(&'static str, f64)> {
+        match self {
+            Loss::Ppo {
+                clip_low,
+                clip_high,
+            }
+            | Loss::Cispo {
+                clip_low,
+                clip_high,
+            } => vec![
+                ("clip_low_threshold", *clip_low),
+                ("clip_high_threshold", *clip_high),
+            ],
+            Loss::Dro { beta } => vec![("beta", *beta)],
+            Loss::CrossEntropy | Loss::ImportanceSampling | Loss::Custom(_) => vec![],
+        }
+    }
+
+    /// The loss by its Tinker name, with `loss_fn_config` values where it
+    /// has any (the `DEFAULT_*` constants where `config` has none).
     pub fn from_name(
         name: &str,
         config: &serde_json::Map<String, serde_json::Value>,
@@ -111,19 +153,20 @@ impl Loss {
             "cross_entropy" => Loss::CrossEntropy,
             "importance_sampling" => Loss::ImportanceSampling,
             "ppo" => Loss::Ppo {
-                clip_low: num("clip_low_threshold", 0.8),
-                clip_high: num("clip_high_threshold", 1.2),
+                clip_low: num("clip_low_threshold", DEFAULT_CLIP_LOW),
+                clip_high: num("clip_high_threshold", DEFAULT_CLIP_HIGH),
             },
             "cispo" => Loss::Cispo {
-                clip_low: num("clip_low_threshold", 0.8),
-                clip_high: num("clip_high_threshold", 1.2),
+                clip_low: num("clip_low_threshold", DEFAULT_CLIP_LOW),
+                clip_high: num("clip_high_threshold", DEFAULT_CLIP_HIGH),
             },
             "dro" => Loss::Dro {
-                beta: num("beta", 0.05),
+                beta: num("beta", DEFAULT_DRO_BETA),
             },
             other => {
                 return Err(EngineError::InvalidRequest(format!(
-                    "unknown loss {other:?} (cross_entropy, importance_sampling, ppo, cispo, dro)"
+                    "unknown loss {other:?} ({})",
+                    Self::NAMES.join(", ")
                 )))
             }
         })

@@ -107,6 +107,17 @@ pub trait Trainer: Send + Sync {
             )))
         })
     }
+    /// Write the fully trained model (a full fine-tuning run's weights) as
+    /// a Hugging Face directory `dir`. Trainers that keep weights remotely
+    /// do not support it.
+    fn export_model(&self, dir: &Path) -> TrainerFuture<()> {
+        let dir = dir.display().to_string();
+        Box::pin(async move {
+            Err(EngineError::InvalidRequest(format!(
+                "this trainer cannot export a model to {dir}"
+            )))
+        })
+    }
     /// Save weights + optimizer state; resolves to the checkpoint's path.
     fn save_state(&self, name: &str) -> TrainerFuture<String>;
     /// Restore a checkpoint saved by [`save_state`](Trainer::save_state).
@@ -216,6 +227,10 @@ impl Trainer for LocalTrainer {
 
     fn release_sampler(&self, sampler: &str) -> TrainerFuture<()> {
         Box::pin(self.engine.drop_sampler(sampler))
+    }
+
+    fn export_model(&self, dir: &Path) -> TrainerFuture<()> {
+        Box::pin(self.engine.export_model(&self.run, dir.to_path_buf()))
     }
 
     fn save_state(&self, name: &str) -> TrainerFuture<String> {

@@ -109,12 +109,18 @@ pub struct LoraConfig {
     pub use_rslora: bool,
 }
 
+impl LoraConfig {
+    /// The default scaling numerator: what `[lora] alpha` defaults to, and
+    /// what the training API (whose protocol has no alpha) always uses.
+    pub const DEFAULT_ALPHA: f64 = 32.0;
+}
+
 impl Default for LoraConfig {
     /// Rank 16, alpha 32, every linear layer (the prime-rl defaults).
     fn default() -> Self {
         Self {
             rank: 16,
-            alpha: 32.0,
+            alpha: Self::DEFAULT_ALPHA,
             targets: Target::ALL.to_vec(),
             use_rslora: false,
         }

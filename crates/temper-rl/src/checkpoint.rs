@@ -1,4 +1,4 @@
-//! Checkpoints of an RL run: trainer state under `checkpoints/`, and
+//! Checkpoints of a run (RL or SFT): trainer state under `checkpoints/`, and
 //! `checkpoints/latest.json` naming the newest complete one with what a
 //! resume needs beyond the weights. Written in an order such that a kill
 //! at any point leaves `latest.json` naming a complete checkpoint.
@@ -11,6 +11,7 @@ use temper_engine::Trainer;
 use crate::config::RlConfig;
 use crate::error::{Result, RlError};
 use crate::eval::EvalResult;
+use crate::plan::RlPlan;
 use crate::runlog::write_atomic;
 
 /// `checkpoints/latest.json`: what a resume needs beyond the weights.
@@ -112,7 +113,7 @@ pub async fn save(
 /// (`last_ckpt`), or — for full fine-tuning and unfinished runs — the
 /// checkpoints directory.
 pub async fn final_output(
-    cfg: &RlConfig,
+    cfg: &RlPlan,
     trainer: &dyn Trainer,
     run_dir: &Path,
     finished: bool,
@@ -121,10 +122,10 @@ pub async fn final_output(
     if !finished {
         return Ok(run_dir.join("checkpoints"));
     }
-    if cfg.remote_trainer.url.is_some() {
+    if cfg.remote.is_some() {
         // The weights stay with the training service: its checkpoint path.
         Ok(PathBuf::from(last_ckpt))
-    } else if cfg.lora.enabled {
+    } else if cfg.model.lora.is_some() {
         let d = run_dir.join("adapter");
         trainer.export_peft(&d).await?;
         Ok(d)

@@ -48,7 +48,7 @@ impl Default for LoraSection {
         Self {
             enabled: true,
             rank: 16,
-            alpha: 32.0,
+            alpha: temper_model::LoraConfig::DEFAULT_ALPHA,
             targets: Vec::new(),
             rslora: false,
         }
@@ -102,17 +102,18 @@ impl Default for SamplingSection {
     }
 }
 
-/// Optimisation.
+/// RL optimisation: `[trainer]` of `temper train rl` (SFT's is
+/// [`SftTrainerSection`]; each rejects the other's keys).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct TrainerSection {
-    /// `importance_sampling`, `ppo` or `cispo` for RL; SFT always uses cross-entropy.
+pub struct RlTrainerSection {
+    /// `importance_sampling`, `ppo` or `cispo`.
     pub loss: String,
     /// Learning rate.
     pub lr: f64,
     /// Linear warm-up steps.
     pub warmup_steps: u64,
-    /// Groups (prompts) per optimizer step (RL) or conversations per step (SFT).
+    /// Groups (prompts) per optimizer step.
     pub batch_size: usize,
     /// Sequences per forward_backward call (gradients accumulate); 0 = all at once.
     pub micro_batch: usize,
@@ -128,14 +129,12 @@ pub struct TrainerSection {
     pub clip_low: f64,
     /// PPO/CISPO upper clip.
     pub clip_high: f64,
-    /// Longest SFT sequence in tokens.
-    pub max_seq_len: usize,
 }
 
-impl Default for TrainerSection {
+impl Default for RlTrainerSection {
     fn default() -> Self {
         Self {
-            loss: "importance_sampling".into(),
+            loss: temper_engine::Loss::ImportanceSampling.name().into(),
             lr: 1e-4,
             warmup_steps: 0,
             batch_size: 8,
@@ -144,8 +143,46 @@ impl Default for TrainerSection {
             weight_decay: 0.0,
             max_steps: 100,
             normalize_std: false,
-            clip_low: 0.8,
-            clip_high: 1.2,
+            clip_low: temper_engine::DEFAULT_CLIP_LOW,
+            clip_high: temper_engine::DEFAULT_CLIP_HIGH,
+        }
+    }
+}
+
+/// SFT optimisation: `[trainer]` of `temper train sft` (always
+/// cross-entropy on assistant tokens).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftTrainerSection {
+    /// Learning rate.
+    pub lr: f64,
+    /// Linear warm-up steps.
+    pub warmup_steps: u64,
+    /// Conversations per optimizer step.
+    pub batch_size: usize,
+    /// Sequences per forward_backward call (gradients accumulate); 0 = all at once.
+    pub micro_batch: usize,
+    /// Global gradient-norm clip; 0 disables.
+    pub grad_clip: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Optimizer steps.
+    pub max_steps: u64,
+    /// Longest sequence in tokens.
+    pub max_seq_len: usize,
+}
+
+impl Default for SftTrainerSection {
+    fn default() -> Self {
+        let rl = RlTrainerSection::default();
+        Self {
+            lr: rl.lr,
+            warmup_steps: rl.warmup_steps,
+            batch_size: rl.batch_size,
+            micro_batch: rl.micro_batch,
+            grad_clip: rl.grad_clip,
+            weight_decay: rl.weight_decay,
+            max_steps: rl.max_steps,
             max_seq_len: 2048,
         }
     }
@@ -317,7 +354,7 @@ pub struct RlConfig {
     /// Sampling.
     pub sampling: SamplingSection,
     /// Trainer.
-    pub trainer: TrainerSection,
+    pub trainer: RlTrainerSection,
     /// Async bound.
     #[serde(rename = "async")]
     pub async_: AsyncSection,
@@ -345,14 +382,16 @@ pub struct SftConfig {
     pub lora: LoraSection,
     /// Data.
     pub data: DataSection,
-    /// Trainer (`loss` is ignored: cross-entropy).
-    pub trainer: TrainerSection,
+    /// Trainer.
+    pub trainer: SftTrainerSection,
     /// Evaluation on an environment (optional).
     pub eval: EvalSection,
     /// Checkpoints.
     pub ckpt: CkptSection,
     /// Logging.
     pub log: LogSection,
+    /// Remote trainer.
+    pub remote_trainer: RemoteTrainerSection,
 }
 
 /// Parse `text` (TOML), apply `overrides` (`key.path=value` pairs, value as
@@ -458,12 +497,16 @@ fn set_path(root: &mut toml::Value, key: &str, value: toml::Value) -> Result<()>
 impl RlConfig {
     /// The resolved config as `--dry-run` prints it: only the keys that
     /// apply to this run (no `[model.tiny]` without the tiny preset, no
-    /// SFT-only `max_seq_len`, no external sampler / remote trainer keys
-    /// without their `url`). It parses back to the same config.
+    /// ratio clips unless the loss clips, no external sampler / remote
+    /// trainer keys without their `url`). It parses back to the same
+    /// config.
     pub fn dry_run(&self) -> Result<String> {
         let mut root = to_value(self)?;
         drop_model_keys(&mut root, &self.model);
-        remove(&mut root, &["trainer", "max_seq_len"]);
+        if !matches!(self.trainer.loss.as_str(), "ppo" | "cispo") {
+            remove(&mut root, &["trainer", "clip_low"]);
+            remove(&mut root, &["trainer", "clip_high"]);
+        }
         if self.sampler.url.is_none() {
             remove(&mut root, &["sampler"]);
         }
@@ -476,17 +519,17 @@ impl RlConfig {
 
 impl SftConfig {
     /// The resolved config as `--dry-run` prints it: only the keys that
-    /// apply (no RL-only trainer keys — `loss`, `normalize_std`, the clips
-    /// — or `log.samples`; `answer_format` and `teacher_noise` only with
-    /// `[data] env`; no `[model.tiny]` without the tiny preset). It parses
-    /// back to the same config.
+    /// apply (no RL-only `log.samples`; `answer_format` and `teacher_noise`
+    /// only with `[data] env`; no `[model.tiny]` without the tiny preset;
+    /// no remote trainer keys without its `url`). It parses back to the
+    /// same config.
     pub fn dry_run(&self) -> Result<String> {
         let mut root = to_value(self)?;
         drop_model_keys(&mut root, &self.model);
-        for key in ["loss", "normalize_std", "clip_low", "clip_high"] {
-            remove(&mut root, &["trainer", key]);
-        }
         remove(&mut root, &["log", "samples"]);
+        if self.remote_trainer.url.is_none() {
+            remove(&mut root, &["remote_trainer"]);
+        }
         if self.data.env.is_none() {
             remove(&mut root, &["data", "answer_format"]);
             remove(&mut root, &["data", "teacher_noise"]);
@@ -586,6 +629,23 @@ mod tests {
         assert!(parse_overrides(&["trainer.lr".into()]).is_err());
     }
 
+    /// Issue 12: RL and SFT shared one trainer section, so each silently
+    /// accepted the other's keys.
+    #[test]
+    fn rl_and_sft_trainer_sections_reject_each_others_keys() {
+        let e = resolve::<RlConfig>("[trainer]\nmax_seq_len = 512\n", &[]).unwrap_err();
+        assert!(e.to_string().contains("max_seq_len"), "{e}");
+        for key in ["loss = \"ppo\"", "clip_low = 0.5", "normalize_std = true"] {
+            let e = resolve::<SftConfig>(&format!("[trainer]\n{key}\n"), &[]).unwrap_err();
+            assert!(
+                e.to_string().contains(key.split(' ').next().unwrap()),
+                "{e}"
+            );
+        }
+        let e = resolve::<SftConfig>("[sampling]\ntemperature = 1.0\n", &[]).unwrap_err();
+        assert!(e.to_string().contains("sampling"), "{e}");
+    }
+
     /// Issue 12: dry runs printed keys that do not apply (`[model.tiny]`
     /// for a model path, `teacher_noise` for a file dataset, SFT `loss`).
     #[test]
@@ -608,6 +668,14 @@ mod tests {
             assert!(text.contains(present), "{present} not in\n{text}");
         }
         assert_eq!(resolve::<RlConfig>(&text, &[]).unwrap(), rl);
+        // The ratio clips only with a loss that clips.
+        assert!(!text.contains("clip_low"), "{text}");
+        let ppo: RlConfig = resolve(
+            "[model]\npath = \"m.gguf\"\n[[env]]\nid = \"arithmetic\"\n[trainer]\nloss = \"ppo\"\n",
+            &[],
+        )
+        .unwrap();
+        assert!(ppo.dry_run().unwrap().contains("clip_low = 0.8"));
         // The tiny preset keeps its sizes.
         let tiny: RlConfig = resolve(EXAMPLE, &[]).unwrap();
         assert!(tiny.dry_run().unwrap().contains("[model.tiny]"));

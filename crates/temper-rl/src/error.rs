@@ -57,3 +57,11 @@ impl RlError {
         }
     }
 }
+
+/// A plan converts into itself infallibly; this lets the loops take either a
+/// config (checked into a plan) or a plan.
+impl From<std::convert::Infallible> for RlError {
+    fn from(never: std::convert::Infallible) -> Self {
+        match never {}
+    }
+}

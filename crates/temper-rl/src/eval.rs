@@ -23,8 +23,10 @@ pub struct EvalResult {
     pub step: u64,
     /// Mean reward.
     pub reward: f64,
-    /// Fraction of rollouts at or above the pass threshold.
-    pub accuracy: f64,
+    /// Fraction of rollouts at or above the pass threshold (`temper eval`'s
+    /// pass@1; runs checkpointed before the rename wrote `accuracy`).
+    #[serde(alias = "accuracy")]
+    pub pass_at_1: f64,
     /// Rollouts.
     pub n: usize,
     /// Distinct prompts among them (a small task space repeats questions).
@@ -45,8 +47,8 @@ impl EvalResult {
     /// The progress line of the evaluation before training.
     pub fn before_line(&self) -> String {
         format!(
-            "eval before training: accuracy {:.1}%  reward {:.3}  ({} rollouts, {} distinct held-out questions)",
-            100.0 * self.accuracy,
+            "eval before training: pass@1 {:.1}%  reward {:.3}  ({} rollouts, {} distinct held-out questions)",
+            100.0 * self.pass_at_1,
             self.reward,
             self.n,
             self.distinct
@@ -54,11 +56,11 @@ impl EvalResult {
     }
 
     /// Its point on `plots.html`'s eval charts (not a `metrics.jsonl`
-    /// line): `step`, `eval/accuracy`, `eval/reward`.
+    /// line): `step`, `eval/pass@1`, `eval/reward`.
     pub fn plot_record(&self) -> serde_json::Map<String, Value> {
         let mut m = serde_json::Map::new();
         m.insert("step".into(), self.step.into());
-        m.insert("eval/accuracy".into(), self.accuracy.into());
+        m.insert("eval/pass@1".into(), self.pass_at_1.into());
         m.insert("eval/reward".into(), self.reward.into());
         m
     }
@@ -66,9 +68,9 @@ impl EvalResult {
     /// The progress line of an evaluation during training.
     pub fn step_line(&self) -> String {
         format!(
-            "  eval @ step {}: accuracy {:.1}%  reward {:.3}",
+            "  eval @ step {}: pass@1 {:.1}%  reward {:.3}",
             self.step,
-            100.0 * self.accuracy,
+            100.0 * self.pass_at_1,
             self.reward
         )
     }
@@ -227,7 +229,7 @@ impl Evaluator {
         Ok(EvalResult {
             step,
             reward: out.metadata.avg_reward,
-            accuracy: out.metadata.pass_at_k.get("1").copied().unwrap_or(0.0),
+            pass_at_1: out.metadata.pass_at_k.get("1").copied().unwrap_or(0.0),
             n: out.metadata.num_rollouts,
             distinct: distinct.len(),
             dir,
@@ -248,5 +250,28 @@ impl Evaluator {
         }
         let model = policy.model.clone();
         Ok(Some(self.evaluate(model, run_dir, step, batcher).await?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 12: one name, pass@1, for the held-out metric; a checkpoint
+    /// written before the rename (`accuracy`) still resumes.
+    #[test]
+    fn pass_at_1_is_the_name_and_old_checkpoints_still_read() {
+        let old = r#"{"step":0,"reward":0.5,"accuracy":0.25,"n":4,"distinct":3,"dir":"e"}"#;
+        let r: EvalResult = serde_json::from_str(old).unwrap();
+        assert_eq!(r.pass_at_1, 0.25);
+        assert!(
+            r.before_line().contains("pass@1 25.0%"),
+            "{}",
+            r.before_line()
+        );
+        assert!(r.step_line().contains("pass@1 25.0%"));
+        assert_eq!(r.plot_record()["eval/pass@1"], 0.25);
+        let saved = serde_json::to_string(&r).unwrap();
+        assert!(saved.contains("\"pass_at_1\":0.25") && !saved.contains("accuracy"));
     }
 }

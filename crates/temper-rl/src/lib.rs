@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | sample | [`rollout`] | roll out each step's groups against the published policy (inline, or a producer running ahead by at most `max_off_policy_steps`) |
 //! | score | [`advantage`] | group-relative advantages; all-equal groups teach nothing |
-//! | batch | [`datum`] | model turns' [`TokenTrace`](temper_env::TokenTrace)s → training [`Datum`](temper_engine::Datum)s |
+//! | batch | [`datum`] | model turns' [`TokenTrace`](temper_env::TokenTrace)s → training [`Datum`](temper_engine::Datum)s (a multi-turn episode as one sequence when its turns extend each other) |
 //! | train | [`step`] | `forward_backward` over micro-batches, then `optim_step` |
 //! | publish | [`publish`] | the new weights to the sampler, announced to the producer |
 //! | log | [`metrics`] | the step's typed [`StepMetrics`] → a `metrics.jsonl` line |
@@ -74,7 +74,7 @@
 //! let advantages_g = batch_advantages(&groups_g, false);
 //! assert_eq!(advantages_g, vec![vec![0.5, -0.5]]);
 //! let turns = TrainTurns::of(&groups_g, &advantages_g);
-//! assert_eq!((turns.turns_d().len(), turns.skipped_turns), (1, 1));
+//! assert_eq!((turns.seqs_d().len(), turns.skipped_turns), (1, 1));
 //!
 //! let datums_d = turns.datums();
 //! assert_eq!(datums_d[0].model_input, vec![1, 2, 3]);
@@ -94,6 +94,7 @@ pub mod datum;
 pub mod error;
 pub mod eval;
 pub mod metrics;
+pub mod plan;
 pub mod policy;
 pub mod preset;
 pub mod publish;
@@ -108,3 +109,4 @@ pub mod trainer;
 
 pub use error::{Result, RlError};
 pub use metrics::StepMetrics;
+pub use plan::{RlPlan, SftPlan};

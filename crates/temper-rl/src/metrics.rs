@@ -52,7 +52,9 @@ pub struct RolloutMetrics {
     /// Each rubric metric's mean: `metric/{name}`.
     #[serde(flatten)]
     pub rubric: RubricMetrics,
-    /// Fraction of rollouts at or above the pass threshold.
+    /// Fraction of rollouts at or above the pass threshold: pass@1, the
+    /// name `temper eval` gives it.
+    #[serde(rename = "pass@1")]
     pub pass_rate: f64,
     /// Mean completion tokens per rollout.
     #[serde(rename = "seq_len/mean")]
@@ -115,6 +117,13 @@ pub struct DataMetrics {
     pub trained_sequences: usize,
     /// Completion tokens trained on.
     pub trained_tokens: usize,
+    /// Multi-turn episodes trained as one sequence.
+    #[serde(rename = "multi_turn/merged")]
+    pub multi_turn_merged: u64,
+    /// Multi-turn episodes trained turn by turn because the chat template
+    /// rewrote history (a turn's prompt did not extend the previous turn).
+    #[serde(rename = "multi_turn/fallbacks")]
+    pub multi_turn_fallbacks: u64,
 }
 
 /// The train step's report.
@@ -158,8 +167,8 @@ pub struct TimeMetrics {
     #[serde(rename = "time/publish")]
     pub publish_s: f64,
     /// Held-out pass@1, when an evaluation ran after this step.
-    #[serde(rename = "eval/accuracy", skip_serializing_if = "Option::is_none")]
-    pub eval_accuracy: Option<f64>,
+    #[serde(rename = "eval/pass@1", skip_serializing_if = "Option::is_none")]
+    pub eval_pass_at_1: Option<f64>,
     /// Held-out mean reward, when an evaluation ran after this step.
     #[serde(rename = "eval/reward", skip_serializing_if = "Option::is_none")]
     pub eval_reward: Option<f64>,
@@ -243,8 +252,10 @@ impl DataMetrics {
             dropped_stale_total,
             zero_advantage_groups: turns.zero_advantage_groups,
             skipped_turns: turns.skipped_turns,
-            trained_sequences: turns.turns_d().len(),
+            trained_sequences: turns.seqs_d().len(),
             trained_tokens: turns.tokens(),
+            multi_turn_merged: turns.multi_turn_merged,
+            multi_turn_fallbacks: turns.multi_turn_fallbacks,
         }
     }
 }
@@ -268,9 +279,88 @@ impl TrainMetrics {
 impl TimeMetrics {
     /// Record the held-out evaluation that ran after this step.
     pub fn with_eval(mut self, eval: Option<&EvalResult>) -> Self {
-        self.eval_accuracy = eval.map(|r| r.accuracy);
+        self.eval_pass_at_1 = eval.map(|r| r.pass_at_1);
         self.eval_reward = eval.map(|r| r.reward);
         self
+    }
+}
+
+/// A `metrics.jsonl` line read back (a resumed run's earlier steps).
+/// Lines written before the keys were renamed (`pass_rate`,
+/// `eval/accuracy`) or added (`multi_turn/*`, 0 then) still read; any other
+/// missing or mistyped key is an error naming it.
+impl TryFrom<&Map<String, Value>> for StepMetrics {
+    type Error = RlError;
+
+    fn try_from(m: &Map<String, Value>) -> Result<Self> {
+        let bad = |k: &str| RlError::Data(format!("metrics.jsonl: missing or bad {k:?} in {m:?}"));
+        let get = |k: &str| m.get(k);
+        let f = |k: &str| get(k).and_then(Value::as_f64).ok_or_else(|| bad(k));
+        let u = |k: &str| get(k).and_then(Value::as_u64).ok_or_else(|| bad(k));
+        let n = |k: &str| u(k).and_then(|v| usize::try_from(v).map_err(|_| bad(k)));
+        let f_or = |k: &str, old: &str| get(k).or_else(|| get(old)).and_then(Value::as_f64);
+        let since = |k: &str| match get(k) {
+            None => Ok(0),
+            Some(v) => v.as_u64().ok_or_else(|| bad(k)),
+        };
+        let mut reward_by_env = Vec::new();
+        let mut rubric = BTreeMap::new();
+        for (k, v) in m {
+            if let Some(name) = k.strip_prefix("metric/") {
+                rubric.insert(name.to_string(), v.as_f64().ok_or_else(|| bad(k))?);
+            } else if let Some(id) = k
+                .strip_prefix("reward/")
+                .and_then(|rest| rest.strip_suffix("/mean"))
+            {
+                let std = format!("reward/{id}/std");
+                reward_by_env.push((id.to_string(), f(k)?, f(&std)?));
+            }
+        }
+        Ok(Self {
+            step: u("step")?,
+            rollouts: RolloutMetrics {
+                reward_mean: f("reward/mean")?,
+                reward_std: f("reward/std")?,
+                reward_by_env: RewardByEnv(reward_by_env),
+                rubric: RubricMetrics(rubric),
+                pass_rate: f_or("pass@1", "pass_rate").ok_or_else(|| bad("pass@1"))?,
+                seq_len_mean: f("seq_len/mean")?,
+                truncation_rate: f("truncation_rate")?,
+                rollout_errors: n("rollout_errors")?,
+                policy_lag_mean: f("policy_lag/mean")?,
+                policy_lag_max: f("policy_lag/max")?,
+            },
+            data: DataMetrics {
+                dropped_stale: u("dropped_stale")?,
+                dropped_stale_total: u("dropped_stale/total")?,
+                zero_advantage_groups: u("zero_advantage_groups")?,
+                skipped_turns: u("skipped_turns")?,
+                trained_sequences: n("trained_sequences")?,
+                trained_tokens: n("trained_tokens")?,
+                multi_turn_merged: since("multi_turn/merged")?,
+                multi_turn_fallbacks: since("multi_turn/fallbacks")?,
+            },
+            train: TrainMetrics {
+                loss: f("loss")?,
+                mismatch_max: f("mismatch/max")?,
+                mismatch_mean: f("mismatch/mean")?,
+                mismatch_tokens: n("mismatch/tokens")?,
+                entropy: f("entropy")?,
+                grad_norm: f("grad_norm")?,
+                lr: f("lr")?,
+                train_s: f("time/train")?,
+            },
+            time: TimeMetrics {
+                generate_s: f("time/generate")?,
+                tokens_per_s: f("tokens_per_s")?,
+                wait_s: f("time/wait")?,
+                publish_s: f("time/publish")?,
+                eval_pass_at_1: f_or("eval/pass@1", "eval/accuracy"),
+                eval_reward: get("eval/reward").and_then(Value::as_f64),
+                step_s: f("time/step")?,
+                elapsed_s: f("time/elapsed")?,
+            },
+        })
     }
 }
 
@@ -295,7 +385,7 @@ impl StepMetrics {
             "n/a".into()
         };
         format!(
-            "step {:>4}/{max_steps}  reward {:.3}  pass {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
+            "step {:>4}/{max_steps}  reward {:.3}  pass@1 {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
             self.step,
             r.reward_mean,
             100.0 * r.pass_rate,
@@ -318,8 +408,8 @@ impl StepMetrics {
 /// The metrics plotted into `plots.html`.
 pub const PLOTTED: &[&str] = &[
     "reward/mean",
-    "pass_rate",
-    "eval/accuracy",
+    "pass@1",
+    "eval/pass@1",
     "seq_len/mean",
     "entropy",
     "grad_norm",
@@ -344,6 +434,48 @@ mod tests {
         assert!(line.contains("zero-adv 3"), "{line}");
     }
 
+    /// A resumed run reads its earlier steps back as typed metrics: the
+    /// record round-trips, an older line (renamed keys, no `multi_turn/*`)
+    /// still reads, and a missing key is an error naming it.
+    #[test]
+    fn a_record_reads_back_as_the_same_step_metrics() {
+        let mut m = StepMetrics {
+            step: 3,
+            ..Default::default()
+        };
+        m.rollouts.reward_mean = 0.25;
+        m.rollouts.pass_rate = 0.5;
+        m.rollouts.reward_by_env =
+            RewardByEnv(vec![("envs/a".into(), 0.5, 0.1), ("b".into(), 0.0, 0.0)]);
+        m.rollouts.rubric = RubricMetrics([("correct".to_string(), 0.5)].into());
+        m.data.trained_tokens = 17;
+        m.data.multi_turn_fallbacks = 2;
+        m.train.loss = -0.125;
+        m.time.eval_pass_at_1 = Some(0.75);
+        m.time.eval_reward = Some(1.5);
+        let record = m.to_record().unwrap();
+        assert_eq!(StepMetrics::try_from(&record).unwrap(), m);
+
+        let mut old = record.clone();
+        for (new, was) in [("pass@1", "pass_rate"), ("eval/pass@1", "eval/accuracy")] {
+            let v = old.remove(new).unwrap();
+            old.insert(was.into(), v);
+        }
+        old.remove("multi_turn/merged");
+        old.remove("multi_turn/fallbacks");
+        let back = StepMetrics::try_from(&old).unwrap();
+        assert_eq!(
+            (back.rollouts.pass_rate, back.time.eval_pass_at_1),
+            (0.5, Some(0.75))
+        );
+        assert_eq!(back.data.multi_turn_fallbacks, 0);
+
+        let mut torn = record;
+        torn.remove("grad_norm");
+        let e = StepMetrics::try_from(&torn).unwrap_err();
+        assert!(e.to_string().contains("grad_norm"), "{e}");
+    }
+
     /// The keys (and their order) of a `metrics.jsonl` line are what
     /// `temper view`, `plots.html` and the check scripts read.
     #[test]
@@ -355,7 +487,7 @@ mod tests {
         m.rollouts.reward_by_env = RewardByEnv(vec![("arithmetic".into(), 0.5, 0.1)]);
         m.rollouts.rubric = RubricMetrics([("correct".to_string(), 0.5)].into());
         m.rollouts.rollout_errors = 2;
-        m.time.eval_accuracy = Some(0.25);
+        m.time.eval_pass_at_1 = Some(0.25);
         m.time.eval_reward = Some(0.5);
         let record = m.to_record().unwrap();
         let keys: Vec<&str> = record.keys().map(String::as_str).collect();
@@ -368,7 +500,7 @@ mod tests {
                 "reward/arithmetic/mean",
                 "reward/arithmetic/std",
                 "metric/correct",
-                "pass_rate",
+                "pass@1",
                 "seq_len/mean",
                 "truncation_rate",
                 "rollout_errors",
@@ -380,6 +512,8 @@ mod tests {
                 "skipped_turns",
                 "trained_sequences",
                 "trained_tokens",
+                "multi_turn/merged",
+                "multi_turn/fallbacks",
                 "loss",
                 "mismatch/max",
                 "mismatch/mean",
@@ -392,7 +526,7 @@ mod tests {
                 "tokens_per_s",
                 "time/wait",
                 "time/publish",
-                "eval/accuracy",
+                "eval/pass@1",
                 "eval/reward",
                 "time/step",
                 "time/elapsed",
@@ -403,8 +537,8 @@ mod tests {
         assert_eq!(record["rollout_errors"], serde_json::json!(2));
         assert_eq!(record["policy_lag/max"], serde_json::json!(0.0));
         // Without an evaluation the eval keys are absent.
-        m.time.eval_accuracy = None;
+        m.time.eval_pass_at_1 = None;
         m.time.eval_reward = None;
-        assert!(!m.to_record().unwrap().contains_key("eval/accuracy"));
+        assert!(!m.to_record().unwrap().contains_key("eval/pass@1"));
     }
 }

@@ -112,7 +112,8 @@ impl TinyPreset {
         self.vocab_size() * h + self.num_layers * layer + h
     }
 
-    fn check(&self) -> Result<()> {
+    /// Check the sizes make a model (the run plan calls this before anything is written).
+    pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(RlError::Config(format!("tiny model: {m}")));
         if self.hidden_size == 0 || self.num_layers == 0 || self.intermediate_size == 0 {
             return bad("sizes must be >= 1");
@@ -134,7 +135,7 @@ impl TinyPreset {
     /// initialises Llama), tokenizer.json, tokenizer_config.json,
     /// chat_template.jinja and generation_config.json. Same seed ⇒ same bytes.
     pub fn write(&self, dir: &Path, seed: u64) -> Result<()> {
-        self.check()?;
+        self.validate()?;
         std::fs::create_dir_all(dir).map_err(|e| RlError::io(dir, e))?;
         let vocab = self.vocab_size();
         let im_end = 2;

@@ -13,8 +13,8 @@ use temper_env::ChatModel;
 use temper_model::Pretrained;
 use tokio::sync::watch;
 
-use crate::config::RlConfig;
-use crate::error::{Result, RlError};
+use crate::error::Result;
+use crate::plan::RlPlan;
 use crate::policy::{Batcher, EnginePolicy, HttpPolicy, Renderer};
 
 /// Where a published policy can be sampled.
@@ -60,7 +60,7 @@ impl Publisher {
     /// [`Batcher`] started here) or the external server at `sampler.url`;
     /// `base` gives the chat template and tokenizer.
     pub fn new(
-        cfg: &RlConfig,
+        cfg: &RlPlan,
         trainer: Arc<dyn Trainer>,
         base: Arc<Pretrained>,
         run_dir: &Path,
@@ -74,13 +74,8 @@ impl Publisher {
                 // published; one more for the batch being handed over.
                 keep: cfg.async_.max_off_policy_steps as usize + 3,
             },
+            // The plan checked an external sampler comes with LoRA enabled.
             Some(url) => {
-                if !cfg.lora.enabled {
-                    return Err(RlError::Config(
-                        "an external sampler receives LoRA adapters: set lora.enabled = true"
-                            .into(),
-                    ));
-                }
                 let key = cfg
                     .sampler
                     .api_key_env

@@ -19,7 +19,7 @@ use serde_json::json;
 
 use crate::config::{
     AsyncSection, CkptSection, DataSection, EnvSection, EvalSection, LogSection, LoraSection,
-    ModelSection, RlConfig, SamplingSection, SftConfig, TrainerSection,
+    ModelSection, RlConfig, RlTrainerSection, SamplingSection, SftConfig, SftTrainerSection,
 };
 use crate::error::Result;
 use crate::preset::TinyPreset;
@@ -65,9 +65,9 @@ impl Default for QuickstartOptions {
 /// What the quickstart measured.
 #[derive(Debug, Clone)]
 pub struct QuickstartReport {
-    /// Held-out accuracy of the SFT model.
+    /// Held-out pass@1 of the SFT model.
     pub before: EvalResult,
-    /// Held-out accuracy after RL.
+    /// Held-out pass@1 after RL.
     pub after: EvalResult,
     /// The SFT model directory.
     pub sft_model: PathBuf,
@@ -106,7 +106,7 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
             teacher_noise: o.teacher_noise,
             epochs: None,
         },
-        trainer: TrainerSection {
+        trainer: SftTrainerSection {
             lr: 3e-3,
             warmup_steps: 10,
             batch_size: 32,
@@ -128,6 +128,7 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
             progress: o.progress,
             samples: 0,
         },
+        remote_trainer: Default::default(),
     }
 }
 
@@ -144,7 +145,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
         lora: LoraSection {
             enabled: true,
             rank: 16,
-            alpha: 32.0,
+            alpha: temper_model::LoraConfig::DEFAULT_ALPHA,
             ..Default::default()
         },
         env: vec![EnvSection {
@@ -158,8 +159,8 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
             max_tokens: 24,
             group_size: 8,
         },
-        trainer: TrainerSection {
-            loss: "importance_sampling".into(),
+        trainer: RlTrainerSection {
+            loss: temper_engine::Loss::ImportanceSampling.name().into(),
             lr: 2e-3,
             warmup_steps: 0,
             batch_size: 16,

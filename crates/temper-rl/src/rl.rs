@@ -17,7 +17,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde_json::{Map, Value};
+#[cfg(test)]
+use serde_json::Value;
 use temper_engine::Trainer;
 use temper_model::Pretrained;
 
@@ -28,11 +29,12 @@ use crate::datum::TrainTurns;
 use crate::error::{Result, RlError};
 use crate::eval::Evaluator;
 use crate::metrics::{DataMetrics, RolloutMetrics, StepMetrics, TimeMetrics, TrainMetrics};
+use crate::plan::RlPlan;
 use crate::publish::Publisher;
 use crate::rollout::{RolloutPlan, Rollouts};
 use crate::runlog::{write_atomic, MetricsLog};
 use crate::samples::{LoggedSample, SamplesLog};
-use crate::step::{loss_of, train_step};
+use crate::step::train_step;
 
 pub use crate::advantage::group_advantages;
 pub use crate::eval::EvalResult;
@@ -64,13 +66,19 @@ pub struct RlOutcome {
     pub eval_after: Option<EvalResult>,
     /// The trained adapter (PEFT) or model (HF) directory.
     pub output: PathBuf,
-    /// Every step's `metrics.jsonl` record (including those kept from
-    /// before a resume).
-    pub metrics: Vec<Map<String, Value>>,
+    /// Every step's metrics (including those read back from before a
+    /// resume).
+    pub metrics: Vec<StepMetrics>,
 }
 
-/// Run `temper train rl` with `cfg` in `cfg.log.dir`.
-pub async fn run_rl(cfg: RlConfig, opts: RunOptions) -> Result<RlOutcome> {
+/// Run `temper train rl` with `plan` (an [`RlPlan`], or an [`RlConfig`]
+/// checked into one here) in its `log.dir`.
+pub async fn run_rl<P>(plan: P, opts: RunOptions) -> Result<RlOutcome>
+where
+    P: TryInto<RlPlan>,
+    RlError: From<P::Error>,
+{
+    let cfg: RlPlan = plan.try_into()?;
     let run_dir = cfg.log.dir.clone();
     std::fs::create_dir_all(&run_dir).map_err(|e| RlError::io(&run_dir, e))?;
     if !opts.resume && checkpoint::latest_path(&run_dir).exists() {
@@ -81,22 +89,22 @@ pub async fn run_rl(cfg: RlConfig, opts: RunOptions) -> Result<RlOutcome> {
     }
     write_atomic(
         &run_dir.join("config.toml"),
-        crate::config::to_toml(&cfg)?.as_bytes(),
+        crate::config::to_toml(cfg.config())?.as_bytes(),
     )?;
-    let (base, trainer) = crate::trainer::trainer_for(&cfg, &run_dir).await?;
+    let (base, trainer) =
+        crate::trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir).await?;
     run_rl_with(cfg, opts, base, trainer).await
 }
 
 /// [`run_rl`] with a given trainer (in-process, or a remote training API)
 /// and the base model it trains (for its tokenizer and chat template).
 pub async fn run_rl_with(
-    cfg: RlConfig,
+    cfg: RlPlan,
     opts: RunOptions,
     base: Arc<Pretrained>,
     trainer: Arc<dyn Trainer>,
 ) -> Result<RlOutcome> {
     let run_dir = cfg.log.dir.clone();
-    validate(&cfg)?;
     let plan = Arc::new(RolloutPlan::load(&cfg).await?);
     let evaluator = Evaluator::for_rl(&cfg).await?;
     let env_ids = plan.env_ids();
@@ -140,7 +148,15 @@ pub async fn run_rl_with(
         let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
         let turns = TrainTurns::of(&groups_g, &advantages_g);
         let datums_d = turns.datums();
-        let trained = train_step(&*trainer, &cfg.trainer, step, datums_d, turns.turns_d()).await?;
+        let trained = train_step(
+            &*trainer,
+            &cfg.optim,
+            &cfg.loss,
+            step,
+            datums_d,
+            turns.seqs_d(),
+        )
+        .await?;
         samples.write(LoggedSample::pick(
             &groups_g,
             step,
@@ -201,18 +217,12 @@ pub async fn run_rl_with(
         eval_before: state.eval_before,
         eval_after: last_eval,
         output,
-        metrics: log.records().to_vec(),
+        metrics: log
+            .records()
+            .iter()
+            .map(StepMetrics::try_from)
+            .collect::<Result<_>>()?,
     })
-}
-
-/// The checks the loop itself needs before it starts.
-fn validate(cfg: &RlConfig) -> Result<()> {
-    if cfg.trainer.batch_size == 0 || cfg.sampling.group_size == 0 {
-        return Err(RlError::Config(
-            "trainer.batch_size and sampling.group_size must be >= 1".into(),
-        ));
-    }
-    loss_of(&cfg.trainer).map(|_| ())
 }
 
 /// A progress line on stderr, when `log.progress` is on.
@@ -231,7 +241,7 @@ mod tests {
     /// The loop's data path for one batch: drop stale groups, advantages,
     /// datums, train.
     async fn train_on(
-        cfg: &RlConfig,
+        cfg: &RlPlan,
         trainer: &dyn Trainer,
         batch: Batch,
         dropped_total: &mut u64,
@@ -241,9 +251,16 @@ mod tests {
         *dropped_total += dropped;
         let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
         let turns = TrainTurns::of(&groups_g, &advantages_g);
-        let out = train_step(trainer, &cfg.trainer, step, turns.datums(), turns.turns_d())
-            .await
-            .unwrap();
+        let out = train_step(
+            trainer,
+            &cfg.optim,
+            &cfg.loss,
+            step,
+            turns.datums(),
+            turns.seqs_d(),
+        )
+        .await
+        .unwrap();
         (
             DataMetrics::of(&turns, dropped, *dropped_total),
             RolloutMetrics::of(&groups_g, step, &[], 1.0),
@@ -261,7 +278,13 @@ mod tests {
         )
         .unwrap();
         cfg.async_.max_off_policy_steps = 1;
+        cfg.env.push(crate::config::EnvSection {
+            id: "unused".into(),
+            weight: 1.0,
+            args: Value::Null,
+        });
         let (_base, trainer) = local_trainer(&cfg.model, &cfg.lora, 0, dir.path()).unwrap();
+        let cfg = RlPlan::try_from(cfg).unwrap();
         let group = |version: u64| {
             let turn = |lp: f32, reward: f64| {
                 let trace = TokenTrace {

@@ -15,8 +15,9 @@ use temper_env::{Environment, Rollout, Row, SamplingArgs, Score, Split};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use crate::config::{AsyncSection, RlConfig, SamplingSection};
+use crate::config::{AsyncSection, SamplingSection};
 use crate::error::{Result, RlError};
+use crate::plan::RlPlan;
 use crate::policy::Batcher;
 use crate::publish::Published;
 
@@ -85,7 +86,7 @@ impl RolloutPlan {
     /// Load `cfg`'s environments and enough training rows of each for the
     /// run — off the async runtime: loading reads files, and an external
     /// environment starts a process and answers `rows` over a pipe.
-    pub async fn load(cfg: &RlConfig) -> Result<Self> {
+    pub async fn load(cfg: &RlPlan) -> Result<Self> {
         let total_groups = (cfg.trainer.max_steps as usize) * cfg.trainer.batch_size;
         let total_weight = cfg.env.iter().map(|x| x.weight).sum::<f64>();
         let (seed, sections) = (cfg.seed, cfg.env.clone());
@@ -225,12 +226,8 @@ pub(crate) fn mix(parts: &[u64]) -> u64 {
 /// A deterministic interleaving of environments by weight (smooth weighted
 /// round robin over a cycle of at most 100 slots).
 fn mixing_schedule(weights: &[f64]) -> Result<Vec<usize>> {
-    if weights.is_empty() {
-        return Err(RlError::Config("at least one [[env]] is needed".into()));
-    }
-    if weights.iter().any(|w| !(w.is_finite() && *w > 0.0)) {
-        return Err(RlError::Config("env weights must be > 0".into()));
-    }
+    // The plan's own check, repeated for callers that bypass a plan.
+    crate::plan::check_env_weights(weights)?;
     let total: f64 = weights.iter().sum();
     let slots = 100usize;
     let mut current = vec![0.0; weights.len()];

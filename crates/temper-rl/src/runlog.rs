@@ -292,20 +292,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut log = MetricsLog::open(dir.path(), None).unwrap();
         log.set_baseline(
-            json!({"step": 0, "eval/accuracy": 0.125})
+            json!({"step": 0, "eval/pass@1": 0.125})
                 .as_object()
                 .cloned()
                 .unwrap(),
         );
         let mut r = rec(4, 0.5);
-        r.insert("eval/accuracy".into(), json!(0.675));
+        r.insert("eval/pass@1".into(), json!(0.675));
         log.write(r).unwrap();
         let html = std::fs::read_to_string(
-            log.write_plots(dir.path(), "run", &["eval/accuracy"], "<p>samples</p>")
+            log.write_plots(dir.path(), "run", &["eval/pass@1"], "<p>samples</p>")
                 .unwrap(),
         )
         .unwrap();
-        let chart = html.split("eval/accuracy").nth(1).unwrap();
+        let chart = html.split("eval/pass@1").nth(1).unwrap();
         assert!(chart.contains("step 0"), "{chart}");
         assert_eq!(chart.matches("<circle").count(), 2, "{chart}");
         assert!(html.ends_with("<p>samples</p></body></html>\n"));

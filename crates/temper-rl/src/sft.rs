@@ -21,9 +21,10 @@ use serde_json::{json, Map, Value};
 use temper_engine::{AdamParams, Datum, Loss, LossInputs, Trainer};
 use temper_model::{ChatTemplate, Pretrained, Tokenizer};
 
-use crate::config::SftConfig;
+use crate::checkpoint::{self, LoopState};
 use crate::error::{Result, RlError};
 use crate::eval::{EvalResult, Evaluator};
+use crate::plan::{DataSource, SftPlan};
 use crate::policy::{Batcher, EnginePolicy, Renderer};
 use crate::rl::RunOptions;
 use crate::runlog::{write_atomic, MetricsLog};
@@ -167,23 +168,21 @@ pub struct SftOutcome {
 
 /// The tokenized dataset of `cfg.data`: a chat JSONL file, or an
 /// environment's training rows with `answer_format` as the assistant turn.
-pub fn load_examples(cfg: &SftConfig, base: &Pretrained) -> Result<Vec<SftExample>> {
+pub fn load_examples(cfg: &SftPlan, base: &Pretrained) -> Result<Vec<SftExample>> {
     let template = base.chat_template.as_ref().ok_or_else(|| {
         RlError::Config(format!("model {} has no chat template", base.dir.display()))
     })?;
-    let conversations: Vec<Vec<Value>> = match (&cfg.data.path, &cfg.data.env) {
-        (Some(p), None) => read_conversations(p)?,
-        (None, Some(e)) => {
+    let conversations: Vec<Vec<Value>> = match &cfg.data {
+        DataSource::File { path, .. } => read_conversations(path)?,
+        DataSource::Env {
+            env: e,
+            answer_format: fmt,
+            teacher_noise: noise,
+        } => {
+            let noise = *noise;
             let env = temper_env::load_environment(&e.id, &e.args)
                 .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
-            let n = (cfg.trainer.max_steps as usize * cfg.trainer.batch_size).max(1);
-            let fmt = cfg.data.answer_format.as_deref().unwrap_or("{answer}");
-            let noise = cfg.data.teacher_noise;
-            if !(0.0..=1.0).contains(&noise) {
-                return Err(RlError::Config(
-                    "data.teacher_noise must be in [0, 1]".into(),
-                ));
-            }
+            let n = (cfg.optim.max_steps as usize * cfg.optim.batch_size).max(1);
             let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x7EAC_4E25);
             env.rows(temper_env::Split::Train, n, cfg.seed)
                 .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?
@@ -205,16 +204,6 @@ pub fn load_examples(cfg: &SftConfig, base: &Pretrained) -> Result<Vec<SftExampl
                     Ok(msgs)
                 })
                 .collect::<Result<Vec<_>>>()?
-        }
-        (Some(_), Some(_)) => {
-            return Err(RlError::Config(
-                "[data] has both `path` and `env`; pick one".into(),
-            ))
-        }
-        (None, None) => {
-            return Err(RlError::Config(
-                "[data] needs `path` (chat JSONL/Parquet) or `env`".into(),
-            ))
         }
     };
     let mut out = Vec::with_capacity(conversations.len());
@@ -313,12 +302,18 @@ pub fn read_conversations(path: &Path) -> Result<Vec<Vec<Value>>> {
 
 /// `temper train sft`: cross-entropy on assistant tokens, mean over the
 /// batch's trained tokens; shuffled epochs (seeded); checkpoints and
-/// metrics like the RL loop; resumable.
-pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
+/// metrics like the RL loop; resumable. It trains through the [`Trainer`]
+/// trait like RL: in process, or on a training API (`[remote_trainer]`,
+/// e.g. `temper api serve`), where the weights and checkpoints stay.
+pub async fn run_sft<P>(plan: P, opts: RunOptions) -> Result<SftOutcome>
+where
+    P: TryInto<SftPlan>,
+    RlError: From<P::Error>,
+{
+    let cfg: SftPlan = plan.try_into()?;
     let run_dir = cfg.log.dir.clone();
     std::fs::create_dir_all(&run_dir).map_err(|e| RlError::io(&run_dir, e))?;
-    let latest = run_dir.join("checkpoints").join("latest.json");
-    if !opts.resume && latest.exists() {
+    if !opts.resume && checkpoint::latest_path(&run_dir).exists() {
         return Err(RlError::Config(format!(
             "{} already holds a run; pass --resume {0} to continue it, or choose another --log.dir",
             run_dir.display()
@@ -326,15 +321,10 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
     }
     write_atomic(
         &run_dir.join("config.toml"),
-        crate::config::to_toml(&cfg)?.as_bytes(),
+        crate::config::to_toml(cfg.config())?.as_bytes(),
     )?;
-    let (base, trainer) = crate::trainer::local_trainer_off_runtime(
-        cfg.model.clone(),
-        cfg.lora.clone(),
-        cfg.seed,
-        &run_dir,
-    )
-    .await?;
+    let (base, trainer) =
+        crate::trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir).await?;
     let examples = {
         let (cfg, base) = (cfg.clone(), base.clone());
         tokio::task::spawn_blocking(move || load_examples(&cfg, &base))
@@ -344,22 +334,18 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
                 source,
             })??
     };
-    let bs = cfg.trainer.batch_size.max(1);
+    let bs = cfg.optim.batch_size;
     let per_epoch = examples.len().div_ceil(bs) as u64;
-    let max_steps = match cfg.data.epochs {
-        Some(e) => cfg.trainer.max_steps.min(e * per_epoch),
-        None => cfg.trainer.max_steps,
+    let max_steps = match cfg.data {
+        DataSource::File {
+            epochs: Some(e), ..
+        } => cfg.optim.max_steps.min(e * per_epoch),
+        _ => cfg.optim.max_steps,
     };
-    let (mut start, mut eval_before) = (0, None);
-    if opts.resume {
-        let text = std::fs::read_to_string(&latest).map_err(|e| RlError::io(&latest, e))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| RlError::Config(format!("{}: {e}", latest.display())))?;
-        let path = v["state_path"].as_str().unwrap_or_default().to_string();
-        trainer.load_state(&path, true).await?;
-        start = v["step"].as_u64().unwrap_or(0);
-        eval_before = serde_json::from_value(v["eval_before"].clone()).ok();
-    }
+    // The RL loop's checkpoint format: a missing or malformed field of
+    // latest.json is an error, not a silent step 0.
+    let state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
+    let (start, mut eval_before) = (state.step, state.eval_before);
     let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
     let evaluator = match Evaluator::for_sft(&cfg, max_steps).await? {
         Some(ev) => Some((ev, SftPolicy::new(&base, trainer.clone())?)),
@@ -383,6 +369,7 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         .stop_after
         .map_or(max_steps, |n| (start + n).min(max_steps));
     let mut final_loss = f64::NAN;
+    let mut last_state = String::new();
     let t_run = Instant::now();
     let mut step = start;
     while step < end {
@@ -399,24 +386,20 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         let n_tok: usize = batch.iter().map(|e| e.trained_tokens()).sum();
         let w = 1.0 / n_tok.max(1) as f32;
         let data: Vec<Datum> = batch.iter().map(|e| e.datum(w)).collect();
-        let micro = if cfg.trainer.micro_batch == 0 {
-            data.len()
-        } else {
-            cfg.trainer.micro_batch
-        };
+        let micro = cfg.optim.micro_batch_of(data.len());
         let mut loss = 0.0;
-        for chunk in data.chunks(micro.max(1)) {
+        for chunk in data.chunks(micro) {
             let out = trainer
                 .forward_backward(chunk.to_vec(), Loss::CrossEntropy)
                 .await?;
             loss += out.metrics.get("loss:sum").copied().unwrap_or(0.0);
         }
-        let lr = crate::rl::learning_rate(cfg.trainer.lr, cfg.trainer.warmup_steps, step);
+        let lr = cfg.optim.learning_rate(step);
         let stats = trainer
             .optim_step(AdamParams {
                 learning_rate: lr,
-                weight_decay: cfg.trainer.weight_decay,
-                grad_clip_norm: cfg.trainer.grad_clip,
+                weight_decay: cfg.optim.weight_decay,
+                grad_clip_norm: cfg.optim.grad_clip,
                 ..AdamParams::default()
             })
             .await?;
@@ -438,7 +421,7 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
             if cfg.log.progress {
                 eprintln!("{}", r.step_line());
             }
-            m.insert("eval/accuracy".into(), json!(r.accuracy));
+            m.insert("eval/pass@1".into(), json!(r.pass_at_1));
             m.insert("eval/reward".into(), json!(r.reward));
             eval_after = Some(r);
         }
@@ -452,27 +435,37 @@ pub async fn run_sft(cfg: SftConfig, opts: RunOptions) -> Result<SftOutcome> {
         }
         log.write(m)?;
         if (cfg.ckpt.interval > 0 && step.is_multiple_of(cfg.ckpt.interval)) || step == max_steps {
-            let path = trainer.save_state(&format!("step-{step:06}")).await?;
-            let v = json!({"step": step, "state_path": path, "eval_before": eval_before});
-            write_atomic(&latest, v.to_string().as_bytes())?;
+            let st = LoopState {
+                step,
+                seed: cfg.seed,
+                eval_before: eval_before.clone(),
+                ..LoopState::default()
+            };
+            // Keeps `ckpt.keep` checkpoints, as RL does.
+            last_state = checkpoint::save(&run_dir, &*trainer, st, cfg.ckpt.keep).await?;
         }
     }
     log.write_plots(
         &run_dir,
         "temper SFT run",
-        &["loss", "eval/accuracy", "grad_norm", "lr", "tokens_per_s"],
+        &["loss", "eval/pass@1", "grad_norm", "lr", "tokens_per_s"],
         "",
     )?;
-    let output = if cfg.lora.enabled {
+    let output = if cfg.remote.is_some() {
+        // The weights stay with the training service: its checkpoint path
+        // (the last step is always saved; a run stopped early has none).
+        if last_state.is_empty() {
+            run_dir.join("checkpoints")
+        } else {
+            PathBuf::from(last_state)
+        }
+    } else if cfg.model.lora.is_some() {
         let d = run_dir.join("adapter");
         trainer.export_peft(&d).await?;
         d
     } else {
         let d = run_dir.join("model");
-        trainer
-            .engine()
-            .export_model(trainer.run_id(), d.clone())
-            .await?;
+        trainer.export_model(&d).await?;
         d
     };
     Ok(SftOutcome {

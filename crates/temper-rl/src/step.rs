@@ -6,9 +6,9 @@ use std::time::Instant;
 
 use temper_engine::{AdamParams, Datum, Loss, Trainer};
 
-use crate::config::TrainerSection;
-use crate::datum::TrainTurn;
+use crate::datum::TrainSeq;
 use crate::error::{Result, RlError};
+use crate::plan::Optim;
 
 /// What one train step reports.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -33,24 +33,6 @@ pub struct StepOutput {
     pub train_s: f64,
 }
 
-/// The loss of `trainer.loss` (validated here).
-pub fn loss_of(cfg: &TrainerSection) -> Result<Loss> {
-    match cfg.loss.as_str() {
-        "importance_sampling" => Ok(Loss::ImportanceSampling),
-        "ppo" => Ok(Loss::Ppo {
-            clip_low: cfg.clip_low,
-            clip_high: cfg.clip_high,
-        }),
-        "cispo" => Ok(Loss::Cispo {
-            clip_low: cfg.clip_low,
-            clip_high: cfg.clip_high,
-        }),
-        other => Err(RlError::Config(format!(
-            "trainer.loss {other:?}: use importance_sampling, ppo or cispo"
-        ))),
-    }
-}
-
 /// Linear warm-up to `lr` over `warmup` steps, then constant.
 pub fn learning_rate(lr: f64, warmup: u64, step: u64) -> f64 {
     if warmup == 0 {
@@ -60,55 +42,52 @@ pub fn learning_rate(lr: f64, warmup: u64, step: u64) -> f64 {
     }
 }
 
-/// Train step `step` on `datums_d` (one per turn of `turns_d`). Without
+/// Train step `step` on `datums_d` (one per sequence of `seqs_d`). Without
 /// datums nothing is trained and no optimizer step is taken.
 pub async fn train_step(
     trainer: &dyn Trainer,
-    hp: &TrainerSection,
+    hp: &Optim,
+    loss: &Loss,
     step: u64,
     datums_d: Vec<Datum>,
-    turns_d: &[TrainTurn],
+    seqs_d: &[TrainSeq],
 ) -> Result<StepOutput> {
     let t_train = Instant::now();
-    let loss = loss_of(hp)?;
     let mut out = StepOutput {
-        lr: learning_rate(hp.lr, hp.warmup_steps, step),
+        lr: hp.learning_rate(step),
         ..Default::default()
     };
-    let micro = if hp.micro_batch == 0 {
-        datums_d.len().max(1)
-    } else {
-        hp.micro_batch
-    };
+    let micro = hp.micro_batch_of(datums_d.len());
     if !datums_d.is_empty() {
-        for (chunk, turns) in datums_d.chunks(micro).zip(turns_d.chunks(micro)) {
+        for (chunk, seqs) in datums_d.chunks(micro).zip(seqs_d.chunks(micro)) {
             let fb = trainer
                 .forward_backward(chunk.to_vec(), loss.clone())
                 .await?;
             out.loss_sum += fb.metrics.get("loss:sum").copied().unwrap_or(0.0);
-            for (o, turn) in fb.loss_fn_outputs.iter().zip(turns) {
-                let t = turn.trace();
-                let p = t.prompt_ids.len();
-                let n = t.completion_ids.len();
-                let Some(learner) = o.logprobs.get(p - 1..p - 1 + n) else {
-                    return Err(RlError::Data(format!(
-                        "the trainer returned {} logprobs for a datum of {} targets",
-                        o.logprobs.len(),
-                        p - 1 + n
-                    )));
-                };
-                if t.version == step {
-                    for (&l, &q) in learner.iter().zip(&t.logprobs) {
-                        let d = (f64::from(l) - f64::from(q)).abs();
-                        out.mismatch_max = out.mismatch_max.max(d);
-                        out.mismatch_sum += d;
+            for (o, seq) in fb.loss_fn_outputs.iter().zip(seqs) {
+                for span in seq.spans() {
+                    let targets = span.targets();
+                    let Some(learner) = o.logprobs.get(targets.clone()) else {
+                        return Err(RlError::Data(format!(
+                            "the trainer returned {} logprobs for a datum of {} targets",
+                            o.logprobs.len(),
+                            seq.tokens().len() - 1
+                        )));
+                    };
+                    if span.version == step {
+                        for (&l, &q) in learner.iter().zip(&span.logprobs) {
+                            let d = (f64::from(l) - f64::from(q)).abs();
+                            out.mismatch_max = out.mismatch_max.max(d);
+                            out.mismatch_sum += d;
+                        }
                     }
-                }
-                // A training API (the tinker protocol) returns no entropy;
-                // the metric then averages over the tokens that have one.
-                if let Some(ent) = o.entropy.get(p - 1..p - 1 + n) {
-                    out.entropy_sum += ent.iter().map(|&e| f64::from(e)).sum::<f64>();
-                    out.entropy_tokens += ent.len();
+                    // A training API (the tinker protocol) returns no
+                    // entropy; the metric then averages over the tokens
+                    // that have one.
+                    if let Some(ent) = o.entropy.get(targets) {
+                        out.entropy_sum += ent.iter().map(|&e| f64::from(e)).sum::<f64>();
+                        out.entropy_tokens += ent.len();
+                    }
                 }
             }
         }
@@ -123,10 +102,11 @@ pub async fn train_step(
         out.grad_norm = stats.grad_norm;
     }
     out.train_s = t_train.elapsed().as_secs_f64();
-    out.mismatch_tokens = turns_d
+    out.mismatch_tokens = seqs_d
         .iter()
-        .filter(|t| t.trace().version == step)
-        .map(|t| t.trace().completion_ids.len())
+        .flat_map(TrainSeq::spans)
+        .filter(|s| s.version == step)
+        .map(|s| s.logprobs.len())
         .sum();
     Ok(out)
 }

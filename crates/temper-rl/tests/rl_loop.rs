@@ -6,6 +6,7 @@ use std::path::Path;
 use serde_json::{json, Map, Value};
 use temper_rl::config::{self, RlConfig};
 use temper_rl::rl::{run_rl, RunOptions};
+use temper_rl::StepMetrics;
 
 /// An environment whose reward (LCS ratio of the raw completion with the
 /// answer) is graded, so even a random model gets non-zero advantages and
@@ -67,9 +68,14 @@ fn tiny_config(dir: &Path, extra: &str) -> RlConfig {
     config::resolve(&text, &[]).unwrap()
 }
 
+/// The `metrics.jsonl` records of typed step metrics.
+fn records(metrics: &[StepMetrics]) -> Vec<Map<String, Value>> {
+    metrics.iter().map(|m| m.to_record().unwrap()).collect()
+}
+
 /// Metrics without wall-clock fields.
-fn comparable(records: &[Map<String, Value>]) -> Vec<Map<String, Value>> {
-    records
+fn comparable(metrics: &[StepMetrics]) -> Vec<Map<String, Value>> {
+    records(metrics)
         .iter()
         .map(|r| {
             r.iter()
@@ -103,7 +109,7 @@ fn async_loop_with_bound_zero_equals_the_synchronous_loop() {
     assert_eq!(ra.steps, 4);
     assert_eq!(comparable(&ra.metrics), comparable(&rb.metrics));
     // It trained (graded rewards), on-policy, with zero sampler/trainer mismatch.
-    for m in &ra.metrics {
+    for m in &records(&ra.metrics) {
         assert!(m["trained_sequences"].as_u64().unwrap() > 0, "{m:?}");
         assert_eq!(m["policy_lag/max"], json!(0.0));
         assert_eq!(m["mismatch/max"], json!(0.0), "{m:?}");
@@ -111,8 +117,7 @@ fn async_loop_with_bound_zero_equals_the_synchronous_loop() {
     let adapter = |d: &Path| std::fs::read(d.join("adapter/adapter_model.safetensors")).unwrap();
     assert_eq!(adapter(a.path()), adapter(b.path()));
     // The trained adapter differs from its (B = 0) start: training moved it.
-    let rewards: Vec<f64> = ra
-        .metrics
+    let rewards: Vec<f64> = records(&ra.metrics)
         .iter()
         .map(|m| m["reward/mean"].as_f64().unwrap())
         .collect();
@@ -129,7 +134,7 @@ fn the_trainer_scores_the_sampling_temperature_so_mismatch_is_zero_at_any_temper
         c.trainer.max_steps = 3;
         let r = rt().block_on(run_rl(c, RunOptions::default())).unwrap();
         assert_eq!(r.metrics.len(), 3);
-        for m in &r.metrics {
+        for m in &records(&r.metrics) {
             // On-policy tokens were compared, and learner == sampler exactly.
             assert!(m["mismatch/tokens"].as_u64().unwrap() > 0, "T {t}: {m:?}");
             assert_eq!(m["mismatch/max"], json!(0.0), "T {t}: {m:?}");
@@ -147,7 +152,7 @@ fn no_rollout_older_than_the_bound_is_trained_on() {
         c.trainer.max_steps = 6;
         let r = rt().block_on(run_rl(c, RunOptions::default())).unwrap();
         assert_eq!(r.metrics.len(), 6);
-        for m in &r.metrics {
+        for m in &records(&r.metrics) {
             let lag = m["policy_lag/max"].as_f64().unwrap();
             assert!(lag <= bound as f64, "bound {bound}: lag {lag} in {m:?}");
         }
@@ -239,7 +244,7 @@ fn issue_12_samples_are_logged_and_the_step_0_eval_is_plotted() {
         html.contains("Samples of step 2"),
         "the report shows the samples"
     );
-    let eval_chart = html.split("<h3>eval/accuracy").nth(1).unwrap();
+    let eval_chart = html.split("<h3>eval/pass@1").nth(1).unwrap();
     assert!(eval_chart.contains("step 0"), "the step-0 eval is plotted");
     assert!(out.eval_before.is_some());
     // metrics.jsonl stays one line per step (the step-0 eval is not one).

@@ -172,12 +172,12 @@ fn issue_12_sft_evaluates_on_the_eval_section() {
     let evaluated: Vec<u64> = out
         .metrics
         .iter()
-        .filter(|m| m.contains_key("eval/accuracy") && m.contains_key("eval/reward"))
+        .filter(|m| m.contains_key("eval/pass@1") && m.contains_key("eval/reward"))
         .map(|m| m["step"].as_u64().unwrap())
         .collect();
     assert_eq!(evaluated, [2, 4]);
     let html = std::fs::read_to_string(run.join("plots.html")).unwrap();
-    let chart = html.split("eval/accuracy").nth(1).unwrap();
+    let chart = html.split("eval/pass@1").nth(1).unwrap();
     assert!(chart.contains("step 0"), "the step-0 evaluation is plotted");
 
     // A file dataset names no environment: no evaluation, as before.
@@ -198,4 +198,93 @@ fn issue_12_sft_evaluates_on_the_eval_section() {
     let cfg: SftConfig = config::resolve(&text, &[]).unwrap();
     let out = rt.block_on(run_sft(cfg, RunOptions::default())).unwrap();
     assert!(out.eval_before.is_none() && out.eval_after.is_none());
+}
+
+/// Issue 12: SFT checkpoints in the RL loop's format — a stopped run resumes
+/// to the uninterrupted run's losses and weights — and keeps only
+/// `ckpt.keep` checkpoints (it kept them all).
+#[test]
+fn sft_resumes_from_its_checkpoint_and_keeps_ckpt_keep_of_them() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("chat.jsonl");
+    let rows: String = ["red", "blue", "green"]
+        .iter()
+        .map(|c| {
+            json!({"messages": [
+                {"role": "user", "content": format!("color {c}?")},
+                {"role": "assistant", "content": format!("<c>{c}</c>")}
+            ]})
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let cfg = |run: &str| -> SftConfig {
+        let text = format!(
+            r#"
+            seed = 2
+            [model]
+            preset = "tiny"
+            [model.tiny]
+            hidden_size = 32
+            num_layers = 1
+            num_heads = 2
+            num_kv_heads = 1
+            intermediate_size = 64
+            [lora]
+            rank = 4
+            [data]
+            path = "{}"
+            [trainer]
+            lr = 1e-2
+            batch_size = 2
+            max_steps = 6
+            [ckpt]
+            interval = 1
+            keep = 2
+            [log]
+            dir = "{}"
+            progress = false
+            "#,
+            data.display(),
+            d.path().join(run).display()
+        );
+        config::resolve(&text, &[]).unwrap()
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let whole = rt
+        .block_on(run_sft(cfg("whole"), RunOptions::default()))
+        .unwrap();
+    let stop = RunOptions {
+        stop_after: Some(4),
+        ..Default::default()
+    };
+    let cut = rt.block_on(run_sft(cfg("cut"), stop)).unwrap();
+    assert_eq!(cut.steps, 4);
+    let resume = RunOptions {
+        resume: true,
+        ..Default::default()
+    };
+    let resumed = rt.block_on(run_sft(cfg("cut"), resume)).unwrap();
+    assert_eq!(resumed.steps, 6);
+    let losses = |m: &[serde_json::Map<String, Value>]| -> Vec<f64> {
+        m.iter().map(|r| r["loss"].as_f64().unwrap()).collect()
+    };
+    assert_eq!(losses(&whole.metrics), losses(&resumed.metrics));
+    let adapter = |run: &str| {
+        std::fs::read(d.path().join(run).join("adapter/adapter_model.safetensors")).unwrap()
+    };
+    assert_eq!(adapter("whole"), adapter("cut"));
+    let latest: Value = serde_json::from_str(
+        &std::fs::read_to_string(d.path().join("cut/checkpoints/latest.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(latest["step"], 6);
+    let state = std::path::PathBuf::from(latest["state_path"].as_str().unwrap());
+    let kept = std::fs::read_dir(state.parent().unwrap())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("step-"))
+        .count();
+    assert_eq!(kept, 2, "ckpt.keep = 2");
 }

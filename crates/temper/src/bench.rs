@@ -164,7 +164,7 @@ fn model(args: ModelBenchArgs) -> Result<()> {
     let rss_loaded = rss::now_mb();
     let lora_cfg = LoraConfig {
         rank: RANK,
-        alpha: 32.0,
+        alpha: LoraConfig::DEFAULT_ALPHA,
         ..Default::default()
     };
     let mut lora = LoraAdapter::new(&cfg, lora_cfg, 0, DType::F32, &Device::Cpu)?;

@@ -8,6 +8,7 @@ use temper_rl::config::{self, RlConfig, SftConfig};
 use temper_rl::quickstart::{quickstart, QuickstartOptions};
 use temper_rl::rl::{run_rl, RunOptions};
 use temper_rl::sft::run_sft;
+use temper_rl::{RlPlan, SftPlan};
 
 /// Training commands.
 #[derive(Subcommand)]
@@ -92,9 +93,9 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 /// `12.5%`, or `-` without an evaluation.
-fn accuracy(e: &Option<temper_rl::rl::EvalResult>) -> String {
+fn pass_at_1(e: &Option<temper_rl::rl::EvalResult>) -> String {
     e.as_ref()
-        .map_or("-".to_string(), |e| format!("{:.1}%", 100.0 * e.accuracy))
+        .map_or("-".to_string(), |e| format!("{:.1}%", 100.0 * e.pass_at_1))
 }
 
 /// Run a training command.
@@ -102,22 +103,24 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
     match cmd {
         TrainCommand::Rl(args) => {
             let r = resolve::<RlConfig>(&args, |c, d| c.log.dir = d)?;
+            // Every check happens here, so a dry run reports what a run would.
+            let plan = RlPlan::try_from(r.cfg)?;
             if r.dry_run {
-                print!("{}", r.cfg.dry_run()?);
+                print!("{}", plan.config().dry_run()?);
                 return Ok(());
             }
             let out = runtime()?.block_on(run_rl(
-                r.cfg,
+                plan,
                 RunOptions {
                     resume: r.resume,
                     stop_after: None,
                 },
             ))?;
             println!(
-                "done: {} steps; held-out accuracy {} -> {}",
+                "done: {} steps; held-out pass@1 {} -> {}",
                 out.steps,
-                accuracy(&out.eval_before),
-                accuracy(&out.eval_after)
+                pass_at_1(&out.eval_before),
+                pass_at_1(&out.eval_after)
             );
             println!("  weights:  {}", out.output.display());
             println!(
@@ -129,13 +132,14 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
         }
         TrainCommand::Sft(args) => {
             let r = resolve::<SftConfig>(&args, |c, d| c.log.dir = d)?;
+            let plan = SftPlan::try_from(r.cfg)?;
             if r.dry_run {
-                print!("{}", r.cfg.dry_run()?);
+                print!("{}", plan.config().dry_run()?);
                 return Ok(());
             }
-            let dir = r.cfg.log.dir.clone();
+            let dir = plan.log.dir.clone();
             let out = runtime()?.block_on(run_sft(
-                r.cfg,
+                plan,
                 RunOptions {
                     resume: r.resume,
                     stop_after: None,
@@ -144,9 +148,9 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             let eval = match (&out.eval_before, &out.eval_after) {
                 (None, None) => String::new(),
                 (before, after) => format!(
-                    "; held-out accuracy {} -> {}",
-                    accuracy(before),
-                    accuracy(after)
+                    "; held-out pass@1 {} -> {}",
+                    pass_at_1(before),
+                    pass_at_1(after)
                 ),
             };
             println!(
@@ -200,15 +204,15 @@ pub fn run_quickstart(args: QuickstartArgs) -> Result<()> {
     let (sft_s, rl_s, total) = r.seconds;
     println!();
     println!(
-        "before RL: accuracy {:.1}%  (the SFT model; {} greedy answers to {} distinct held-out questions)",
-        100.0 * r.before.accuracy,
+        "before RL: pass@1 {:.1}%  (the SFT model; {} greedy answers to {} distinct held-out questions)",
+        100.0 * r.before.pass_at_1,
         r.before.n,
         r.before.distinct
     );
     println!(
-        "after RL:  accuracy {:.1}%  ({:+.1} points)",
-        100.0 * r.after.accuracy,
-        100.0 * (r.after.accuracy - r.before.accuracy)
+        "after RL:  pass@1 {:.1}%  ({:+.1} points)",
+        100.0 * r.after.pass_at_1,
+        100.0 * (r.after.pass_at_1 - r.before.pass_at_1)
     );
     println!("time: SFT {sft_s:.0}s, RL {rl_s:.0}s, total {total:.0}s");
     println!();

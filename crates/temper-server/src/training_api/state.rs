@@ -17,7 +17,7 @@ use super::futures::FutureState;
 use crate::error::ApiError;
 
 /// LoRA alpha for runs created over the API (the SDK only sends a rank).
-pub const LORA_ALPHA: f64 = 32.0;
+pub const LORA_ALPHA: f64 = temper_model::LoraConfig::DEFAULT_ALPHA;
 
 /// A base model the service may train and sample.
 #[derive(Clone)]

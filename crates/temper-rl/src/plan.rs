@@ -1,0 +1,453 @@
+//! The validated plan of a run: the config file as written ([`RlConfig`],
+//! [`SftConfig`]) becomes an [`RlPlan`] / [`SftPlan`] by one `TryFrom`
+//! each, and every check of a run's settings lives here. The loops take a
+//! plan, so they never see a config that was not checked; what they need
+//! in a richer form than the file's (the loss, the LoRA config, where the
+//! model comes from) the plan holds as a type.
+//!
+//! A plan reads through to its file's sections (`plan.sampling.temperature`),
+//! which it never changes: the file is what `config.toml` in the run
+//! directory saves.
+
+use std::ops::Deref;
+use std::path::PathBuf;
+
+use temper_engine::Loss;
+use temper_model::{LoraConfig, Target};
+
+use crate::config::{
+    DataSection, EnvSection, LoraSection, ModelSection, RemoteTrainerSection, RlConfig,
+    RlTrainerSection, SftConfig, SftTrainerSection,
+};
+use crate::error::{Result, RlError};
+use crate::preset::TinyPreset;
+
+/// Where the base model comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelSource {
+    /// A Hugging Face model directory or a GGUF file.
+    Path(PathBuf),
+    /// The built-in tiny model of these sizes, written into the run directory.
+    Tiny(TinyPreset),
+}
+
+/// The model to train and how: `[model]` + `[lora]`, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelPlan {
+    /// The base model.
+    pub source: ModelSource,
+    /// Continue from this PEFT adapter (its rank, alpha and targets win).
+    pub adapter: Option<PathBuf>,
+    /// The LoRA adapter to train; `None` trains every weight.
+    pub lora: Option<LoraConfig>,
+}
+
+/// The optimiser's schedule: what RL and SFT share of `[trainer]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Optim {
+    /// Learning rate.
+    pub lr: f64,
+    /// Linear warm-up steps.
+    pub warmup_steps: u64,
+    /// Groups (RL) or conversations (SFT) per optimizer step, >= 1.
+    pub batch_size: usize,
+    /// Sequences per forward_backward call; 0 = all at once.
+    pub micro_batch: usize,
+    /// Global gradient-norm clip; 0 disables.
+    pub grad_clip: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Optimizer steps.
+    pub max_steps: u64,
+}
+
+impl Optim {
+    /// Linear warm-up to `lr` over `warmup_steps`, then constant.
+    pub fn learning_rate(&self, step: u64) -> f64 {
+        crate::step::learning_rate(self.lr, self.warmup_steps, step)
+    }
+
+    /// Sequences per forward_backward call for a batch of `n`.
+    pub fn micro_batch_of(&self, n: usize) -> usize {
+        if self.micro_batch == 0 {
+            n.max(1)
+        } else {
+            self.micro_batch
+        }
+    }
+}
+
+/// A checked `temper train rl` run.
+#[derive(Debug, Clone)]
+pub struct RlPlan {
+    cfg: RlConfig,
+    /// `[model]` + `[lora]`.
+    pub model: ModelPlan,
+    /// `[trainer]`'s optimiser settings.
+    pub optim: Optim,
+    /// `[trainer] loss` with its clips.
+    pub loss: Loss,
+    /// `[remote_trainer]` when it has a `url`.
+    pub remote: Option<RemoteTrainerSection>,
+}
+
+/// Where SFT's conversations come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DataSource {
+    /// A chat JSONL/Parquet file, for at most `epochs` passes.
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Passes over it (`None`: until `max_steps`).
+        epochs: Option<u64>,
+    },
+    /// An environment's training rows with their reference answers.
+    Env {
+        /// The environment.
+        env: EnvSection,
+        /// How the answer becomes the assistant message (`{answer}` replaced).
+        answer_format: String,
+        /// Fraction (0..=1) of answers replaced by a near miss.
+        teacher_noise: f64,
+    },
+}
+
+/// A checked `temper train sft` run.
+#[derive(Debug, Clone)]
+pub struct SftPlan {
+    cfg: SftConfig,
+    /// `[model]` + `[lora]`.
+    pub model: ModelPlan,
+    /// `[trainer]`'s optimiser settings.
+    pub optim: Optim,
+    /// `[data]`.
+    pub data: DataSource,
+    /// `[remote_trainer]` when it has a `url`.
+    pub remote: Option<RemoteTrainerSection>,
+}
+
+impl Deref for RlPlan {
+    type Target = RlConfig;
+    fn deref(&self) -> &RlConfig {
+        &self.cfg
+    }
+}
+
+impl Deref for SftPlan {
+    type Target = SftConfig;
+    fn deref(&self) -> &SftConfig {
+        &self.cfg
+    }
+}
+
+impl RlPlan {
+    /// The file this plan was checked from (saved as the run's `config.toml`).
+    pub fn config(&self) -> &RlConfig {
+        &self.cfg
+    }
+}
+
+impl SftPlan {
+    /// The file this plan was checked from (saved as the run's `config.toml`).
+    pub fn config(&self) -> &SftConfig {
+        &self.cfg
+    }
+}
+
+fn bad<T>(msg: impl Into<String>) -> Result<T> {
+    Err(RlError::Config(msg.into()))
+}
+
+impl TryFrom<RlConfig> for RlPlan {
+    type Error = RlError;
+
+    fn try_from(cfg: RlConfig) -> Result<Self> {
+        let remote = remote_of(&cfg.remote_trainer, &cfg.lora)?;
+        let model = model_plan(&cfg.model, &cfg.lora)?;
+        check_env_weights(&cfg.env.iter().map(|e| e.weight).collect::<Vec<_>>())?;
+        if cfg.trainer.batch_size == 0 || cfg.sampling.group_size == 0 {
+            return bad("trainer.batch_size and sampling.group_size must be >= 1");
+        }
+        if cfg.sampler.url.is_some() && !cfg.lora.enabled {
+            return bad("an external sampler receives LoRA adapters: set lora.enabled = true");
+        }
+        let loss = rl_loss(&cfg.trainer)?;
+        let t = &cfg.trainer;
+        let optim = Optim {
+            lr: t.lr,
+            warmup_steps: t.warmup_steps,
+            batch_size: t.batch_size,
+            micro_batch: t.micro_batch,
+            grad_clip: t.grad_clip,
+            weight_decay: t.weight_decay,
+            max_steps: t.max_steps,
+        };
+        Ok(Self {
+            model,
+            optim,
+            loss,
+            remote,
+            cfg,
+        })
+    }
+}
+
+impl TryFrom<SftConfig> for SftPlan {
+    type Error = RlError;
+
+    fn try_from(cfg: SftConfig) -> Result<Self> {
+        let remote = remote_of(&cfg.remote_trainer, &cfg.lora)?;
+        let model = model_plan(&cfg.model, &cfg.lora)?;
+        let data = data_source(&cfg.data)?;
+        let t: &SftTrainerSection = &cfg.trainer;
+        if t.batch_size == 0 {
+            return bad("trainer.batch_size must be >= 1");
+        }
+        if t.max_seq_len == 0 {
+            return bad("trainer.max_seq_len must be >= 1");
+        }
+        let optim = Optim {
+            lr: t.lr,
+            warmup_steps: t.warmup_steps,
+            batch_size: t.batch_size,
+            micro_batch: t.micro_batch,
+            grad_clip: t.grad_clip,
+            weight_decay: t.weight_decay,
+            max_steps: t.max_steps,
+        };
+        Ok(Self {
+            model,
+            optim,
+            data,
+            remote,
+            cfg,
+        })
+    }
+}
+
+/// At least one environment, every mixing weight finite and > 0.
+pub(crate) fn check_env_weights(weights: &[f64]) -> Result<()> {
+    if weights.is_empty() {
+        return bad("at least one [[env]] is needed");
+    }
+    if weights.iter().any(|w| !(w.is_finite() && *w > 0.0)) {
+        return bad("env weights must be > 0");
+    }
+    Ok(())
+}
+
+/// `[trainer] loss` as a [`Loss`]: the policy-gradient losses only (the
+/// names and clip defaults are temper-engine's).
+fn rl_loss(t: &RlTrainerSection) -> Result<Loss> {
+    let config = serde_json::Map::from_iter([
+        ("clip_low_threshold".to_string(), t.clip_low.into()),
+        ("clip_high_threshold".to_string(), t.clip_high.into()),
+    ]);
+    let rl = ["importance_sampling", "ppo", "cispo"];
+    if !rl.contains(&t.loss.as_str()) {
+        return bad(format!("trainer.loss {:?}: use {}", t.loss, rl.join(", ")));
+    }
+    Loss::from_name(&t.loss, &config).map_err(|e| RlError::Config(format!("trainer.loss: {e}")))
+}
+
+impl ModelPlan {
+    /// `[model]` + `[lora]`, checked.
+    pub fn of(m: &ModelSection, l: &LoraSection) -> Result<ModelPlan> {
+        model_plan(m, l)
+    }
+}
+
+fn model_plan(m: &ModelSection, l: &LoraSection) -> Result<ModelPlan> {
+    let source = match (&m.path, m.preset.as_deref()) {
+        (Some(p), None) => ModelSource::Path(p.clone()),
+        (None, Some("tiny")) => {
+            m.tiny.validate()?;
+            ModelSource::Tiny(m.tiny.clone())
+        }
+        (None, Some(other)) => {
+            return bad(format!("unknown model preset {other:?} (known: \"tiny\")"))
+        }
+        (Some(_), Some(_)) => return bad("[model] has both `path` and `preset`; pick one"),
+        (None, None) => {
+            return bad("[model] needs `path` (a Hugging Face directory) or `preset = \"tiny\"`")
+        }
+    };
+    if m.adapter.is_some() && !l.enabled {
+        return bad("[model] adapter needs [lora] enabled = true (it continues a LoRA run)");
+    }
+    Ok(ModelPlan {
+        source,
+        adapter: m.adapter.clone(),
+        lora: if l.enabled {
+            Some(lora_config(l)?)
+        } else {
+            None
+        },
+    })
+}
+
+/// The LoRA config of `[lora]` (whether or not it is enabled).
+pub fn lora_config(l: &LoraSection) -> Result<LoraConfig> {
+    let targets = if l.targets.is_empty() {
+        Target::ALL.to_vec()
+    } else {
+        l.targets
+            .iter()
+            .map(|t| {
+                Target::from_name(t)
+                    .ok_or_else(|| RlError::Config(format!("unknown LoRA target {t:?}")))
+            })
+            .collect::<Result<Vec<_>>>()?
+    };
+    if l.rank == 0 {
+        return bad("lora.rank must be >= 1");
+    }
+    Ok(LoraConfig {
+        rank: l.rank,
+        alpha: l.alpha,
+        targets,
+        use_rslora: l.rslora,
+    })
+}
+
+fn remote_of(r: &RemoteTrainerSection, l: &LoraSection) -> Result<Option<RemoteTrainerSection>> {
+    if r.url.is_none() {
+        return Ok(None);
+    }
+    if !l.enabled || l.alpha != LoraConfig::DEFAULT_ALPHA {
+        return bad(format!(
+            "a remote training API trains LoRA adapters with alpha {a}: set lora.enabled = true, lora.alpha = {a}",
+            a = LoraConfig::DEFAULT_ALPHA
+        ));
+    }
+    Ok(Some(r.clone()))
+}
+
+fn data_source(d: &DataSection) -> Result<DataSource> {
+    match (&d.path, &d.env) {
+        (Some(path), None) => Ok(DataSource::File {
+            path: path.clone(),
+            epochs: d.epochs,
+        }),
+        (None, Some(env)) => {
+            if !(0.0..=1.0).contains(&d.teacher_noise) {
+                return bad("data.teacher_noise must be in [0, 1]");
+            }
+            Ok(DataSource::Env {
+                env: env.clone(),
+                answer_format: d.answer_format.clone().unwrap_or_else(|| "{answer}".into()),
+                teacher_noise: d.teacher_noise,
+            })
+        }
+        (Some(_), Some(_)) => bad("[data] has both `path` and `env`; pick one"),
+        (None, None) => bad("[data] needs `path` (chat JSONL/Parquet) or `env`"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::resolve;
+
+    const RL: &str = "[model]\npreset = \"tiny\"\n[[env]]\nid = \"arithmetic\"\n";
+    const SFT: &str = "[model]\npath = \"m\"\n[data]\npath = \"chat.jsonl\"\n";
+
+    fn rl(extra: &[(&str, &str)]) -> Result<RlPlan> {
+        let ov: Vec<(String, String)> = extra
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        RlPlan::try_from(resolve::<RlConfig>(RL, &ov)?)
+    }
+
+    fn sft(extra: &[(&str, &str)]) -> Result<SftPlan> {
+        let ov: Vec<(String, String)> = extra
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        SftPlan::try_from(resolve::<SftConfig>(SFT, &ov)?)
+    }
+
+    #[test]
+    fn a_valid_rl_config_becomes_typed_values() {
+        let p = rl(&[("trainer.loss", "\"cispo\""), ("trainer.clip_high", "2.0")]).unwrap();
+        assert!(matches!(p.model.source, ModelSource::Tiny(_)));
+        let lora = p.model.lora.as_ref().unwrap();
+        assert_eq!((lora.rank, lora.alpha), (16, LoraConfig::DEFAULT_ALPHA));
+        assert_eq!(format!("{:?}", p.loss), "cispo(0.8, 2)");
+        assert_eq!(p.optim.batch_size, 8);
+        assert!(p.remote.is_none());
+        // The defaults of the loss are temper-engine's.
+        let p = rl(&[("trainer.loss", "\"ppo\"")]).unwrap();
+        assert_eq!(
+            p.loss.config(),
+            vec![
+                ("clip_low_threshold", temper_engine::DEFAULT_CLIP_LOW),
+                ("clip_high_threshold", temper_engine::DEFAULT_CLIP_HIGH)
+            ]
+        );
+        let full = rl(&[("lora.enabled", "false")]).unwrap();
+        assert!(full.model.lora.is_none());
+    }
+
+    /// Every check of a run lives in the plan: each of these was checked
+    /// somewhere else (or not at all) before.
+    #[test]
+    fn every_bad_setting_is_a_config_error_of_the_plan() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("trainer.loss", "\"dro\"")], "trainer.loss"),
+            (&[("trainer.loss", "\"cross_entropy\"")], "trainer.loss"),
+            (&[("trainer.batch_size", "0")], "batch_size"),
+            (&[("sampling.group_size", "0")], "group_size"),
+            (&[("env.0.weight", "0.0")], "weights"),
+            (&[("lora.rank", "0")], "rank"),
+            (&[("lora.targets", "[\"qkv\"]")], "LoRA target"),
+            (&[("model.preset", "\"huge\"")], "preset"),
+            (&[("model.path", "\"m\"")], "both"),
+            (&[("model.tiny.num_heads", "3")], "tiny model"),
+            (
+                &[("model.adapter", "\"a\""), ("lora.enabled", "false")],
+                "adapter",
+            ),
+            (
+                &[("sampler.url", "\"http://x\""), ("lora.enabled", "false")],
+                "sampler",
+            ),
+            (
+                &[
+                    ("remote_trainer.url", "\"http://x\""),
+                    ("lora.alpha", "16.0"),
+                ],
+                "alpha 32",
+            ),
+        ];
+        for (ov, want) in cases {
+            let e = rl(ov).expect_err(want).to_string();
+            assert!(e.contains(want), "{ov:?}: {e}");
+        }
+        let no_env = RlPlan::try_from(resolve::<RlConfig>("[model]\npath = \"m\"\n", &[]).unwrap());
+        assert!(no_env.unwrap_err().to_string().contains("[[env]]"));
+
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("trainer.batch_size", "0")], "batch_size"),
+            (&[("trainer.max_seq_len", "0")], "max_seq_len"),
+            (&[("data.env", "{ id = \"arithmetic\" }")], "both"),
+            (
+                &[
+                    ("remote_trainer.url", "\"http://x\""),
+                    ("lora.enabled", "false"),
+                ],
+                "alpha 32",
+            ),
+        ];
+        for (ov, want) in cases {
+            let e = sft(ov).expect_err(want).to_string();
+            assert!(e.contains(want), "{ov:?}: {e}");
+        }
+        let noisy =
+            "[model]\npath = \"m\"\n[data]\nenv = { id = \"arithmetic\" }\nteacher_noise = 1.5\n";
+        let e = SftPlan::try_from(resolve::<SftConfig>(noisy, &[]).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("teacher_noise"), "{e}");
+        assert!(matches!(sft(&[]).unwrap().data, DataSource::File { .. }));
+    }
+}
