@@ -37,6 +37,7 @@ impl Default for RetryPolicy {
 pub struct OpenAiChatModel {
     http: reqwest::Client,
     url: String,
+    base: String,
     model: String,
     api_key: Option<String>,
     /// Retry policy.
@@ -69,11 +70,67 @@ impl OpenAiChatModel {
         Ok(OpenAiChatModel {
             http,
             url: format!("{base}/chat/completions"),
+            base: base.to_string(),
             model: model.into(),
             api_key,
             retry: RetryPolicy::default(),
             timeout: Duration::from_secs(600),
         })
+    }
+
+    /// The model name sent in every request.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// The base URL (without a trailing `/`).
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    /// `GET {base}/models` once, without retries (a preflight should fail
+    /// fast): the ids the endpoint serves, or `None` when it has no such
+    /// route (404/405; some proxies only forward completions).
+    pub async fn list_models(
+        &self,
+        timeout: Duration,
+    ) -> Result<Option<Vec<String>>, ModelCallError> {
+        let mut call = self.http.get(format!("{}/models", self.base));
+        if let Some(key) = &self.api_key {
+            call = call.bearer_auth(key);
+        }
+        let work = async {
+            let resp = call.send().await.map_err(from_reqwest)?;
+            let status = resp.status();
+            let text = resp.text().await.map_err(from_reqwest)?;
+            if status.as_u16() == 404 || status.as_u16() == 405 {
+                return Ok(None);
+            }
+            if !status.is_success() {
+                let message = serde_json::from_str::<Value>(&text)
+                    .ok()
+                    .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+                    .unwrap_or_else(|| text.chars().take(500).collect());
+                return Err(ModelCallError::Status {
+                    status: status.as_u16(),
+                    message,
+                });
+            }
+            let v: Value = serde_json::from_str(&text)
+                .map_err(|e| ModelCallError::Malformed(format!("/models: {e}")))?;
+            let data = v["data"]
+                .as_array()
+                .ok_or_else(|| ModelCallError::Malformed("/models: no `data` list".into()))?;
+            Ok(Some(
+                data.iter()
+                    .filter_map(|m| m["id"].as_str().map(str::to_string))
+                    .collect(),
+            ))
+        };
+        match tokio::time::timeout(timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(ModelCallError::Timeout(timeout.as_secs_f64())),
+        }
     }
 
     /// The request body for `req`.

@@ -158,6 +158,18 @@ impl Default for SamplingArgs {
     }
 }
 
+/// A warning when `n` rollouts of one prompt are sampled greedily: they
+/// are identical, so pass@k equals pass@1 and group-relative advantages
+/// are all zero.
+pub fn greedy_group_warning(n: usize, temperature: f64) -> Option<String> {
+    (n > 1 && temperature <= 0.0).then(|| {
+        format!(
+            "{n} rollouts per prompt at temperature {temperature}: greedy decoding makes them identical \
+             (pass@k = pass@1, zero group advantages); use temperature > 0 or 1 rollout"
+        )
+    })
+}
+
 /// One request to a chat model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatRequest {
@@ -312,7 +324,10 @@ pub struct Timing {
 
 /// Why a rollout stopped (verifiers' stop-condition names).
 pub mod stop {
-    /// The harness reached its turn limit (a single-turn harness after one).
+    /// A single-turn rollout got its one answer: the normal end, not a
+    /// limit.
+    pub const COMPLETED: &str = "completed";
+    /// A multi-turn or tool harness reached its turn limit.
     pub const MAX_TURNS: &str = "max_turns_reached";
     /// The completion-token budget of the rollout is spent.
     pub const MAX_TOKENS: &str = "max_total_completion_tokens_reached";

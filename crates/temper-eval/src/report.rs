@@ -23,6 +23,9 @@ pub struct Summary {
     pub pass_at_k: BTreeMap<String, f64>,
     /// Rollouts with an error.
     pub num_errors: usize,
+    /// Each distinct error message with how many rollouts ended with it,
+    /// most frequent first.
+    pub errors: Vec<(String, usize)>,
     /// Rollouts that hit a token limit.
     pub num_truncated: usize,
     /// Token totals.
@@ -93,6 +96,15 @@ pub fn summarize(lines: &[ResultLine], threshold: f64) -> Summary {
         input_tokens: u.input_tokens + l.token_usage.input_tokens,
         output_tokens: u.output_tokens + l.token_usage.output_tokens,
     });
+    let mut by_message: BTreeMap<&str, usize> = BTreeMap::new();
+    for e in lines.iter().filter_map(|l| l.error.as_deref()) {
+        *by_message.entry(e).or_default() += 1;
+    }
+    let mut errors: Vec<(String, usize)> = by_message
+        .into_iter()
+        .map(|(m, c)| (m.to_string(), c))
+        .collect();
+    errors.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     Summary {
         num_rollouts: n,
         num_examples: groups.len(),
@@ -101,6 +113,7 @@ pub fn summarize(lines: &[ResultLine], threshold: f64) -> Summary {
         avg_metrics,
         pass_at_k: pass,
         num_errors: lines.iter().filter(|l| l.error.is_some()).count(),
+        errors,
         num_truncated: lines.iter().filter(|l| l.is_truncated).count(),
         usage,
         avg_generation_ms: mean(&mut lines.iter().map(|l| l.timing.generation_ms)),
@@ -132,6 +145,16 @@ pub fn summary_table(meta: &Metadata, s: &Summary) -> String {
         "errors     {}   truncated {}",
         s.num_errors, s.num_truncated
     );
+    for (m, c) in s.errors.iter().take(10) {
+        let _ = writeln!(t, "  {c:>5} × {}", clip(m, 300));
+    }
+    if s.errors.len() > 10 {
+        let _ = writeln!(
+            t,
+            "  … {} more distinct errors in results.jsonl",
+            s.errors.len() - 10
+        );
+    }
     let _ = writeln!(
         t,
         "tokens     {} in / {} out",
@@ -143,6 +166,16 @@ pub fn summary_table(meta: &Metadata, s: &Summary) -> String {
         meta.time, s.avg_generation_ms
     );
     t
+}
+
+/// `s` cut to `n` characters (an error can carry a whole HTML page).
+fn clip(s: &str, n: usize) -> String {
+    let one_line = s.replace('\n', " ");
+    if one_line.chars().count() <= n {
+        one_line
+    } else {
+        format!("{}…", one_line.chars().take(n).collect::<String>())
+    }
 }
 
 fn esc(s: &str) -> String {

@@ -183,6 +183,11 @@ pub fn run(a: EvalArgs) -> Result<()> {
             (env, cfg)
         }
     };
+    if let Some(w) =
+        temper_env::greedy_group_warning(cfg.rollouts_per_example, cfg.sampling.temperature)
+    {
+        eprintln!("warning: {w}");
+    }
     eprintln!("run dir: {}", cfg.run_dir.display());
     let out = rt.block_on(run_eval(env, &cfg))?;
     let lines = read_results(&cfg.run_dir.join("results.jsonl"))?;
@@ -193,6 +198,14 @@ pub fn run(a: EvalArgs) -> Result<()> {
         out.new_rollouts as f64 / out.metadata.time.max(1e-9)
     );
     println!("results    {}", cfg.run_dir.display());
+    if s.num_rollouts > 0 && s.num_errors == s.num_rollouts {
+        let (first, _) = s.errors.first().cloned().unwrap_or_default();
+        bail!(
+            "every rollout failed ({} of {}); the most common error: {first}",
+            s.num_errors,
+            s.num_rollouts
+        );
+    }
     Ok(())
 }
 
@@ -229,6 +242,7 @@ pub fn mock(a: MockArgs) -> Result<()> {
                 Default::default()
             },
             tool_calls: a.tool_calls,
+            ..Default::default()
         };
         temper_eval::mock::serve(listener, cfg, Default::default()).await?;
         Ok(())

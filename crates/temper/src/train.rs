@@ -102,6 +102,10 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
     match cmd {
         TrainCommand::Rl(args) => {
             let r = resolve::<RlConfig>(&args, |c, d| c.log.dir = d)?;
+            let s = &r.cfg.sampling;
+            if let Some(w) = temper_env::greedy_group_warning(s.group_size, s.temperature) {
+                eprintln!("warning: [sampling] {w}");
+            }
             if r.dry_run {
                 print!("{}", r.cfg.dry_run()?);
                 return Ok(());
