@@ -149,6 +149,28 @@ impl OpenAiChatModel {
         if !s.stop.is_empty() {
             body["stop"] = json!(s.stop);
         }
+        if !s.stop_token_ids.is_empty() {
+            body["stop_token_ids"] = json!(s.stop_token_ids);
+        }
+        for (k, v) in [
+            ("min_p", s.min_p),
+            ("presence_penalty", s.presence_penalty),
+            ("frequency_penalty", s.frequency_penalty),
+            ("repetition_penalty", s.repetition_penalty),
+        ] {
+            if let Some(v) = v {
+                body[k] = json!(v);
+            }
+        }
+        if !s.logit_bias.is_empty() {
+            // OpenAI's shape: token ids as string keys.
+            let m: serde_json::Map<String, Value> = s
+                .logit_bias
+                .iter()
+                .map(|(id, b)| (id.to_string(), json!(b)))
+                .collect();
+            body["logit_bias"] = Value::Object(m);
+        }
         if let Some(tools) = &req.tools {
             body["tools"] = json!(tools);
         }
@@ -283,7 +305,11 @@ mod tests {
             stop: vec!["</answer>".into()],
             ..Default::default()
         };
-        sampling.extra.insert("min_p".into(), json!(0.1));
+        sampling.extra.insert("top_k".into(), json!(5));
+        sampling.min_p = Some(0.1);
+        sampling.frequency_penalty = Some(0.5);
+        sampling.logit_bias.insert(42, -100.0);
+        sampling.stop_token_ids = vec![7];
         let req = ChatRequest {
             messages: vec![Message::user("hi")],
             tools: Some(vec![json!({"type": "function", "function": {"name": "f"}})]),
@@ -299,6 +325,11 @@ mod tests {
         assert_eq!(b["stop"][0], "</answer>");
         assert_eq!(b["tools"][0]["function"]["name"], "f");
         assert_eq!(b["min_p"], 0.1);
+        assert_eq!(b["top_k"], 5);
+        assert_eq!(b["frequency_penalty"], 0.5);
+        assert_eq!(b["logit_bias"]["42"], -100.0);
+        assert_eq!(b["stop_token_ids"], json!([7]));
+        assert!(b.get("presence_penalty").is_none());
     }
 
     #[test]

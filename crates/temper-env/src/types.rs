@@ -140,7 +140,26 @@ pub struct SamplingArgs {
     /// Stop strings.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stop: Vec<String>,
-    /// Anything else, sent verbatim in the request body (`-S` JSON).
+    /// Token ids that end a sample (vLLM's `stop_token_ids`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stop_token_ids: Vec<u32>,
+    /// Drop tokens below `min_p` × the top probability.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f64>,
+    /// OpenAI presence penalty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f64>,
+    /// OpenAI frequency penalty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f64>,
+    /// vLLM / HF repetition penalty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f64>,
+    /// Token id → bias added to its logit.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub logit_bias: std::collections::BTreeMap<u32, f64>,
+    /// Anything else, sent verbatim in the request body of a remote
+    /// endpoint (`temper eval -S`), which answers 400 to what it lacks.
     #[serde(default, flatten)]
     pub extra: Map<String, Value>,
 }
@@ -153,6 +172,12 @@ impl Default for SamplingArgs {
             top_p: 1.0,
             seed: None,
             stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            min_p: None,
+            presence_penalty: None,
+            frequency_penalty: None,
+            repetition_penalty: None,
+            logit_bias: Default::default(),
             extra: Map::new(),
         }
     }

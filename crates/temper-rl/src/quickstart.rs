@@ -157,6 +157,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
             top_p: 1.0,
             max_tokens: 24,
             group_size: 8,
+            ..SamplingSection::default()
         },
         trainer: TrainerSection {
             loss: "importance_sampling".into(),

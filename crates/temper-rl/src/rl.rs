@@ -212,6 +212,7 @@ fn validate(cfg: &RlConfig) -> Result<()> {
             "trainer.batch_size and sampling.group_size must be >= 1".into(),
         ));
     }
+    cfg.sampling.check()?;
     loss_of(&cfg.trainer).map(|_| ())
 }
 

@@ -395,6 +395,75 @@ fn every_env_template_loads_and_evals_against_the_tiny_model() {
     }
 }
 
+/// Issue 15: the sampling fields reach the endpoint through `-S`, as JSON or
+/// `key=value`, and the server honours them or names what it lacks.
+#[test]
+fn eval_sampling_args_reach_the_server() {
+    let (_server, base) = tiny_server();
+    let dir = tempfile::tempdir().unwrap();
+    let env_dir = env_new_units(dir.path());
+    let run = |extra: &[&str], save: &str| {
+        let save = dir.path().join(save);
+        let out = temper()
+            .arg("eval")
+            .arg(&env_dir)
+            .args([
+                "-m",
+                "tiny-qwen3",
+                "-b",
+                &base,
+                "-n",
+                "2",
+                "-t",
+                "4",
+                "--quiet",
+            ])
+            .args(extra)
+            .arg("--save-dir")
+            .arg(&save)
+            .output()
+            .unwrap();
+        (out, save)
+    };
+    let (out, save) = run(
+        &[
+            "-S",
+            "min_p=0.05",
+            "-S",
+            r#"{"frequency_penalty": 0.5, "presence_penalty": 0.25}"#,
+            "-S",
+            r#"logit_bias={"42": -100}"#,
+            "-S",
+            "repetition_penalty=1.1",
+            "-S",
+            "stop_token_ids=[7]",
+        ],
+        "ok",
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(run_dir_of(&save).join("metadata.json")).unwrap(),
+    )
+    .unwrap();
+    let s = &meta["sampling_args"];
+    assert_eq!(s["min_p"], 0.05);
+    assert_eq!(s["frequency_penalty"], 0.5);
+    assert_eq!(s["presence_penalty"], 0.25);
+    assert_eq!(s["repetition_penalty"], 1.1);
+    assert_eq!(s["logit_bias"]["42"], -100.0);
+    assert_eq!(s["stop_token_ids"], serde_json::json!([7]));
+    // A field the server does not implement: every rollout fails with the
+    // server's message naming it, and the run exits non-zero.
+    let (out, _) = run(&["-S", "guided_json={}"], "bad");
+    assert!(!out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("unsupported field `guided_json`"),
+        "{stdout}"
+    );
+}
+
 /// Issue 15: several greedy rollouts per prompt draw a warning.
 #[test]
 fn eval_warns_when_several_rollouts_are_greedy() {
