@@ -64,6 +64,14 @@ pub struct RewardSpec {
     /// failed (metric `NAME/error`).
     #[serde(default)]
     pub timeout_s: Option<f64>,
+    /// Run the program (`python3 FILE.py`) in the sandbox service, one
+    /// isolated run per group, instead of as a local process.
+    #[serde(default)]
+    pub sandbox: bool,
+    /// The sandbox service (default `$TEMPER_SANDBOX_URL`, else
+    /// `http://127.0.0.1:8080`).
+    #[serde(default)]
+    pub sandbox_url: Option<String>,
     /// Weight in the reward; 0 = metric only.
     #[serde(default = "one")]
     pub weight: f64,
@@ -302,14 +310,31 @@ impl Reward {
     /// `dir`.
     pub fn from_spec_in(spec: &RewardSpec, dir: Option<&std::path::Path>) -> Result<Self, String> {
         let Some(command) = &spec.command else {
-            if spec.timeout_s.is_some() {
-                return Err("timeout_s applies to reward programs (command = ...)".into());
+            if spec.timeout_s.is_some() || spec.sandbox || spec.sandbox_url.is_some() {
+                return Err(
+                    "timeout_s, sandbox and sandbox_url apply to reward programs (command = ...)"
+                        .into(),
+                );
             }
             return Reward::from_spec(spec);
         };
         let args = serde_json::to_value(&spec.args).map_err(|e| e.to_string())?;
         let timeout = Duration::from_secs_f64(spec.timeout_s.unwrap_or(60.0).max(0.01));
-        let program = ProgramReward::spawn(command, dir, spec.function.clone(), args, timeout)?;
+        let program = if spec.sandbox {
+            ProgramReward::sandboxed(
+                command,
+                dir,
+                spec.function.clone(),
+                args,
+                timeout,
+                spec.sandbox_url.clone(),
+            )?
+        } else {
+            if spec.sandbox_url.is_some() {
+                return Err("sandbox_url needs sandbox = true".into());
+            }
+            ProgramReward::spawn(command, dir, spec.function.clone(), args, timeout)?
+        };
         let name = spec
             .name
             .clone()
@@ -817,7 +842,7 @@ pub(crate) fn build_rubric(
 /// is_truncated}]}` → one `{reward, metrics}` (or a bare number) per
 /// rollout. `python/temper_reward.py` is the Python side.
 pub struct ProgramReward {
-    conn: Arc<crate::external::Conn>,
+    runner: Runner,
     command: String,
     function: Option<String>,
     args: Value,
@@ -865,12 +890,114 @@ impl ProgramReward {
             _ => {}
         }
         Ok(ProgramReward {
-            conn,
+            runner: Runner::Process(conn),
             command: command.to_string(),
             function,
             args,
             timeout,
         })
+    }
+
+    /// The program `python3 FILE.py` (in `dir`) run in the sandbox service:
+    /// each group is one isolated run with `FILE.py`, `temper_reward.py`
+    /// beside it, and the `score` request on stdin.
+    pub fn sandboxed(
+        command: &str,
+        dir: Option<&std::path::Path>,
+        function: Option<String>,
+        args: Value,
+        timeout: Duration,
+        sandbox_url: Option<String>,
+    ) -> Result<Self, String> {
+        use base64::Engine as _;
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let file = match words.as_slice() {
+            ["python3" | "python", file] if file.ends_with(".py") => *file,
+            _ => {
+                return Err(format!(
+                    "in the sandbox a reward program is `python3 FILE.py`, got `{command}`"
+                ))
+            }
+        };
+        let path = dir.map_or_else(|| std::path::PathBuf::from(file), |d| d.join(file));
+        let code = std::fs::read_to_string(&path)
+            .map_err(|e| format!("reward program {}: {e}", path.display()))?;
+        // The sandbox runs the code as `__main__` from the work dir, which is
+        // not on `sys.path`: put it there so `import temper_reward` works.
+        let code = format!("import os as _o, sys as _s; _s.path.insert(0, _o.getcwd())\n{code}");
+        let helper = include_str!("../../../python/temper_reward.py");
+        let files = [(
+            "temper_reward.py".to_string(),
+            base64::engine::general_purpose::STANDARD.encode(helper),
+        )]
+        .into_iter()
+        .collect();
+        let url = sandbox_url
+            .or_else(|| std::env::var("TEMPER_SANDBOX_URL").ok())
+            .unwrap_or_else(|| "http://127.0.0.1:8080".into());
+        let client = temper_sandbox::Client::local(url.clone(), None)
+            .unwrap_or_else(|_| temper_sandbox::Client::new(url, None));
+        Ok(ProgramReward {
+            runner: Runner::Sandbox {
+                client,
+                code,
+                files,
+            },
+            command: command.to_string(),
+            function,
+            args,
+            timeout,
+        })
+    }
+
+    /// One `score` call through the runner.
+    async fn call_score(&self, params: Value) -> Result<Value, String> {
+        match &self.runner {
+            Runner::Process(conn) => tokio::time::timeout(self.timeout, conn.call("score", params))
+                .await
+                .map_err(|_| format!("no answer within {:.1}s", self.timeout.as_secs_f64()))?,
+            Runner::Sandbox {
+                client,
+                code,
+                files,
+            } => {
+                let line = serde_json::json!({"id": 1, "method": "score", "params": params});
+                let req = temper_sandbox::service::RunCodeRequest {
+                    code: code.clone(),
+                    language: "python".into(),
+                    stdin: format!("{line}\n"),
+                    files: files.clone(),
+                    run_timeout: Some(self.timeout.as_secs_f64()),
+                    compile_timeout: None,
+                    memory_limit_mb: None,
+                    fetch_files: Vec::new(),
+                };
+                let resp = client.run_code(&req).await.map_err(|e| e.to_string())?;
+                // No run result (a sandbox error) means no answer below.
+                let (stdout, stderr) = resp
+                    .run_result
+                    .as_ref()
+                    .map_or(("", ""), |r| (r.stdout.as_str(), r.stderr.as_str()));
+                let reply = stdout
+                    .lines()
+                    .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                    .find(|v| v["id"] == 1)
+                    .ok_or_else(|| {
+                        format!(
+                            "sandbox run {} {}: no answer on stdout; stderr: {}",
+                            resp.status,
+                            resp.message,
+                            clip(stderr)
+                        )
+                    })?;
+                match reply.get("error") {
+                    Some(e) if !e.is_null() => {
+                        Err(e.as_str().map_or_else(|| e.to_string(), str::to_string))
+                    }
+                    _ => Ok(reply.get("result").cloned().unwrap_or(Value::Null)),
+                }
+            }
+        }
     }
 
     /// Scores and metrics of the rollouts of one group, in one call.
@@ -901,9 +1028,7 @@ impl ProgramReward {
             "row": {"prompt": first.prompt, "answer": first.answer, "info": first.info},
             "rollouts": rollouts,
         });
-        let reply = tokio::time::timeout(self.timeout, self.conn.call("score", params))
-            .await
-            .map_err(|_| format!("no answer within {:.1}s", self.timeout.as_secs_f64()))??;
+        let reply = self.call_score(params).await?;
         let items = reply
             .as_array()
             .filter(|a| a.len() == ctxs.len())
@@ -916,6 +1041,18 @@ impl ProgramReward {
             })?;
         items.iter().map(program_score).collect()
     }
+}
+
+/// Where a reward program runs.
+enum Runner {
+    /// A local process, started once.
+    Process(Arc<crate::external::Conn>),
+    /// One sandbox run per group.
+    Sandbox {
+        client: temper_sandbox::Client,
+        code: String,
+        files: BTreeMap<String, String>,
+    },
 }
 
 /// One rollout's answer: a number or `{reward, metrics}`.

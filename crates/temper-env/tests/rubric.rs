@@ -659,3 +659,37 @@ def broken(**_):
     assert_eq!(s[0].reward, 0.0);
     assert_eq!(s[0].metrics["broken/error"], 1.0);
 }
+
+/// Issue 15: with `sandbox = true` the same Python reward runs in the
+/// sandbox service, one isolated run per group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_reward_program_runs_in_the_sandbox() {
+    let Some(url) = sandbox_service().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    write_reward_py(
+        dir.path(),
+        r#"
+@reward
+def shout(text, args, **_):
+    return float(text.isupper()) * args["scale"]
+"#,
+    );
+    let spec: temper_env::rubric::RewardSpec = toml::from_str(&format!(
+        "command = \"python3 reward.py\"\nsandbox = true\nsandbox_url = {url:?}\nargs = {{ scale = 2.0 }}\nname = \"shout\""
+    ))
+    .unwrap();
+    let r = Reward::from_spec_in(&spec, Some(dir.path())).unwrap();
+    let rubric = Rubric::new(Parser::Plain).with(r);
+    let s = rubric
+        .score_group(&row(None, json!({})), &[rollout("HEY"), rollout("hey")])
+        .await;
+    assert_eq!(s[0].metrics.get("shout/error"), None, "{:?}", s[0].metrics);
+    assert_eq!((s[0].reward, s[1].reward), (2.0, 0.0));
+    // Only `python3 FILE.py` can be shipped to the sandbox.
+    let bad: temper_env::rubric::RewardSpec =
+        toml::from_str("command = \"node reward.js\"\nsandbox = true").unwrap();
+    let e = Reward::from_spec_in(&bad, Some(dir.path())).err().unwrap();
+    assert!(e.contains("python3 FILE.py"), "{e}");
+}
