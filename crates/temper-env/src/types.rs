@@ -475,10 +475,15 @@ mod tests {
 
     #[test]
     fn sampling_extra_is_flattened() {
-        let s: SamplingArgs =
-            serde_json::from_str(r#"{"max_tokens":8,"temperature":0.5,"top_p":1.0,"min_p":0.1}"#)
-                .unwrap();
-        assert_eq!(s.extra["min_p"], 0.1);
+        let s: SamplingArgs = serde_json::from_str(
+            r#"{"max_tokens":8,"temperature":0.5,"top_p":1.0,"top_k":5,"min_p":0.1}"#,
+        )
+        .unwrap();
+        assert_eq!(s.extra["top_k"], 5);
+        assert_eq!(serde_json::to_value(&s).unwrap()["top_k"], 5);
+        // The fields every sampler honours are typed, not extras.
+        assert_eq!(s.min_p, Some(0.1));
+        assert!(!s.extra.contains_key("min_p"));
         assert_eq!(serde_json::to_value(&s).unwrap()["min_p"], 0.1);
     }
 }
