@@ -250,6 +250,48 @@ def main():
         expect(openai.BadRequestError, lambda: client.chat.completions.create(
             model=MODEL, messages=user, n=0), "n must be")
 
+    @check("sampling: logit_bias forces a token; stop_token_ids ends on it")
+    def _():
+        forced = [client.chat.completions.create(
+            model=MODEL, messages=user, max_tokens=6, temperature=1.0, seed=seed,
+            logit_bias={"42": 100}, extra_body={"ignore_eos": True}) for seed in (1, 2)]
+        assert forced[0].choices[0].message.content == forced[1].choices[0].message.content
+        assert forced[0].usage.completion_tokens == 6
+        free = [client.chat.completions.create(
+            model=MODEL, messages=user, max_tokens=6, temperature=1.0, seed=seed,
+            extra_body={"ignore_eos": True}).choices[0].message.content for seed in (1, 2)]
+        assert free[0] != free[1], free
+        r = client.chat.completions.create(
+            model=MODEL, messages=user, max_tokens=6, temperature=1.0, seed=1,
+            logit_bias={"42": 100}, extra_body={"stop_token_ids": [42]})
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1, r
+
+    @check("sampling: min_p, repetition/frequency/presence penalties are honoured")
+    def _():
+        def text(**kw):
+            extra = kw.pop("extra_body", {})
+            extra["ignore_eos"] = True
+            return client.chat.completions.create(
+                model=MODEL, messages=user, max_tokens=16, seed=3, extra_body=extra,
+                **kw).choices[0].message.content
+        greedy = text(temperature=0.0)
+        assert text(temperature=1.0, extra_body={"min_p": 1.0}) == greedy
+        assert text(temperature=0.0, extra_body={"repetition_penalty": 50.0}) != greedy
+        sampled = text(temperature=1.0)
+        assert text(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0) != sampled
+        expect(openai.BadRequestError, lambda: text(temperature=1.0, frequency_penalty=3.0),
+               "frequency_penalty")
+
+    @check("errors: 400 names a field the server does not implement")
+    def _():
+        e = expect(openai.BadRequestError, lambda: client.chat.completions.create(
+            model=MODEL, messages=user, max_tokens=2, extra_body={"guided_json": {}}),
+            "unsupported field `guided_json`")
+        assert e.param == "guided_json", e.param
+        expect(openai.BadRequestError, lambda: client.completions.create(
+            model=MODEL, prompt="x", max_tokens=2, extra_body={"min_tokens": 3}),
+            "unsupported field `min_tokens`")
+
     @check("errors: 400 context length exceeded, with the limit")
     def _():
         e = expect(openai.BadRequestError, lambda: client.chat.completions.create(

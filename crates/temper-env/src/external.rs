@@ -33,8 +33,8 @@ use crate::{
 
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Value, String>>>>>;
 
-/// The connection to one environment process.
-struct Conn {
+/// The connection to one environment (or reward) process.
+pub(crate) struct Conn {
     stdin: Mutex<ChildStdin>,
     pending: Pending,
     next_id: AtomicU64,
@@ -42,7 +42,7 @@ struct Conn {
 }
 
 impl Conn {
-    fn spawn(command: &str, dir: Option<&Path>) -> Result<Arc<Self>, EnvError> {
+    pub(crate) fn spawn(command: &str, dir: Option<&Path>) -> Result<Arc<Self>, EnvError> {
         let mut cmd = Command::new("sh");
         cmd.arg("-c")
             .arg(command)
@@ -118,7 +118,7 @@ impl Conn {
         rx
     }
 
-    async fn call(&self, method: &str, params: Value) -> Result<Value, String> {
+    pub(crate) async fn call(&self, method: &str, params: Value) -> Result<Value, String> {
         self.send(method, params)
             .await
             .unwrap_or_else(|_| Err("the environment process exited".into()))
@@ -126,7 +126,7 @@ impl Conn {
 
     /// For the synchronous trait methods; the reply comes from the reader
     /// thread, so this never needs the async runtime.
-    fn call_blocking(&self, method: &str, params: Value) -> Result<Value, String> {
+    pub(crate) fn call_blocking(&self, method: &str, params: Value) -> Result<Value, String> {
         futures::executor::block_on(self.call(method, params))
     }
 }

@@ -184,7 +184,14 @@ impl Harness {
                 match model.chat(req).await {
                     Ok(turn) => {
                         rec.model_turn(turn);
-                        rec.finish(stop::MAX_TURNS, started)
+                        // The one answer is the normal end, unless the
+                        // token limit cut it.
+                        let cond = if rec.rollout.is_truncated {
+                            stop::MAX_TOKENS
+                        } else {
+                            stop::COMPLETED
+                        };
+                        rec.finish(cond, started)
                     }
                     Err(e) => rec.model_error(e, started),
                 }

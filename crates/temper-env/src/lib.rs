@@ -76,9 +76,9 @@ pub use model::ChatModel;
 pub use parser::{last_boxed, last_number, FieldSpec, Parser};
 pub use rubric::{GroupReward, Reward, RewardCtx, Rubric};
 pub use types::{
-    last_assistant_text, stop, ChatRequest, Content, EvalDefaults, FunctionCall, Message,
-    ModelTurn, Rollout, Row, SamplingArgs, Score, Split, Timing, TokenTrace, TokenUsage, ToolCall,
-    Usage,
+    greedy_group_warning, last_assistant_text, stop, ChatRequest, Content, EvalDefaults,
+    FunctionCall, Message, ModelTurn, Rollout, Row, SamplingArgs, Score, Split, Timing, TokenTrace,
+    TokenUsage, ToolCall, Usage,
 };
 
 /// Countdown's answer check, public for tests and trainers' reward shaping.

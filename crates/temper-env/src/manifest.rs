@@ -88,6 +88,9 @@ pub struct Manifest {
     /// Reward functions.
     #[serde(default)]
     pub rubric: Vec<RewardSpec>,
+    /// Divide the reward (Σ weight · score) by Σ |weight|.
+    #[serde(default)]
+    pub normalize_reward: bool,
     /// Eval defaults.
     #[serde(default)]
     pub eval: EvalSpec,
@@ -304,7 +307,13 @@ pub fn load_manifest(path: &Path, args: &Value) -> Result<Arc<dyn Environment>, 
     if m.rubric.is_empty() {
         return Err(manifest_err(&file, "needs at least one [[rubric]] entry"));
     }
-    let rubric = build_rubric(m.parser.clone(), &m.rubric, &file.display().to_string())?;
+    let mut rubric = build_rubric(
+        m.parser.clone(),
+        &m.rubric,
+        &file.display().to_string(),
+        Some(&dir),
+    )?;
+    rubric.normalize = m.normalize_reward;
     Ok(Arc::new(Env::new(
         m.name.clone(),
         dataset,

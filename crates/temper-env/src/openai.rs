@@ -37,6 +37,7 @@ impl Default for RetryPolicy {
 pub struct OpenAiChatModel {
     http: reqwest::Client,
     url: String,
+    base: String,
     model: String,
     api_key: Option<String>,
     /// Retry policy.
@@ -69,11 +70,67 @@ impl OpenAiChatModel {
         Ok(OpenAiChatModel {
             http,
             url: format!("{base}/chat/completions"),
+            base: base.to_string(),
             model: model.into(),
             api_key,
             retry: RetryPolicy::default(),
             timeout: Duration::from_secs(600),
         })
+    }
+
+    /// The model name sent in every request.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// The base URL (without a trailing `/`).
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    /// `GET {base}/models` once, without retries (a preflight should fail
+    /// fast): the ids the endpoint serves, or `None` when it has no such
+    /// route (404/405; some proxies only forward completions).
+    pub async fn list_models(
+        &self,
+        timeout: Duration,
+    ) -> Result<Option<Vec<String>>, ModelCallError> {
+        let mut call = self.http.get(format!("{}/models", self.base));
+        if let Some(key) = &self.api_key {
+            call = call.bearer_auth(key);
+        }
+        let work = async {
+            let resp = call.send().await.map_err(from_reqwest)?;
+            let status = resp.status();
+            let text = resp.text().await.map_err(from_reqwest)?;
+            if status.as_u16() == 404 || status.as_u16() == 405 {
+                return Ok(None);
+            }
+            if !status.is_success() {
+                let message = serde_json::from_str::<Value>(&text)
+                    .ok()
+                    .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+                    .unwrap_or_else(|| text.chars().take(500).collect());
+                return Err(ModelCallError::Status {
+                    status: status.as_u16(),
+                    message,
+                });
+            }
+            let v: Value = serde_json::from_str(&text)
+                .map_err(|e| ModelCallError::Malformed(format!("/models: {e}")))?;
+            let data = v["data"]
+                .as_array()
+                .ok_or_else(|| ModelCallError::Malformed("/models: no `data` list".into()))?;
+            Ok(Some(
+                data.iter()
+                    .filter_map(|m| m["id"].as_str().map(str::to_string))
+                    .collect(),
+            ))
+        };
+        match tokio::time::timeout(timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(ModelCallError::Timeout(timeout.as_secs_f64())),
+        }
     }
 
     /// The request body for `req`.
@@ -91,6 +148,28 @@ impl OpenAiChatModel {
         }
         if !s.stop.is_empty() {
             body["stop"] = json!(s.stop);
+        }
+        if !s.stop_token_ids.is_empty() {
+            body["stop_token_ids"] = json!(s.stop_token_ids);
+        }
+        for (k, v) in [
+            ("min_p", s.min_p),
+            ("presence_penalty", s.presence_penalty),
+            ("frequency_penalty", s.frequency_penalty),
+            ("repetition_penalty", s.repetition_penalty),
+        ] {
+            if let Some(v) = v {
+                body[k] = json!(v);
+            }
+        }
+        if !s.logit_bias.is_empty() {
+            // OpenAI's shape: token ids as string keys.
+            let m: serde_json::Map<String, Value> = s
+                .logit_bias
+                .iter()
+                .map(|(id, b)| (id.to_string(), json!(b)))
+                .collect();
+            body["logit_bias"] = Value::Object(m);
         }
         if let Some(tools) = &req.tools {
             body["tools"] = json!(tools);
@@ -226,7 +305,11 @@ mod tests {
             stop: vec!["</answer>".into()],
             ..Default::default()
         };
-        sampling.extra.insert("min_p".into(), json!(0.1));
+        sampling.extra.insert("top_k".into(), json!(5));
+        sampling.min_p = Some(0.1);
+        sampling.frequency_penalty = Some(0.5);
+        sampling.logit_bias.insert(42, -100.0);
+        sampling.stop_token_ids = vec![7];
         let req = ChatRequest {
             messages: vec![Message::user("hi")],
             tools: Some(vec![json!({"type": "function", "function": {"name": "f"}})]),
@@ -242,6 +325,11 @@ mod tests {
         assert_eq!(b["stop"][0], "</answer>");
         assert_eq!(b["tools"][0]["function"]["name"], "f");
         assert_eq!(b["min_p"], 0.1);
+        assert_eq!(b["top_k"], 5);
+        assert_eq!(b["frequency_penalty"], 0.5);
+        assert_eq!(b["logit_bias"]["42"], -100.0);
+        assert_eq!(b["stop_token_ids"], json!([7]));
+        assert!(b.get("presence_penalty").is_none());
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! metric under its name; the reward is Σ weight · score, so weight 0 makes
 //! a function a metric only.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -52,8 +52,26 @@ pub type GroupFn = Arc<dyn Fn(&[RewardCtx<'_>]) -> Vec<f64> + Send + Sync>;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RewardSpec {
-    /// Built-in function name (see [`Reward::from_spec`]).
-    pub function: String,
+    /// Built-in function name (see [`Reward::from_spec`]); with `command`,
+    /// the program's function to call (optional when it has one).
+    #[serde(default)]
+    pub function: Option<String>,
+    /// A reward program (`python3 reward.py`) speaking JSON lines
+    /// ([`ProgramReward`]), run from the env directory.
+    #[serde(default)]
+    pub command: Option<String>,
+    /// Seconds a program may take per group before its scores count as
+    /// failed (metric `NAME/error`).
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+    /// Run the program (`python3 FILE.py`) in the sandbox service, one
+    /// isolated run per group, instead of as a local process.
+    #[serde(default)]
+    pub sandbox: bool,
+    /// The sandbox service (default `$TEMPER_SANDBOX_URL`, else
+    /// `http://127.0.0.1:8080`).
+    #[serde(default)]
+    pub sandbox_url: Option<String>,
     /// Weight in the reward; 0 = metric only.
     #[serde(default = "one")]
     pub weight: f64,
@@ -74,6 +92,7 @@ enum Kind {
     Sync(RewardFn),
     Judge(Arc<Judge>),
     CodeTests(Arc<CodeTests>),
+    Program(Arc<ProgramReward>),
 }
 
 /// A named, weighted reward function.
@@ -258,12 +277,82 @@ impl Reward {
         self
     }
 
+    /// A reward program (see [`ProgramReward`]).
+    pub fn program(weight: f64, name: impl Into<String>, program: ProgramReward) -> Self {
+        Reward {
+            name: name.into(),
+            weight,
+            kind: Kind::Program(Arc::new(program)),
+        }
+    }
+
+    /// Per-field comparison of the parsed answer's JSON object with the
+    /// reference's ([`json_fields_score`]).
+    pub fn json_fields(weight: f64, cfg: JsonFieldsConfig) -> Self {
+        Reward::new("json_fields", weight, move |c| {
+            json_fields_score(c.parsed().as_deref(), c.answer, &cfg)
+        })
+    }
+
+    /// A value captured from the last assistant message by `pattern`,
+    /// compared with the reference ([`RegexExtract`]).
+    pub fn regex_extract(weight: f64, cfg: RegexExtract) -> Self {
+        Reward::new("regex_extract", weight, move |c| {
+            let text = crate::last_assistant_text(c.completion);
+            match (cfg.extract(&text), c.answer) {
+                (Some(got), Some(want)) => f64::from(u8::from(cfg.same(&got, want))),
+                _ => 0.0,
+            }
+        })
+    }
+
+    /// An `env.toml` entry: a built-in, or a program (`command`) started in
+    /// `dir`.
+    pub fn from_spec_in(spec: &RewardSpec, dir: Option<&std::path::Path>) -> Result<Self, String> {
+        let Some(command) = &spec.command else {
+            if spec.timeout_s.is_some() || spec.sandbox || spec.sandbox_url.is_some() {
+                return Err(
+                    "timeout_s, sandbox and sandbox_url apply to reward programs (command = ...)"
+                        .into(),
+                );
+            }
+            return Reward::from_spec(spec);
+        };
+        let args = serde_json::to_value(&spec.args).map_err(|e| e.to_string())?;
+        let timeout = Duration::from_secs_f64(spec.timeout_s.unwrap_or(60.0).max(0.01));
+        let program = if spec.sandbox {
+            ProgramReward::sandboxed(
+                command,
+                dir,
+                spec.function.clone(),
+                args,
+                timeout,
+                spec.sandbox_url.clone(),
+            )?
+        } else {
+            if spec.sandbox_url.is_some() {
+                return Err("sandbox_url needs sandbox = true".into());
+            }
+            ProgramReward::spawn(command, dir, spec.function.clone(), args, timeout)?
+        };
+        let name = spec
+            .name
+            .clone()
+            .or_else(|| spec.function.clone())
+            .unwrap_or_else(|| "program".into());
+        Ok(Reward::program(spec.weight, name, program))
+    }
+
     /// A built-in function from its `env.toml` entry.
     pub fn from_spec(spec: &RewardSpec) -> Result<Self, String> {
         let args = serde_json::to_value(&spec.args).map_err(|e| e.to_string())?;
         let w = spec.weight;
         let get_str = |k: &str| args.get(k).and_then(Value::as_str).map(str::to_string);
-        let r = match spec.function.as_str() {
+        let function = spec
+            .function
+            .as_deref()
+            .ok_or("a rubric entry needs `function` (a built-in) or `command` (a program)")?;
+        let r = match function {
             "exact_match" => Reward::exact_match(
                 w,
                 args.get("case_sensitive")
@@ -297,9 +386,20 @@ impl Reward {
                     serde_json::from_value(args.clone()).map_err(|e| e.to_string())?;
                 Reward::code_tests(w, CodeTests::new(cfg))
             }
+            "json_fields" => {
+                let cfg: JsonFieldsConfig =
+                    serde_json::from_value(args.clone()).map_err(|e| format!("json_fields: {e}"))?;
+                Reward::json_fields(w, cfg)
+            }
+            "regex_extract" => {
+                let cfg: RegexExtractConfig = serde_json::from_value(args.clone())
+                    .map_err(|e| format!("regex_extract: {e}"))?;
+                Reward::regex_extract(w, RegexExtract::new(cfg)?)
+            }
             other => {
                 return Err(format!(
-                    "unknown reward function `{other}` (built-ins: exact_match, contains, regex, math_equiv, numeric_match, lcs_ratio, json_valid, json_schema, format, length_penalty, judge, code_tests)"
+                    "unknown reward function `{other}` (built-ins: {}; or command = \"...\" for a program)",
+                    BUILTIN_REWARDS.join(", ")
                 ))
             }
         };
@@ -314,9 +414,29 @@ impl Reward {
             Kind::Sync(f) => f(ctx),
             Kind::Judge(j) => j.score(ctx).await,
             Kind::CodeTests(t) => t.score(ctx).await,
+            // Scored per group in `Rubric::score_group`.
+            Kind::Program(_) => 0.0,
         }
     }
 }
+
+/// The built-in reward functions of `env.toml` (README: "Built-in rewards").
+pub const BUILTIN_REWARDS: &[&str] = &[
+    "exact_match",
+    "contains",
+    "regex",
+    "regex_extract",
+    "math_equiv",
+    "numeric_match",
+    "lcs_ratio",
+    "json_valid",
+    "json_schema",
+    "json_fields",
+    "format",
+    "length_penalty",
+    "judge",
+    "code_tests",
+];
 
 /// A named, weighted group function.
 #[derive(Clone)]
@@ -348,6 +468,9 @@ pub struct Rubric {
     pub parser: Parser,
     funcs: Vec<Reward>,
     group_funcs: Vec<GroupReward>,
+    /// Divide the reward by the sum of |weight| (so weights in [0, 1]-scored
+    /// functions give a reward in [0, 1]).
+    pub normalize: bool,
 }
 
 impl std::fmt::Debug for Rubric {
@@ -366,6 +489,7 @@ impl Rubric {
             parser,
             funcs: Vec::new(),
             group_funcs: Vec::new(),
+            normalize: false,
         }
     }
 
@@ -397,6 +521,28 @@ impl Rubric {
             .collect();
         let mut scores = vec![Score::default(); rollouts.len()];
         for func in &self.funcs {
+            if let Kind::Program(p) = &func.kind {
+                match p.score_group(&ctxs).await {
+                    Ok(values) => {
+                        for (s, (v, metrics)) in scores.iter_mut().zip(values) {
+                            s.reward += func.weight * v;
+                            s.metrics.insert(func.name.clone(), v);
+                            for (k, m) in metrics {
+                                s.metrics.insert(format!("{}/{k}", func.name), m);
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        // Visible in the run's metrics, not a silent zero.
+                        tracing::warn!("reward program `{}`: {e}", p.command);
+                        for s in &mut scores {
+                            s.metrics.insert(func.name.clone(), 0.0);
+                            s.metrics.insert(format!("{}/error", func.name), 1.0);
+                        }
+                    }
+                }
+                continue;
+            }
             let values = futures::future::join_all(ctxs.iter().map(|c| func.score(c))).await;
             for (s, v) in scores.iter_mut().zip(values) {
                 s.reward += func.weight * v;
@@ -408,6 +554,19 @@ impl Rubric {
             for (s, v) in scores.iter_mut().zip(values) {
                 s.reward += g.weight * v;
                 s.metrics.insert(g.name.clone(), v);
+            }
+        }
+        if self.normalize {
+            let total: f64 = self
+                .funcs
+                .iter()
+                .map(|f| f.weight.abs())
+                .chain(self.group_funcs.iter().map(|g| g.weight.abs()))
+                .sum();
+            if total > 0.0 {
+                for s in &mut scores {
+                    s.reward /= total;
+                }
             }
         }
         scores
@@ -658,19 +817,463 @@ pub fn extract_code(text: &str) -> String {
     best.unwrap_or_else(|| text.trim().to_string())
 }
 
-/// Check a rubric spec list before use.
+/// Check a rubric spec list before use; programs start in `dir`.
 pub(crate) fn build_rubric(
     parser: Parser,
     specs: &[RewardSpec],
     path: &str,
+    dir: Option<&std::path::Path>,
 ) -> Result<Rubric, EnvError> {
     let mut rubric = Rubric::new(parser);
     for spec in specs {
-        let r = Reward::from_spec(spec).map_err(|message| EnvError::Manifest {
+        let r = Reward::from_spec_in(spec, dir).map_err(|message| EnvError::Manifest {
             path: path.to_string(),
             message,
         })?;
         rubric = rubric.with(r);
     }
     Ok(rubric)
+}
+
+/// A reward computed by another program, in any language, over the JSON
+/// lines of [`crate::external`]: `info` → `{functions}`, then one `score`
+/// per group, `{function, args, row: {prompt, answer, info}, rollouts:
+/// [{text, parsed, completion, state, stop_condition, error,
+/// is_truncated}]}` → one `{reward, metrics}` (or a bare number) per
+/// rollout. `python/temper_reward.py` is the Python side.
+pub struct ProgramReward {
+    runner: Runner,
+    command: String,
+    function: Option<String>,
+    args: Value,
+    timeout: Duration,
+}
+
+impl ProgramReward {
+    /// Start `command` in `dir` and check that it offers `function` (or
+    /// exactly one function when `None`).
+    pub fn spawn(
+        command: &str,
+        dir: Option<&std::path::Path>,
+        function: Option<String>,
+        args: Value,
+        timeout: Duration,
+    ) -> Result<Self, String> {
+        let conn = crate::external::Conn::spawn(command, dir).map_err(|e| e.to_string())?;
+        let info = conn
+            .call_blocking("info", serde_json::json!({}))
+            .map_err(|e| format!("reward program `{command}`: info: {e}"))?;
+        let offered: Vec<String> = info["functions"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|f| f.as_str().map(str::to_string))
+                    .collect()
+            })
+            .ok_or_else(|| {
+                format!("reward program `{command}`: info has no `functions` list: {info}")
+            })?;
+        match &function {
+            Some(f) if !offered.contains(f) => {
+                return Err(format!(
+                    "reward program `{command}` has no function `{f}`; it offers: {}",
+                    offered.join(", ")
+                ))
+            }
+            None if offered.len() != 1 => {
+                return Err(format!(
+                    "reward program `{command}` offers {} functions ({}); name one with `function`",
+                    offered.len(),
+                    offered.join(", ")
+                ))
+            }
+            _ => {}
+        }
+        Ok(ProgramReward {
+            runner: Runner::Process(conn),
+            command: command.to_string(),
+            function,
+            args,
+            timeout,
+        })
+    }
+
+    /// The program `python3 FILE.py` (in `dir`) run in the sandbox service:
+    /// each group is one isolated run with `FILE.py`, `temper_reward.py`
+    /// beside it, and the `score` request on stdin.
+    pub fn sandboxed(
+        command: &str,
+        dir: Option<&std::path::Path>,
+        function: Option<String>,
+        args: Value,
+        timeout: Duration,
+        sandbox_url: Option<String>,
+    ) -> Result<Self, String> {
+        use base64::Engine as _;
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let file = match words.as_slice() {
+            ["python3" | "python", file] if file.ends_with(".py") => *file,
+            _ => {
+                return Err(format!(
+                    "in the sandbox a reward program is `python3 FILE.py`, got `{command}`"
+                ))
+            }
+        };
+        let path = dir.map_or_else(|| std::path::PathBuf::from(file), |d| d.join(file));
+        let code = std::fs::read_to_string(&path)
+            .map_err(|e| format!("reward program {}: {e}", path.display()))?;
+        // The sandbox runs the code as `__main__` from the work dir, which is
+        // not on `sys.path`: put it there so `import temper_reward` works.
+        let code = format!("import os as _o, sys as _s; _s.path.insert(0, _o.getcwd())\n{code}");
+        let helper = include_str!("../../../python/temper_reward.py");
+        let files = [(
+            "temper_reward.py".to_string(),
+            base64::engine::general_purpose::STANDARD.encode(helper),
+        )]
+        .into_iter()
+        .collect();
+        let url = sandbox_url
+            .or_else(|| std::env::var("TEMPER_SANDBOX_URL").ok())
+            .unwrap_or_else(|| "http://127.0.0.1:8080".into());
+        let client = temper_sandbox::Client::local(url.clone(), None)
+            .unwrap_or_else(|_| temper_sandbox::Client::new(url, None));
+        Ok(ProgramReward {
+            runner: Runner::Sandbox {
+                client,
+                code,
+                files,
+            },
+            command: command.to_string(),
+            function,
+            args,
+            timeout,
+        })
+    }
+
+    /// One `score` call through the runner.
+    async fn call_score(&self, params: Value) -> Result<Value, String> {
+        match &self.runner {
+            Runner::Process(conn) => tokio::time::timeout(self.timeout, conn.call("score", params))
+                .await
+                .map_err(|_| format!("no answer within {:.1}s", self.timeout.as_secs_f64()))?,
+            Runner::Sandbox {
+                client,
+                code,
+                files,
+            } => {
+                let line = serde_json::json!({"id": 1, "method": "score", "params": params});
+                let req = temper_sandbox::service::RunCodeRequest {
+                    code: code.clone(),
+                    language: "python".into(),
+                    stdin: format!("{line}\n"),
+                    files: files.clone(),
+                    run_timeout: Some(self.timeout.as_secs_f64()),
+                    compile_timeout: None,
+                    memory_limit_mb: None,
+                    fetch_files: Vec::new(),
+                };
+                let resp = client.run_code(&req).await.map_err(|e| e.to_string())?;
+                // No run result (a sandbox error) means no answer below.
+                let (stdout, stderr) = resp
+                    .run_result
+                    .as_ref()
+                    .map_or(("", ""), |r| (r.stdout.as_str(), r.stderr.as_str()));
+                let reply = stdout
+                    .lines()
+                    .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                    .find(|v| v["id"] == 1)
+                    .ok_or_else(|| {
+                        format!(
+                            "sandbox run {} {}: no answer on stdout; stderr: {}",
+                            resp.status,
+                            resp.message,
+                            clip(stderr)
+                        )
+                    })?;
+                match reply.get("error") {
+                    Some(e) if !e.is_null() => {
+                        Err(e.as_str().map_or_else(|| e.to_string(), str::to_string))
+                    }
+                    _ => Ok(reply.get("result").cloned().unwrap_or(Value::Null)),
+                }
+            }
+        }
+    }
+
+    /// Scores and metrics of the rollouts of one group, in one call.
+    pub async fn score_group(
+        &self,
+        ctxs: &[RewardCtx<'_>],
+    ) -> Result<Vec<(f64, BTreeMap<String, f64>)>, String> {
+        let Some(first) = ctxs.first() else {
+            return Ok(Vec::new());
+        };
+        let rollouts: Vec<Value> = ctxs
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "text": crate::last_assistant_text(c.completion),
+                    "parsed": c.parsed(),
+                    "completion": c.completion,
+                    "state": c.rollout.state,
+                    "stop_condition": c.rollout.stop_condition,
+                    "error": c.rollout.error,
+                    "is_truncated": c.rollout.is_truncated,
+                })
+            })
+            .collect();
+        let params = serde_json::json!({
+            "function": self.function,
+            "args": self.args,
+            "row": {"prompt": first.prompt, "answer": first.answer, "info": first.info},
+            "rollouts": rollouts,
+        });
+        let reply = self.call_score(params).await?;
+        let items = reply
+            .as_array()
+            .filter(|a| a.len() == ctxs.len())
+            .ok_or_else(|| {
+                format!(
+                    "`score` must answer a list of {} scores, got {}",
+                    ctxs.len(),
+                    clip(&reply.to_string())
+                )
+            })?;
+        items.iter().map(program_score).collect()
+    }
+}
+
+/// Where a reward program runs.
+enum Runner {
+    /// A local process, started once.
+    Process(Arc<crate::external::Conn>),
+    /// One sandbox run per group.
+    Sandbox {
+        client: temper_sandbox::Client,
+        code: String,
+        files: BTreeMap<String, String>,
+    },
+}
+
+/// One rollout's answer: a number or `{reward, metrics}`.
+fn program_score(v: &Value) -> Result<(f64, BTreeMap<String, f64>), String> {
+    if let Some(x) = v.as_f64() {
+        return Ok((x, BTreeMap::new()));
+    }
+    let reward = v["reward"].as_f64().ok_or_else(|| {
+        format!(
+            "a score needs a numeric `reward`, got {}",
+            clip(&v.to_string())
+        )
+    })?;
+    let mut metrics = BTreeMap::new();
+    if let Some(m) = v.get("metrics").and_then(Value::as_object) {
+        for (k, x) in m {
+            let x = x
+                .as_f64()
+                .ok_or_else(|| format!("metric `{k}` is not a number: {x}"))?;
+            metrics.insert(k.clone(), x);
+        }
+    }
+    Ok((reward, metrics))
+}
+
+fn clip(s: &str) -> String {
+    s.chars().take(300).collect()
+}
+
+/// `json_fields` arguments.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JsonFieldsConfig {
+    /// Fields to compare (dotted paths reach nested objects), with a
+    /// weight each; a list gives each weight 1; default: every field of
+    /// the reference object.
+    #[serde(default)]
+    pub fields: Option<FieldWeights>,
+    /// Compare strings trimmed, case-folded and with runs of whitespace as
+    /// one space, and numbers (or numeric strings) by value (default true).
+    #[serde(default = "yes")]
+    pub normalize: bool,
+    /// Relative tolerance for numbers (default 1e-6).
+    #[serde(default = "default_tolerance")]
+    pub tolerance: f64,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_tolerance() -> f64 {
+    1e-6
+}
+
+/// `fields` of [`JsonFieldsConfig`].
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum FieldWeights {
+    /// Names, weight 1 each.
+    Names(Vec<String>),
+    /// Name → weight.
+    Weighted(BTreeMap<String, f64>),
+}
+
+/// The weighted fraction of fields of the reference JSON object (`answer`)
+/// that the parsed answer's object matches, in [0, 1]. A fenced or
+/// surrounded object (```json … ```) is found by its outer braces; an
+/// answer that is no JSON object scores 0.
+pub fn json_fields_score(got: Option<&str>, want: Option<&str>, cfg: &JsonFieldsConfig) -> f64 {
+    let object = |s: &str| -> Option<Value> {
+        let (a, b) = (s.find('{')?, s.rfind('}')?);
+        serde_json::from_str::<Value>(s.get(a..=b)?)
+            .ok()
+            .filter(Value::is_object)
+    };
+    let (Some(got), Some(want)) = (got.and_then(object), want.and_then(object)) else {
+        return 0.0;
+    };
+    let fields: Vec<(String, f64)> = match &cfg.fields {
+        Some(FieldWeights::Names(n)) => n.iter().map(|f| (f.clone(), 1.0)).collect(),
+        Some(FieldWeights::Weighted(m)) => m.iter().map(|(f, w)| (f.clone(), *w)).collect(),
+        None => want
+            .as_object()
+            .map(|o| o.keys().map(|k| (k.clone(), 1.0)).collect())
+            .unwrap_or_default(),
+    };
+    let total: f64 = fields.iter().map(|(_, w)| w.abs()).sum();
+    if total <= 0.0 {
+        return 0.0;
+    }
+    let at = |v: &Value, path: &str| -> Option<Value> {
+        path.split('.')
+            .try_fold(v, |cur, key| cur.get(key))
+            .cloned()
+    };
+    let matched: f64 = fields
+        .iter()
+        .filter(|(f, _)| match (at(&got, f), at(&want, f)) {
+            (Some(g), Some(w)) => json_equal(&g, &w, cfg),
+            _ => false,
+        })
+        .map(|(_, w)| w.abs())
+        .sum();
+    matched / total
+}
+
+fn json_equal(a: &Value, b: &Value, cfg: &JsonFieldsConfig) -> bool {
+    if !cfg.normalize {
+        return a == b;
+    }
+    let number = |v: &Value| match v {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.trim().replace(',', "").parse::<f64>().ok(),
+        _ => None,
+    };
+    let text = |s: &str| {
+        s.split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+            .to_lowercase()
+    };
+    match (a, b) {
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| json_equal(p, q, cfg))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| json_equal(v, w, cfg)))
+        }
+        (Value::String(x), Value::String(y)) if number(a).is_none() || number(b).is_none() => {
+            text(x) == text(y)
+        }
+        _ => match (number(a), number(b)) {
+            (Some(x), Some(y)) => (x - y).abs() <= cfg.tolerance * y.abs().max(1.0),
+            _ => a == b,
+        },
+    }
+}
+
+/// `regex_extract` arguments.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegexExtractConfig {
+    /// The pattern; the value is its group `answer`, else group 1, else the
+    /// whole match.
+    pub pattern: String,
+    /// `exact` (trimmed; case-folded unless `case_sensitive`), `numeric`
+    /// or `math` (as `math_equiv`). Default `exact`.
+    #[serde(default)]
+    pub compare: Option<String>,
+    /// Use the first match instead of the last.
+    #[serde(default)]
+    pub first: bool,
+    /// For `exact`.
+    #[serde(default)]
+    pub case_sensitive: bool,
+}
+
+/// A checked [`RegexExtractConfig`].
+#[derive(Debug, Clone)]
+pub struct RegexExtract {
+    re: regex::Regex,
+    compare: Compare,
+    first: bool,
+    case_sensitive: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Compare {
+    Exact,
+    Numeric,
+    Math,
+}
+
+impl RegexExtract {
+    /// Compile the pattern and check `compare`.
+    pub fn new(cfg: RegexExtractConfig) -> Result<Self, String> {
+        let re = regex::Regex::new(&cfg.pattern).map_err(|e| format!("regex_extract: {e}"))?;
+        let compare = match cfg.compare.as_deref() {
+            None | Some("exact") => Compare::Exact,
+            Some("numeric") => Compare::Numeric,
+            Some("math") => Compare::Math,
+            Some(other) => {
+                return Err(format!(
+                    "regex_extract: compare `{other}` (use exact, numeric or math)"
+                ))
+            }
+        };
+        Ok(RegexExtract {
+            re,
+            compare,
+            first: cfg.first,
+            case_sensitive: cfg.case_sensitive,
+        })
+    }
+
+    /// The captured value in `text`.
+    pub fn extract(&self, text: &str) -> Option<String> {
+        let mut caps = self.re.captures_iter(text);
+        let c = if self.first { caps.next() } else { caps.last() }?;
+        c.name("answer")
+            .or_else(|| c.get(1))
+            .or_else(|| c.get(0))
+            .map(|m| m.as_str().trim().to_string())
+    }
+
+    /// Whether `got` equals the reference `want` under `compare`.
+    pub fn same(&self, got: &str, want: &str) -> bool {
+        match self.compare {
+            Compare::Exact if self.case_sensitive => got.trim() == want.trim(),
+            Compare::Exact => got.trim().to_lowercase() == want.trim().to_lowercase(),
+            Compare::Numeric => match (
+                math::parse_number_literal(got),
+                math::parse_number_literal(want),
+            ) {
+                (Some(a), Some(b)) => (a - b).abs() < 1e-9,
+                _ => false,
+            },
+            Compare::Math => math::math_equal(got, want),
+        }
+    }
 }

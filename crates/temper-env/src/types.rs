@@ -140,7 +140,26 @@ pub struct SamplingArgs {
     /// Stop strings.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stop: Vec<String>,
-    /// Anything else, sent verbatim in the request body (`-S` JSON).
+    /// Token ids that end a sample (vLLM's `stop_token_ids`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stop_token_ids: Vec<u32>,
+    /// Drop tokens below `min_p` × the top probability.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f64>,
+    /// OpenAI presence penalty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f64>,
+    /// OpenAI frequency penalty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f64>,
+    /// vLLM / HF repetition penalty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f64>,
+    /// Token id → bias added to its logit.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub logit_bias: std::collections::BTreeMap<u32, f64>,
+    /// Anything else, sent verbatim in the request body of a remote
+    /// endpoint (`temper eval -S`), which answers 400 to what it lacks.
     #[serde(default, flatten)]
     pub extra: Map<String, Value>,
 }
@@ -153,9 +172,27 @@ impl Default for SamplingArgs {
             top_p: 1.0,
             seed: None,
             stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            min_p: None,
+            presence_penalty: None,
+            frequency_penalty: None,
+            repetition_penalty: None,
+            logit_bias: Default::default(),
             extra: Map::new(),
         }
     }
+}
+
+/// A warning when `n` rollouts of one prompt are sampled greedily: they
+/// are identical, so pass@k equals pass@1 and group-relative advantages
+/// are all zero.
+pub fn greedy_group_warning(n: usize, temperature: f64) -> Option<String> {
+    (n > 1 && temperature <= 0.0).then(|| {
+        format!(
+            "{n} rollouts per prompt at temperature {temperature}: greedy decoding makes them identical \
+             (pass@k = pass@1, zero group advantages); use temperature > 0 or 1 rollout"
+        )
+    })
 }
 
 /// One request to a chat model.
@@ -312,7 +349,10 @@ pub struct Timing {
 
 /// Why a rollout stopped (verifiers' stop-condition names).
 pub mod stop {
-    /// The harness reached its turn limit (a single-turn harness after one).
+    /// A single-turn rollout got its one answer: the normal end, not a
+    /// limit.
+    pub const COMPLETED: &str = "completed";
+    /// A multi-turn or tool harness reached its turn limit.
     pub const MAX_TURNS: &str = "max_turns_reached";
     /// The completion-token budget of the rollout is spent.
     pub const MAX_TOKENS: &str = "max_total_completion_tokens_reached";
@@ -435,10 +475,15 @@ mod tests {
 
     #[test]
     fn sampling_extra_is_flattened() {
-        let s: SamplingArgs =
-            serde_json::from_str(r#"{"max_tokens":8,"temperature":0.5,"top_p":1.0,"min_p":0.1}"#)
-                .unwrap();
-        assert_eq!(s.extra["min_p"], 0.1);
+        let s: SamplingArgs = serde_json::from_str(
+            r#"{"max_tokens":8,"temperature":0.5,"top_p":1.0,"top_k":5,"min_p":0.1}"#,
+        )
+        .unwrap();
+        assert_eq!(s.extra["top_k"], 5);
+        assert_eq!(serde_json::to_value(&s).unwrap()["top_k"], 5);
+        // The fields every sampler honours are typed, not extras.
+        assert_eq!(s.min_p, Some(0.1));
+        assert!(!s.extra.contains_key("min_p"));
         assert_eq!(serde_json::to_value(&s).unwrap()["min_p"], 0.1);
     }
 }

@@ -468,3 +468,32 @@ serve(Broken())
     // score is not implemented: every rollout scores 0, the run goes on.
     assert_eq!(env.score_group(&row, &[ro]).await[0].reward, 0.0);
 }
+
+/// Issue 15: the example env with a built-in `json_fields` reward and a
+/// Python reward program, normalised to [0, 1], scores a right and a wrong
+/// answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn support_json_example_scores_with_json_fields_and_a_python_reward() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/envs/support-json");
+    let env = load_environment(dir.to_str().unwrap(), &json!({})).unwrap();
+    let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
+    assert!(row.prompt.last().unwrap().text().contains("#C7781"));
+    let right = Scripted::texts(&[
+        r#"<answer>{"intent": "Refund", "order_id": "C7781", "urgent": false}</answer>"#,
+    ]);
+    let invented = Scripted::texts(&[
+        r#"<answer>{"intent": "shipping", "order_id": "X1", "urgent": false}</answer>"#,
+    ]);
+    let sampling = temper_env::SamplingArgs::default();
+    let a = env.rollout(&right, &row, &sampling).await;
+    let b = env.rollout(&invented, &row, &sampling).await;
+    let s = env.score_group(&row, &[a, b]).await;
+    assert_eq!(s[0].metrics["fields"], 1.0);
+    assert_eq!(s[0].metrics["grounded"], 1.0);
+    assert_eq!(s[0].metrics["grounded/has_id"], 1.0);
+    assert_eq!(s[0].reward, 1.0, "(2·1 + 1·1) / 3");
+    // intent wrong (2 of 4 weight), order id wrong (1 of 4), urgent right.
+    assert_eq!(s[1].metrics["fields"], 0.25);
+    assert_eq!(s[1].metrics["grounded"], 0.0);
+    assert!((s[1].reward - 0.5 / 3.0).abs() < 1e-12, "{}", s[1].reward);
+}

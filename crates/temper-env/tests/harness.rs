@@ -22,6 +22,19 @@ fn row(q: &str) -> Row {
     }
 }
 
+/// Issue 15: one answer is the normal end of a single-turn rollout, not a
+/// turn limit.
+#[tokio::test]
+async fn single_turn_rollouts_end_completed() {
+    let env = load_environment("arithmetic", &json!({})).unwrap();
+    let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
+    let model = Scripted::texts(&["<answer>1</answer>"]);
+    let ro = env.rollout(&model, &row, &SamplingArgs::default()).await;
+    assert_eq!(ro.stop_condition.as_deref(), Some(stop::COMPLETED));
+    assert_eq!(stop::COMPLETED, "completed");
+    assert!(ro.is_completed && ro.error.is_none());
+}
+
 #[tokio::test]
 async fn wordle_solved_on_the_second_guess() {
     let env = load_environment("wordle", &json!({})).unwrap();
@@ -245,5 +258,5 @@ async fn single_turn_length_finish_marks_truncated() {
         .rollout(&model as &dyn ChatModel, &row, &SamplingArgs::default())
         .await;
     assert!(ro.is_truncated && ro.is_completed);
-    assert_eq!(ro.stop_condition.as_deref(), Some(stop::MAX_TURNS));
+    assert_eq!(ro.stop_condition.as_deref(), Some(stop::MAX_TOKENS));
 }

@@ -465,3 +465,231 @@ async fn code_tests_score_zero_when_the_sandbox_is_unreachable() {
         .await;
     assert_eq!(s[0].reward, 0.0);
 }
+
+fn xml() -> Parser {
+    serde_json::from_value(json!({"type": "xml", "fields": ["answer"], "answer_field": "answer"}))
+        .unwrap()
+}
+
+/// Issue 15: `json_fields` compares field by field, weighted, with strings
+/// and numbers normalised; `regex_extract` captures and compares.
+#[tokio::test]
+async fn json_fields_and_regex_extract() {
+    use temper_env::rubric::{JsonFieldsConfig, RegexExtract, RegexExtractConfig};
+    let want = r#"{"name": "Ana Ruiz", "total": 12.5, "address": {"city": "Lima"}, "tags": ["a"]}"#;
+    let cfg = |v: Value| -> JsonFieldsConfig { serde_json::from_value(v).unwrap() };
+    let all = || Reward::json_fields(1.0, cfg(json!({})));
+    let cases: &[(&str, f64)] = &[
+        // Every field right, up to case, spacing, number formatting, fences.
+        (
+            r#"<answer>```json
+{"name": " ana  RUIZ", "total": "12.50", "address": {"city": "lima"}, "tags": ["A"]}
+```</answer>"#,
+            1.0,
+        ),
+        (
+            r#"<answer>{"name": "Ana Ruiz", "total": 13, "address": {"city": "Lima"}, "tags": ["a"]}</answer>"#,
+            0.75,
+        ),
+        (r#"<answer>{"name": "Ana Ruiz"}</answer>"#, 0.25),
+        ("<answer>not json</answer>", 0.0),
+        ("no tags at all", 0.0),
+    ];
+    for (text, expected) in cases {
+        let got = score(all(), xml(), text, Some(want), json!({})).await;
+        assert!((got - expected).abs() < 1e-9, "{text}: {got} != {expected}");
+    }
+    // Weights and dotted paths; normalisation off is strict.
+    let weighted = Reward::json_fields(
+        1.0,
+        cfg(json!({"fields": {"name": 3.0, "address.city": 1.0}})),
+    );
+    let text = r#"<answer>{"name": "Ana Ruiz", "address": {"city": "Cusco"}}</answer>"#;
+    assert_eq!(
+        score(weighted, xml(), text, Some(want), json!({})).await,
+        0.75
+    );
+    let strict = Reward::json_fields(1.0, cfg(json!({"fields": ["name"], "normalize": false})));
+    let text = r#"<answer>{"name": "ana ruiz"}</answer>"#;
+    assert_eq!(score(strict, xml(), text, Some(want), json!({})).await, 0.0);
+    assert!(serde_json::from_value::<JsonFieldsConfig>(json!({"feilds": []})).is_err());
+
+    let rx = |v: Value| {
+        Reward::regex_extract(
+            1.0,
+            RegexExtract::new(serde_json::from_value::<RegexExtractConfig>(v).unwrap()).unwrap(),
+        )
+    };
+    let p = Parser::Plain;
+    let total = json!({"pattern": r"Total: (?P<answer>[\d.,/]+)", "compare": "numeric"});
+    assert_eq!(
+        score(
+            rx(total.clone()),
+            p.clone(),
+            "Total: 1.50 then Total: 12.5",
+            Some("12.50"),
+            json!({})
+        )
+        .await,
+        1.0
+    );
+    let first = json!({"pattern": r"Total: ([\d.]+)", "compare": "numeric", "first": true});
+    assert_eq!(
+        score(
+            rx(first),
+            p.clone(),
+            "Total: 1.50 then Total: 12.5",
+            Some("12.5"),
+            json!({})
+        )
+        .await,
+        0.0
+    );
+    let math = json!({"pattern": r"= (.+)$", "compare": "math"});
+    assert_eq!(
+        score(rx(math), p.clone(), "x = 1/2", Some("0.5"), json!({})).await,
+        1.0
+    );
+    let exact = json!({"pattern": r"City: (\w+)"});
+    assert_eq!(
+        score(rx(exact), p.clone(), "City: LIMA", Some("lima"), json!({})).await,
+        1.0
+    );
+    assert!(RegexExtract::new(
+        serde_json::from_value(json!({"pattern": "x", "compare": "fuzzy"})).unwrap()
+    )
+    .is_err());
+}
+
+/// Issue 15: the reward is Σ weight · score, or that over Σ |weight| when
+/// the rubric normalises.
+#[tokio::test]
+async fn normalized_rubric_divides_by_the_weight_sum() {
+    let mut rubric = Rubric::new(Parser::Plain)
+        .with(Reward::new("a", 2.0, |_| 1.0))
+        .with(Reward::new("b", 3.0, |_| 0.5))
+        .with(Reward::new("metric", 0.0, |_| 7.0));
+    let s = rubric
+        .score_group(&row(None, json!({})), &[rollout("x")])
+        .await;
+    assert_eq!(s[0].reward, 3.5);
+    rubric.normalize = true;
+    let s = rubric
+        .score_group(&row(None, json!({})), &[rollout("x")])
+        .await;
+    assert_eq!(s[0].reward, 0.7);
+    assert_eq!(s[0].metrics["metric"], 7.0);
+}
+
+fn write_reward_py(dir: &std::path::Path, body: &str) {
+    let helper = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../python");
+    let text = format!(
+        "import sys\nsys.path.insert(0, {:?})\nfrom temper_reward import reward, serve\n{body}\nif __name__ == '__main__':\n    serve()\n",
+        helper.display().to_string()
+    );
+    std::fs::write(dir.join("reward.py"), text).unwrap();
+}
+
+/// Issue 15: a reward written in Python, one batched call per group, with
+/// its metrics; a failing program is a visible `/error` metric.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_reward_program_scores_a_group_in_one_call() {
+    use std::time::Duration;
+    use temper_env::rubric::ProgramReward;
+    let dir = tempfile::tempdir().unwrap();
+    write_reward_py(
+        dir.path(),
+        r#"
+calls = []
+
+@reward
+def overlap(text, parsed, answer, info, args, **_):
+    calls.append(1)
+    hit = float(answer.lower() in text.lower())
+    return hit * args["scale"], {"calls": len(calls), "bonus": info["bonus"]}
+
+@reward
+def broken(**_):
+    raise RuntimeError("no luck")
+"#,
+    );
+    let spawn = |f: Option<&str>| {
+        ProgramReward::spawn(
+            "python3 reward.py",
+            Some(dir.path()),
+            f.map(str::to_string),
+            json!({"scale": 0.5}),
+            Duration::from_secs(30),
+        )
+    };
+    // Two functions: the entry must name one, and a wrong name lists them.
+    let e = spawn(None).err().unwrap();
+    assert!(e.contains("broken, overlap"), "{e}");
+    let e = spawn(Some("nope")).err().unwrap();
+    assert!(e.contains("no function `nope`"), "{e}");
+
+    let rubric = Rubric::new(Parser::Plain).with(Reward::program(
+        2.0,
+        "overlap",
+        spawn(Some("overlap")).unwrap(),
+    ));
+    let rollouts = [
+        rollout("It is PARIS."),
+        rollout("London"),
+        rollout("paris!"),
+    ];
+    let s = rubric
+        .score_group(&row(Some("Paris"), json!({"bonus": 3})), &rollouts)
+        .await;
+    let rewards: Vec<f64> = s.iter().map(|s| s.reward).collect();
+    assert_eq!(rewards, [1.0, 0.0, 1.0]);
+    assert_eq!(s[1].metrics["overlap"], 0.0);
+    assert_eq!(s[0].metrics["overlap/bonus"], 3.0);
+    // One process, called in order within the group.
+    assert_eq!(s[2].metrics["overlap/calls"], 3.0);
+
+    let rubric = Rubric::new(Parser::Plain).with(Reward::program(
+        1.0,
+        "broken",
+        spawn(Some("broken")).unwrap(),
+    ));
+    let s = rubric
+        .score_group(&row(Some("x"), json!({})), &[rollout("x")])
+        .await;
+    assert_eq!(s[0].reward, 0.0);
+    assert_eq!(s[0].metrics["broken/error"], 1.0);
+}
+
+/// Issue 15: with `sandbox = true` the same Python reward runs in the
+/// sandbox service, one isolated run per group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_reward_program_runs_in_the_sandbox() {
+    let Some(url) = sandbox_service().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    write_reward_py(
+        dir.path(),
+        r#"
+@reward
+def shout(text, args, **_):
+    return float(text.isupper()) * args["scale"]
+"#,
+    );
+    let spec: temper_env::rubric::RewardSpec = toml::from_str(&format!(
+        "command = \"python3 reward.py\"\nsandbox = true\nsandbox_url = {url:?}\nargs = {{ scale = 2.0 }}\nname = \"shout\""
+    ))
+    .unwrap();
+    let r = Reward::from_spec_in(&spec, Some(dir.path())).unwrap();
+    let rubric = Rubric::new(Parser::Plain).with(r);
+    let s = rubric
+        .score_group(&row(None, json!({})), &[rollout("HEY"), rollout("hey")])
+        .await;
+    assert_eq!(s[0].metrics.get("shout/error"), None, "{:?}", s[0].metrics);
+    assert_eq!((s[0].reward, s[1].reward), (2.0, 0.0));
+    // Only `python3 FILE.py` can be shipped to the sandbox.
+    let bad: temper_env::rubric::RewardSpec =
+        toml::from_str("command = \"node reward.js\"\nsandbox = true").unwrap();
+    let e = Reward::from_spec_in(&bad, Some(dir.path())).err().unwrap();
+    assert!(e.contains("python3 FILE.py"), "{e}");
+}

@@ -36,7 +36,9 @@ mod runner;
 
 use std::path::Path;
 
-pub use runner::{default_run_dir, run_eval, run_eval_with, Bounded, EvalConfig, EvalOutcome};
+pub use runner::{
+    default_run_dir, preflight, run_eval, run_eval_with, Bounded, EvalConfig, EvalOutcome,
+};
 pub use temper_env::openai::RetryPolicy;
 
 /// Why an evaluation could not run (single rollouts fail on their own).
@@ -49,6 +51,10 @@ pub enum EvalError {
     /// The model client could not be built.
     #[error(transparent)]
     Model(#[from] temper_env::ModelCallError),
+    /// The endpoint cannot serve this run (down, key refused, no such
+    /// model): found by the preflight `GET /models`.
+    #[error("{0}")]
+    Preflight(String),
     /// Run files are missing or unreadable.
     #[error("results: {0}")]
     Results(String),

@@ -15,9 +15,10 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
@@ -67,6 +68,11 @@ pub struct MockConfig {
     pub faults: Faults,
     /// Answer tool-offering requests with a `calculate` call first.
     pub tool_calls: bool,
+    /// The ids `/v1/models` lists; empty lists `mock` (what the tests and
+    /// benchmarks pass as `-m`).
+    pub models: Vec<String>,
+    /// When set, requests without `Authorization: Bearer KEY` get 401.
+    pub api_key: Option<String>,
 }
 
 /// Request counters.
@@ -91,6 +97,8 @@ pub fn app(cfg: MockConfig, stats: Arc<MockStats>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/models", get(models))
         .with_state(AppState {
             cfg: Arc::new(cfg),
             stats,
@@ -144,7 +152,45 @@ pub fn answer_for(question: &str) -> String {
     }
 }
 
-async fn chat(State(st): State<AppState>, body: Bytes) -> Response {
+/// 401 unless the request carries the configured key.
+fn unauthorized(cfg: &MockConfig, headers: &HeaderMap) -> Option<Response> {
+    let key = cfg.api_key.as_ref()?;
+    let sent = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if sent == Some(key.as_str()) {
+        return None;
+    }
+    Some(
+        (
+            StatusCode::UNAUTHORIZED,
+            "{\"error\":{\"message\":\"Incorrect API key provided\"}}",
+        )
+            .into_response(),
+    )
+}
+
+async fn models(State(st): State<AppState>, headers: HeaderMap) -> Response {
+    if let Some(r) = unauthorized(&st.cfg, &headers) {
+        return r;
+    }
+    let ids: Vec<&str> = if st.cfg.models.is_empty() {
+        vec!["mock"]
+    } else {
+        st.cfg.models.iter().map(String::as_str).collect()
+    };
+    let data: Vec<Value> = ids
+        .iter()
+        .map(|id| json!({"id": id, "object": "model", "owned_by": "mock"}))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn chat(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Some(r) = unauthorized(&st.cfg, &headers) {
+        return r;
+    }
     let n = st.stats.requests.fetch_add(1, Ordering::Relaxed) + 1;
     if !st.cfg.latency.is_zero() {
         tokio::time::sleep(st.cfg.latency).await;

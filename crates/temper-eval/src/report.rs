@@ -23,6 +23,9 @@ pub struct Summary {
     pub pass_at_k: BTreeMap<String, f64>,
     /// Rollouts with an error.
     pub num_errors: usize,
+    /// Each distinct error message with how many rollouts ended with it,
+    /// most frequent first.
+    pub errors: Vec<(String, usize)>,
     /// Rollouts that hit a token limit.
     pub num_truncated: usize,
     /// Token totals.
@@ -93,6 +96,15 @@ pub fn summarize(lines: &[ResultLine], threshold: f64) -> Summary {
         input_tokens: u.input_tokens + l.token_usage.input_tokens,
         output_tokens: u.output_tokens + l.token_usage.output_tokens,
     });
+    let mut by_message: BTreeMap<&str, usize> = BTreeMap::new();
+    for e in lines.iter().filter_map(|l| l.error.as_deref()) {
+        *by_message.entry(e).or_default() += 1;
+    }
+    let mut errors: Vec<(String, usize)> = by_message
+        .into_iter()
+        .map(|(m, c)| (m.to_string(), c))
+        .collect();
+    errors.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     Summary {
         num_rollouts: n,
         num_examples: groups.len(),
@@ -101,6 +113,7 @@ pub fn summarize(lines: &[ResultLine], threshold: f64) -> Summary {
         avg_metrics,
         pass_at_k: pass,
         num_errors: lines.iter().filter(|l| l.error.is_some()).count(),
+        errors,
         num_truncated: lines.iter().filter(|l| l.is_truncated).count(),
         usage,
         avg_generation_ms: mean(&mut lines.iter().map(|l| l.timing.generation_ms)),
@@ -132,6 +145,16 @@ pub fn summary_table(meta: &Metadata, s: &Summary) -> String {
         "errors     {}   truncated {}",
         s.num_errors, s.num_truncated
     );
+    for (m, c) in s.errors.iter().take(10) {
+        let _ = writeln!(t, "  {c:>5} × {}", clip(m, 300));
+    }
+    if s.errors.len() > 10 {
+        let _ = writeln!(
+            t,
+            "  … {} more distinct errors in results.jsonl",
+            s.errors.len() - 10
+        );
+    }
     let _ = writeln!(
         t,
         "tokens     {} in / {} out",
@@ -145,6 +168,16 @@ pub fn summary_table(meta: &Metadata, s: &Summary) -> String {
     t
 }
 
+/// `s` cut to `n` characters (an error can carry a whole HTML page).
+fn clip(s: &str, n: usize) -> String {
+    let one_line = s.replace('\n', " ");
+    if one_line.chars().count() <= n {
+        one_line
+    } else {
+        format!("{}…", one_line.chars().take(n).collect::<String>())
+    }
+}
+
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -152,54 +185,107 @@ fn esc(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
-fn histogram_svg(rewards: &[f64]) -> String {
-    if rewards.is_empty() {
+/// Histogram bins of `values`: one bar per distinct value when there are
+/// few (a 0/1 reward gives two labelled bars), else ten equal-width bins
+/// labelled by their range. Each is (label, count).
+fn histogram_bins(values: &[f64]) -> Vec<(String, usize)> {
+    let mut distinct: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+    distinct.sort_by(f64::total_cmp);
+    distinct.dedup_by(|a, b| (*a - *b).abs() < 1e-9);
+    let fmt = |v: f64| {
+        let s = format!("{v:.3}");
+        let s = s.trim_end_matches('0').trim_end_matches('.').to_string();
+        if s == "-0" {
+            "0".to_string()
+        } else {
+            s
+        }
+    };
+    let non_finite = values.iter().filter(|v| !v.is_finite()).count();
+    let mut bins: Vec<(String, usize)> = if distinct.len() <= 12 {
+        distinct
+            .iter()
+            .map(|&d| {
+                let c = values.iter().filter(|v| (**v - d).abs() < 1e-9).count();
+                (fmt(d), c)
+            })
+            .collect()
+    } else {
+        let (lo, hi) = (distinct[0], distinct[distinct.len() - 1]);
+        let n = 10usize;
+        let width = (hi - lo) / n as f64;
+        let mut counts = vec![0usize; n];
+        for v in values.iter().filter(|v| v.is_finite()) {
+            counts[(((v - lo) / width) as usize).min(n - 1)] += 1;
+        }
+        counts
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let (a, b) = (lo + i as f64 * width, lo + (i + 1) as f64 * width);
+                let close = if i == n - 1 { "]" } else { ")" };
+                (format!("[{}, {}{close}", fmt(a), fmt(b)), c)
+            })
+            .collect()
+    };
+    if non_finite > 0 {
+        bins.push(("NaN/inf".into(), non_finite));
+    }
+    bins
+}
+
+/// An SVG bar chart of `values` with each bar's count above it and its
+/// value or range below; `title` names the quantity.
+fn histogram_svg(values: &[f64], title: &str) -> String {
+    if values.is_empty() {
         return "<p>no rollouts</p>".into();
     }
-    let lo = rewards.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = rewards.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let bins = 20usize;
-    let width = if hi > lo {
-        (hi - lo) / bins as f64
-    } else {
-        1.0
-    };
-    let mut counts = vec![0usize; bins];
-    for r in rewards {
-        let b = if hi > lo {
-            (((r - lo) / width) as usize).min(bins - 1)
-        } else {
-            0
-        };
-        counts[b] += 1;
-    }
-    let max = counts.iter().copied().max().unwrap_or(1).max(1) as f64;
-    let (w, h) = (600.0, 200.0);
-    let bw = w / bins as f64;
+    let bins = histogram_bins(values);
+    let max = bins.iter().map(|b| b.1).max().unwrap_or(1).max(1) as f64;
+    let (w, h, top, bottom) = (640.0, 160.0, 18.0, 40.0);
+    let bw = w / bins.len() as f64;
     let mut svg = format!(
-        "<svg width=\"{w}\" height=\"{}\" xmlns=\"http://www.w3.org/2000/svg\">",
-        h + 30.0
+        "<svg width=\"{w}\" height=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" font-family=\"sans-serif\"><title>{}</title>",
+        top + h + bottom,
+        esc(title)
     );
-    for (i, c) in counts.iter().enumerate() {
+    for (i, (label, c)) in bins.iter().enumerate() {
         let bh = h * *c as f64 / max;
+        let x = i as f64 * bw;
         let _ = write!(
             svg,
-            "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{bh:.1}\" fill=\"#4a7\"><title>[{:.3}, {:.3}): {c}</title></rect>",
-            i as f64 * bw + 1.0,
-            h - bh,
+            "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{bh:.1}\" fill=\"#4a7\"><title>{}: {c}</title></rect>\
+             <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" text-anchor=\"middle\">{c}</text>\
+             <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"10\" text-anchor=\"middle\">{}</text>",
+            x + 1.0,
+            top + h - bh,
             bw - 2.0,
-            lo + i as f64 * width,
-            lo + (i + 1) as f64 * width
+            esc(label),
+            x + bw / 2.0,
+            top + h - bh - 4.0,
+            x + bw / 2.0,
+            top + h + 14.0,
+            esc(label)
         );
     }
     let _ = write!(
         svg,
-        "<text x=\"0\" y=\"{}\" font-size=\"12\">{lo:.3}</text><text x=\"{}\" y=\"{}\" font-size=\"12\" text-anchor=\"end\">{hi:.3}</text></svg>",
-        h + 20.0,
-        w,
-        h + 20.0
+        "<text x=\"{}\" y=\"{}\" font-size=\"11\" text-anchor=\"middle\">{} (bar label: rollouts)</text></svg>",
+        w / 2.0,
+        top + h + 34.0,
+        esc(title)
     );
     svg
+}
+
+/// Mean, standard deviation, min and max.
+fn stats(values: &[f64]) -> (f64, f64, f64, f64) {
+    let n = values.len().max(1) as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (mean, var.sqrt(), min, max)
 }
 
 fn transcript(l: &ResultLine) -> String {
@@ -222,8 +308,9 @@ fn transcript(l: &ResultLine) -> String {
     s
 }
 
-/// A self-contained HTML report: summary, reward histogram, per-metric
-/// means, pass@k, slowest and failed rollouts, and browsable transcripts.
+/// A self-contained HTML report: summary, reward histogram (counts and bin
+/// labels), per-metric statistics and histograms, the distinct errors with
+/// counts, pass@k, slowest and failed rollouts, and browsable transcripts.
 pub fn html_report(meta: &Metadata, lines: &[ResultLine]) -> String {
     let s = summarize(lines, meta.pass_threshold);
     let mut h = String::new();
@@ -246,17 +333,56 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}pre{{white-space:p
     );
     let _ = write!(
         h,
-        "<h2>Reward histogram</h2>{}",
-        histogram_svg(&lines.iter().map(|l| l.reward).collect::<Vec<_>>())
+        "<h2>Reward distribution</h2>{}",
+        histogram_svg(
+            &lines.iter().map(|l| l.reward).collect::<Vec<_>>(),
+            "reward"
+        )
     );
-    let _ = write!(h, "<h2>Metrics</h2><table><tr><th>metric</th><th>mean</th></tr><tr><td>reward</td><td>{:.4}</td></tr>", s.avg_reward);
-    for (k, v) in &s.avg_metrics {
-        let _ = write!(h, "<tr><td>{}</td><td>{v:.4}</td></tr>", esc(k));
+    h.push_str("<h2>Metrics</h2><table><tr><th>metric</th><th>rollouts</th><th>mean</th><th>std</th><th>min</th><th>max</th></tr>");
+    let mut per_metric: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    per_metric.insert("reward", lines.iter().map(|l| l.reward).collect());
+    for l in lines {
+        for (k, v) in &l.metrics {
+            per_metric.entry(k.as_str()).or_default().push(*v);
+        }
+    }
+    for (k, vs) in &per_metric {
+        let (mean, std, min, max) = stats(vs);
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td>{}</td><td>{mean:.4}</td><td>{std:.4}</td><td>{min:.4}</td><td>{max:.4}</td></tr>",
+            esc(k),
+            vs.len()
+        );
+    }
+    h.push_str("</table>");
+    for (k, vs) in per_metric.iter().filter(|(k, _)| **k != "reward") {
+        let _ = write!(
+            h,
+            "<details open><summary>{} distribution</summary>{}</details>",
+            esc(k),
+            histogram_svg(vs, k)
+        );
     }
     let _ = write!(
         h,
-        "</table><h2>pass@k</h2><table><tr><th>k</th><th>pass@k</th></tr>"
+        "<h2>Errors ({} rollouts, {} distinct)</h2>",
+        s.num_errors,
+        s.errors.len()
     );
+    if !s.errors.is_empty() {
+        h.push_str("<table><tr><th>count</th><th>error</th></tr>");
+        for (m, c) in &s.errors {
+            let _ = write!(
+                h,
+                "<tr><td>{c}</td><td class=\"err\">{}</td></tr>",
+                esc(&clip(m, 2000))
+            );
+        }
+        h.push_str("</table>");
+    }
+    h.push_str("<h2>pass@k</h2><table><tr><th>k</th><th>pass@k</th></tr>");
     for (k, v) in &s.pass_at_k {
         let _ = write!(h, "<tr><td>{}</td><td>{v:.4}</td></tr>", esc(k));
     }
@@ -331,5 +457,78 @@ mod tests {
                 "pass@{k} n={n} c={c}: {got} != {want}"
             );
         }
+    }
+
+    /// Issue 15: the report's histograms carry counts and bin labels, every
+    /// metric gets its distribution, and the distinct errors are counted.
+    #[test]
+    fn report_histograms_have_counts_and_labels_and_errors_are_counted() {
+        use crate::results::ResultLine;
+        use temper_env::{Message, Timing, TokenUsage};
+        let line = |id: u64, reward: f64, fmt: f64, error: Option<&str>| ResultLine {
+            example_id: id,
+            prompt: vec![Message::user("q")],
+            completion: vec![Message::assistant("a")],
+            answer: None,
+            info: serde_json::json!({}),
+            reward,
+            metrics: [("format".to_string(), fmt)].into_iter().collect(),
+            timing: Timing::default(),
+            is_completed: error.is_none(),
+            is_truncated: false,
+            error: error.map(str::to_string),
+            stop_condition: None,
+            token_usage: TokenUsage::default(),
+        };
+        let lines = vec![
+            line(0, 1.0, 1.0, None),
+            line(1, 1.0, 1.0, None),
+            line(2, 1.0, 0.0, None),
+            line(3, 0.5, 1.0, None),
+            line(4, 0.0, 0.0, Some("model endpoint answered 500: boom")),
+            line(5, 0.0, 0.0, Some("model endpoint answered 500: boom")),
+            line(6, 0.0, 0.0, Some("model call timed out after 5.0s")),
+        ];
+        // Discrete rewards: one labelled bar per value, with its count.
+        assert_eq!(
+            histogram_bins(&lines.iter().map(|l| l.reward).collect::<Vec<_>>()),
+            vec![("0".into(), 3), ("0.5".into(), 1), ("1".into(), 3)]
+        );
+        // Continuous values: ten labelled ranges that hold every value.
+        let spread: Vec<f64> = (0..50).map(|i| i as f64 / 49.0).collect();
+        let bins = histogram_bins(&spread);
+        assert_eq!(bins.len(), 10);
+        assert_eq!(bins[0].0, "[0, 0.1)");
+        assert_eq!(bins[9].0, "[0.9, 1]");
+        assert_eq!(bins.iter().map(|b| b.1).sum::<usize>(), 50);
+
+        let meta: crate::results::Metadata = serde_json::from_value(serde_json::json!({
+            "env_id": "e", "model": "m", "base_url": "u", "num_examples": 7,
+            "split": "eval", "rollouts_per_example": 1,
+            "sampling_args": {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0},
+            "avg_reward": 0.0, "avg_metrics": {}, "pass_at_k": {}, "usage": {"input_tokens": 0, "output_tokens": 0},
+            "time": 1.0, "date": "d", "run_id": "r", "status": "completed",
+            "num_rollouts": 7, "num_errors": 3, "env_spec": "e", "env_args": {},
+            "max_concurrent": 1, "seed": 0, "pass_threshold": 1.0
+        }))
+        .unwrap();
+        let html = html_report(&meta, &lines);
+        // Count labels above bars and value labels below.
+        assert!(
+            html.contains(">3</text>") && html.contains(">0.5</text>"),
+            "{html}"
+        );
+        assert!(html.contains("format distribution"));
+        assert!(html.contains("Errors (3 rollouts, 2 distinct)"));
+        assert!(html.contains(
+            "<tr><td>2</td><td class=\"err\">model endpoint answered 500: boom</td></tr>"
+        ));
+        assert!(html
+            .contains("<tr><td>1</td><td class=\"err\">model call timed out after 5.0s</td></tr>"));
+        let table = summary_table(&meta, &summarize(&lines, 1.0));
+        assert!(
+            table.contains("2 × model endpoint answered 500: boom"),
+            "{table}"
+        );
     }
 }

@@ -109,7 +109,52 @@ pub async fn run_eval(
     let mut model = OpenAiChatModel::new(&cfg.base_url, &cfg.model, cfg.api_key.clone())?;
     model.retry = cfg.retry;
     model.timeout = cfg.request_timeout;
+    preflight(&model, cfg).await?;
     run_eval_with(env, Arc::new(model), cfg).await
+}
+
+/// One `GET /models` before any rollout, so that a server that is down, a
+/// wrong key or a wrong model name ends the run at once with the reason,
+/// instead of every rollout retrying for half a minute and scoring 0.
+pub async fn preflight(model: &OpenAiChatModel, cfg: &EvalConfig) -> Result<(), EvalError> {
+    let url = format!("{}/models", model.base_url());
+    let timeout = cfg.request_timeout.min(Duration::from_secs(30));
+    let fail = |why: String| Err(EvalError::Preflight(why));
+    match model.list_models(timeout).await {
+        Ok(None) => {
+            // No model list to check against: the first rollouts will tell.
+            tracing::warn!("{url} is not served; skipping the model-name check");
+            Ok(())
+        }
+        Ok(Some(ids)) if ids.iter().any(|id| id == model.model()) => Ok(()),
+        Ok(Some(ids)) => fail(format!(
+            "the endpoint {} does not serve model `{}`; it offers: {} (choose one with -m)",
+            model.base_url(),
+            model.model(),
+            if ids.is_empty() {
+                "nothing".to_string()
+            } else {
+                ids.join(", ")
+            }
+        )),
+        Err(ModelCallError::Status { status, message }) if status == 401 || status == 403 => {
+            let key = match &cfg.api_key_env {
+                Some(var) => format!("the key in ${var} was refused"),
+                None => "no key was sent".to_string(),
+            };
+            fail(format!(
+                "{url} answered {status} ({message}): {key}; check -k / the API key (-k names the environment variable that holds it)"
+            ))
+        }
+        Err(ModelCallError::Status { status, message }) => {
+            fail(format!("{url} answered {status}: {message}"))
+        }
+        Err(ModelCallError::Connection(reason)) => fail(format!(
+            "cannot reach {url}: {reason} (is the server running? -b sets the base URL)"
+        )),
+        Err(ModelCallError::Timeout(s)) => fail(format!("{url} did not answer within {s:.0}s")),
+        Err(e) => fail(format!("{url}: {e}")),
+    }
 }
 
 /// Evaluate `env` with any [`ChatModel`] (the endpoint fields of `cfg` are

@@ -40,6 +40,7 @@
 
 mod chat;
 mod config;
+pub mod decode;
 mod error;
 mod export;
 mod gguf;
@@ -57,6 +58,7 @@ mod weights;
 
 pub use chat::ChatTemplate;
 pub use config::{Family, HfConfig, ModelConfig, RopeScaling};
+pub use decode::{FinishReason, SamplingParams};
 pub use error::{ModelError, Result};
 pub use export::{hf_config_json, save_gguf, save_hf, GgufQuant};
 pub use gguf::{gguf_tensor_name, is_gguf, GgufFile};
@@ -65,7 +67,7 @@ pub use model::{KvCache, Model, Segment};
 pub use pretrained::{GenerationDefaults, LoadOptions, Pretrained};
 pub use random::{random_weights, write_random_model, RandomInit};
 pub use rope::{inv_freq, Rope};
-pub use sampling::{Completion, FinishReason, GenerationRequest, Sampler, SamplingParams};
+pub use sampling::{Completion, GenerationRequest, Sampler};
 pub use scoring::{ScoreInput, TokenScores};
 pub use tokenizer::{chat_template_source, load_chat_template, Tokenizer};
 pub use top_logprobs::TopLogprobs;

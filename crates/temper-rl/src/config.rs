@@ -89,6 +89,19 @@ pub struct SamplingSection {
     pub max_tokens: usize,
     /// Rollouts per prompt (the group of group-relative advantages).
     pub group_size: usize,
+    /// Drop tokens below `min_p` × the top probability (0 = off); like
+    /// `top_p` it truncates the tail, and logprobs stay the model's.
+    pub min_p: f64,
+    /// Token ids that end a turn, besides EOS.
+    pub stop_token_ids: Vec<u32>,
+    /// Refused in RL (see [`SamplingSection::check`]); 0 = off.
+    pub presence_penalty: f64,
+    /// Refused in RL; 0 = off.
+    pub frequency_penalty: f64,
+    /// Refused in RL; 1 = off.
+    pub repetition_penalty: f64,
+    /// Refused in RL; token id (a TOML key is a string) → bias.
+    pub logit_bias: std::collections::BTreeMap<String, f64>,
 }
 
 impl Default for SamplingSection {
@@ -98,7 +111,44 @@ impl Default for SamplingSection {
             top_p: 1.0,
             max_tokens: 64,
             group_size: 8,
+            min_p: 0.0,
+            stop_token_ids: Vec::new(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Default::default(),
         }
+    }
+}
+
+impl SamplingSection {
+    /// Penalties and logit bias move probability mass, so a sample would
+    /// not come from the distribution whose logprobs the trainer
+    /// recomputes (the model's, at `temperature`): the importance ratio
+    /// would be wrong. Refuse them rather than train on a silent mismatch.
+    pub fn check(&self) -> Result<()> {
+        let mut set = Vec::new();
+        if self.presence_penalty != 0.0 {
+            set.push("presence_penalty");
+        }
+        if self.frequency_penalty != 0.0 {
+            set.push("frequency_penalty");
+        }
+        if self.repetition_penalty != 1.0 {
+            set.push("repetition_penalty");
+        }
+        if !self.logit_bias.is_empty() {
+            set.push("logit_bias");
+        }
+        if set.is_empty() {
+            return Ok(());
+        }
+        Err(RlError::Config(format!(
+            "[sampling] {} change the sampled distribution away from the model's, whose \
+             logprobs the trainer recomputes, so RL refuses them (truncation, top_p and \
+             min_p, is allowed); use them in `temper eval` and `temper serve` requests",
+            set.join(", ")
+        )))
     }
 }
 
@@ -613,6 +663,27 @@ mod tests {
         assert_eq!(cfg.sampling.group_size, 8);
         let again: RlConfig = resolve(&to_toml(&cfg).unwrap(), &[]).unwrap();
         assert_eq!(again, cfg);
+    }
+
+    /// Issue 15: the sampling fields of `temper eval -S` exist in RL
+    /// configs; truncation passes, distribution-moving ones are refused
+    /// with the reason.
+    #[test]
+    fn rl_sampling_refuses_penalties_and_logit_bias() {
+        let ok: SamplingSection =
+            toml::from_str("min_p = 0.05\nstop_token_ids = [7]\ntop_p = 0.9").unwrap();
+        assert_eq!(ok.min_p, 0.05);
+        assert!(ok.check().is_ok());
+        for (text, field) in [
+            ("presence_penalty = 0.5", "presence_penalty"),
+            ("frequency_penalty = 0.5", "frequency_penalty"),
+            ("repetition_penalty = 1.2", "repetition_penalty"),
+            ("logit_bias = { 42 = -100.0 }", "logit_bias"),
+        ] {
+            let s: SamplingSection = toml::from_str(text).unwrap();
+            let e = s.check().unwrap_err().to_string();
+            assert!(e.contains(field) && e.contains("trainer recomputes"), "{e}");
+        }
     }
 
     #[test]

@@ -168,6 +168,7 @@ impl TryFrom<RlConfig> for RlPlan {
         if cfg.trainer.batch_size == 0 || cfg.sampling.group_size == 0 {
             return bad("trainer.batch_size and sampling.group_size must be >= 1");
         }
+        cfg.sampling.check()?;
         if cfg.sampler.url.is_some() && !cfg.lora.enabled {
             return bad("an external sampler receives LoRA adapters: set lora.enabled = true");
         }

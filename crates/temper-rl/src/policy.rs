@@ -90,6 +90,16 @@ impl Renderer {
             temperature: args.temperature,
             top_p: args.top_p,
             stop: args.stop.clone(),
+            stop_token_ids: args.stop_token_ids.clone(),
+            min_p: args.min_p.unwrap_or(0.0),
+            presence_penalty: args.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: args.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: args.repetition_penalty.unwrap_or(1.0),
+            logit_bias: args
+                .logit_bias
+                .iter()
+                .map(|(id, b)| (*id, *b as f32))
+                .collect(),
             seed: Some(seed),
             logprobs: true,
             ..Default::default()
@@ -389,6 +399,12 @@ impl ChatModel for HttpPolicy {
             "top_p": p.top_p,
             "seed": p.seed,
             "stop": p.stop,
+            "stop_token_ids": p.stop_token_ids,
+            "min_p": p.min_p,
+            "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty,
+            "repetition_penalty": p.repetition_penalty,
+            "logit_bias": p.logit_bias.iter().map(|(id, b)| (id.to_string(), *b)).collect::<std::collections::BTreeMap<_, _>>(),
         });
         let resp = self
             .post("/v1/generate")

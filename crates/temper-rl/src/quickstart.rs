@@ -158,6 +158,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
             top_p: 1.0,
             max_tokens: 24,
             group_size: 8,
+            ..SamplingSection::default()
         },
         trainer: RlTrainerSection {
             loss: temper_engine::Loss::ImportanceSampling.name().into(),

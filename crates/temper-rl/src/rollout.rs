@@ -156,6 +156,8 @@ impl RolloutPlan {
             temperature: self.sampling.temperature,
             top_p: self.sampling.top_p,
             seed: Some(seed),
+            min_p: (self.sampling.min_p > 0.0).then_some(self.sampling.min_p),
+            stop_token_ids: self.sampling.stop_token_ids.clone(),
             ..Default::default()
         }
     }

@@ -22,8 +22,9 @@
 //!
 //! So requests join and leave the batch at every step. A job whose client
 //! went away (its event receiver dropped) is retired at the next step.
-//! Sampling is [`sample_token`] with a ChaCha8 stream per sample, seeded as
-//! [`temper_model::Sampler`] seeds it: same seed, same prompt, same weights ⇒
+//! Tokens are drawn and sequences ended by [`temper_model::decode`], the
+//! rules [`temper_model::Sampler`] uses too, with a ChaCha8 stream per
+//! sample seeded as the sampler seeds it: same seed, same prompt, same weights ⇒
 //! same tokens, whatever else is running. Logprobs are not computed here:
 //! callers score finished sequences with [`temper_model::Model::score_with_top`], the
 //! trainer's own forward, so reported logprobs match training bit for bit.
@@ -35,7 +36,7 @@ use std::sync::{mpsc, Arc};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use temper_model::candle_core::{DType, Tensor};
-use temper_model::sampling::sample_token;
+use temper_model::decode::{check_stop, next_token, streamable_len, visible_text};
 use temper_model::{FinishReason, KvCache, LoraAdapter, Pretrained, SamplingParams, Segment};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -297,7 +298,7 @@ struct BatchLoop {
 /// What a finished prefill turns into.
 enum Pending {
     /// A new job: its `n` samples start from the prefilled cache.
-    New(Job),
+    New(Box<Job>),
     /// A preempted sequence: prompt + its tokens so far, recomputed.
     Resume(Box<Seq>),
 }
@@ -440,7 +441,7 @@ impl BatchLoop {
                     .prompt_tokens
                     .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
                 let (input, n) = (job.prompt.clone(), job.n);
-                self.push_prefill(Pending::New(job), input, n);
+                self.push_prefill(Pending::New(Box::new(job)), input, n);
             }
         }
         if admitted > 0 {
@@ -528,7 +529,7 @@ impl BatchLoop {
                 continue;
             }
             match (row, p.what) {
-                (Some(row), Pending::New(job)) => self.start_job(job, p.cache, row),
+                (Some(row), Pending::New(job)) => self.start_job(*job, p.cache, row),
                 (Some(row), Pending::Resume(mut s)) => {
                     s.cache = p.cache;
                     s.logits = row;
@@ -663,49 +664,27 @@ impl BatchLoop {
     }
 
     fn sample_one(&self, seq: &mut Seq, eos: &[u32]) -> temper_model::Result<Option<Finished>> {
-        let tok_ = &self.model.tokenizer;
+        let tokenizer = &self.model.tokenizer;
         let p = &seq.job.params;
-        let tok = sample_token(&seq.logits, p, &mut seq.rng);
+        let tok = next_token(&seq.logits, p, &seq.job.prompt, &seq.tokens, &mut seq.rng);
         seq.tokens.push(tok);
-        let mut finish = None;
-        let mut stop_text = None;
-        if (!p.ignore_eos && eos.contains(&tok)) || p.stop_token_ids.contains(&tok) {
-            finish = Some(FinishReason::Stop);
-        } else if !p.stop.is_empty() || seq.job.stream {
-            let text = tok_.decode(&seq.tokens, true)?;
-            if let Some(cut) = p.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-                stop_text = Some(text[..cut].to_string());
-                finish = Some(FinishReason::Stop);
-            } else if seq.job.stream {
-                let end = streamable_len(&text, &p.stop);
-                if end > seq.sent.len() && text.starts_with(seq.sent.as_str()) {
-                    let delta = text[seq.sent.len()..end].to_string();
-                    seq.sent.push_str(&delta);
-                    let _ = seq.job.events.send(Event::Delta {
-                        index: seq.job.first_index + seq.index,
-                        text: delta,
-                    });
-                }
+        let full = seq.cache.len() + 1 >= self.cfg.max_model_len;
+        let check = check_stop(&seq.tokens, p, eos, tokenizer, full, seq.job.stream)?;
+        if let (Some(text), true) = (&check.text, seq.job.stream) {
+            let end = streamable_len(text, &p.stop);
+            if end > seq.sent.len() && text.starts_with(seq.sent.as_str()) {
+                let delta = text[seq.sent.len()..end].to_string();
+                seq.sent.push_str(&delta);
+                let _ = seq.job.events.send(Event::Delta {
+                    index: seq.job.first_index + seq.index,
+                    text: delta,
+                });
             }
         }
-        if finish.is_none()
-            && (seq.tokens.len() >= p.max_tokens || seq.cache.len() + 1 >= self.cfg.max_model_len)
-        {
-            finish = Some(FinishReason::Length);
-        }
-        let Some(finish_reason) = finish else {
+        let Some(finish_reason) = check.finish else {
             return Ok(None);
         };
-        let text = match stop_text {
-            Some(t) => t,
-            None => {
-                let visible = match finish_reason {
-                    FinishReason::Stop => &seq.tokens[..seq.tokens.len() - 1],
-                    FinishReason::Length => &seq.tokens[..],
-                };
-                tok_.decode(visible, true)?
-            }
-        };
+        let text = visible_text(&seq.tokens, finish_reason, check.stop_text, tokenizer)?;
         Ok(Some(Finished {
             index: seq.job.first_index + seq.index,
             tokens: std::mem::take(&mut seq.tokens),
@@ -774,38 +753,5 @@ impl BatchLoop {
             }
             self.running = keep;
         }
-    }
-}
-
-/// How much of `text` may be streamed now: all of it, less a trailing
-/// replacement character (an incomplete UTF-8 sequence that the next token
-/// may complete) and less the longest suffix that starts a stop string.
-pub fn streamable_len(text: &str, stops: &[String]) -> usize {
-    let mut end = text.len();
-    if text.ends_with('\u{FFFD}') {
-        end -= '\u{FFFD}'.len_utf8();
-    }
-    let head = &text[..end];
-    let mut hold = 0;
-    for s in stops {
-        for (i, _) in s.char_indices().skip(1) {
-            if i > hold && head.ends_with(&s[..i]) {
-                hold = i;
-            }
-        }
-    }
-    end - hold
-}
-
-#[cfg(test)]
-mod tests {
-    use super::streamable_len;
-
-    #[test]
-    fn stream_holds_back_possible_stop_prefixes() {
-        let stops = vec!["</end>".to_string()];
-        assert_eq!(streamable_len("hello </e", &stops), 6);
-        assert_eq!(streamable_len("hello", &stops), 5);
-        assert_eq!(streamable_len("ab\u{FFFD}", &[]), 2);
     }
 }

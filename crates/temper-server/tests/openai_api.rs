@@ -693,9 +693,36 @@ async fn errors_are_openai_shaped() {
             "maximum context length is 512",
         ),
         (
-            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}),
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5}),
             StatusCode::BAD_REQUEST,
-            "not supported",
+            "frequency_penalty must be in [-2, 2]",
+        ),
+        // Issue 15: a field the server does not implement is named, never
+        // silently dropped.
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "guided_json": {}}),
+            StatusCode::BAD_REQUEST,
+            "unsupported field `guided_json`",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
+            StatusCode::BAD_REQUEST,
+            "response_format",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}),
+            StatusCode::BAD_REQUEST,
+            "logit_bias keys are token ids",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}}),
+            StatusCode::BAD_REQUEST,
+            "outside the vocabulary",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "min_p": 2}),
+            StatusCode::BAD_REQUEST,
+            "min_p",
         ),
     ];
     for (body, want, needle) in cases {
@@ -988,4 +1015,75 @@ async fn an_oversized_body_is_an_openai_json_413_and_models_hide_server_paths() 
     let dir = fixtures().canonicalize().expect("fixtures");
     assert!(!text.contains("fixtures/models"), "{text}");
     assert!(!text.contains(dir.to_str().expect("utf8")), "{text}");
+}
+
+/// Issue 15: the sampling fields act on the server as in the in-process
+/// sampler (one set of decode rules): logit_bias forces a token, a stop
+/// token id ends the sample, and the others are accepted and change the
+/// sample where they should.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sampling_fields_are_honoured() {
+    let (_, s) = server();
+    let r = app(s);
+    let gen = |extra: Value| {
+        let mut b = json!({"model": MODEL, "prompt_token_ids": [1, 2, 3], "max_tokens": 12,
+                           "temperature": 1.0, "seed": 7, "ignore_eos": true});
+        for (k, v) in extra.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let toks = |v: &Value| u32s(&v["choices"][0]["token_ids"]);
+    // A +100 bias makes token 42 all but certain at every step.
+    let (st, v) = post(&r, "/v1/generate", gen(json!({"logit_bias": {"42": 100}}))).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(toks(&v), vec![42; 12], "{v}");
+    // A stop token id ends the sample on it (kept in the tokens).
+    let (st, v) = post(
+        &r,
+        "/v1/generate",
+        gen(json!({"logit_bias": {"42": 100}, "stop_token_ids": [42]})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(toks(&v), vec![42], "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // A strong repetition penalty keeps greedy off every token seen so far
+    // (the prompt's included); penalties change a seeded sample.
+    let greedy = |extra: Value| {
+        let mut b = gen(extra);
+        b["temperature"] = json!(0.0);
+        b
+    };
+    let plain = toks(&post(&r, "/v1/generate", greedy(json!({}))).await.1);
+    let rep = toks(
+        &post(
+            &r,
+            "/v1/generate",
+            greedy(json!({"repetition_penalty": 50.0})),
+        )
+        .await
+        .1,
+    );
+    assert_ne!(plain, rep);
+    for t in &rep {
+        assert!(
+            ![1u32, 2, 3].contains(t),
+            "a prompt token came back: {rep:?}"
+        );
+    }
+    let seeded = toks(&post(&r, "/v1/generate", gen(json!({}))).await.1);
+    let freq = toks(
+        &post(
+            &r,
+            "/v1/generate",
+            gen(json!({"frequency_penalty": 2.0, "presence_penalty": 2.0})),
+        )
+        .await
+        .1,
+    );
+    assert_ne!(seeded, freq);
+    // min_p = 1 keeps only the most likely token: greedy, whatever the seed.
+    let min_p = toks(&post(&r, "/v1/generate", gen(json!({"min_p": 1.0}))).await.1);
+    assert_eq!(min_p, plain);
 }

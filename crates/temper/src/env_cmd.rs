@@ -15,6 +15,9 @@ pub enum EnvCommand {
         /// Parent directory.
         #[arg(long, default_value = ".")]
         dir: PathBuf,
+        /// The shape of the environment.
+        #[arg(long, value_enum, default_value = "single-turn")]
+        template: Template,
     },
     /// List the built-in environments.
     List,
@@ -29,7 +32,11 @@ pub fn run(cmd: EnvCommand) -> Result<()> {
             }
             Ok(())
         }
-        EnvCommand::New { name, dir } => {
+        EnvCommand::New {
+            name,
+            dir,
+            template,
+        } => {
             let valid = !name.is_empty()
                 && name
                     .chars()
@@ -42,7 +49,7 @@ pub fn run(cmd: EnvCommand) -> Result<()> {
                 bail!("{} already exists", root.display());
             }
             std::fs::create_dir_all(&root).with_context(|| format!("create {}", root.display()))?;
-            for (file, text) in scaffold(&name) {
+            for (file, text) in scaffold(&name, template) {
                 std::fs::write(root.join(file), text).with_context(|| format!("write {file}"))?;
             }
             println!("created {}", root.display());
@@ -55,85 +62,76 @@ pub fn run(cmd: EnvCommand) -> Result<()> {
     }
 }
 
-/// The files of a new environment: unit conversions, math-equivalence
-/// reward, `<answer>` format metric.
-fn scaffold(name: &str) -> Vec<(&'static str, String)> {
-    let toml = format!(
-        r#"# A temper environment: dataset + harness + rubric (+ parser).
-name = "{name}"
-version = "0.1.0"
-description = "Unit conversions, answered as a number."
-system_prompt = "Answer with just the number in <answer></answer> tags."
+/// The shapes `temper env new --template` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Template {
+    /// One prompt, one answer, exact-match reward.
+    SingleTurn,
+    /// A Python environment that replies to each answer (JSON lines).
+    MultiTurn,
+    /// Tool calls (a calculator) before the answer.
+    Tools,
+    /// A JSON answer checked against a schema.
+    Json,
+    /// Python code run against unit tests in the sandbox.
+    Code,
+}
 
-[dataset]
-train = "train.jsonl"
-eval = "eval.jsonl"
-
-[[few_shot]]
-question = "How many minutes are in 2 hours?"
-answer = "<answer>120</answer>"
-
-[harness]
-type = "single-turn"
-
-[parser]
-type = "xml"
-fields = ["answer"]
-answer_field = "answer"
-
-[[rubric]]
-function = "math_equiv"
-weight = 1.0
-name = "correct"
-
-[[rubric]]
-function = "format"
-weight = 0.0
-
-[eval]
-num_examples = 8
-rollouts_per_example = 2
-max_tokens = 64
-temperature = 0.0
-"#
-    );
-    let rows = |items: &[(&str, &str)]| -> String {
-        items
-            .iter()
-            .map(|(q, a)| serde_json::json!({"question": q, "answer": a}).to_string() + "\n")
-            .collect()
-    };
-    let train = rows(&[
-        ("How many seconds are in 3 minutes?", "180"),
-        ("How many centimetres are in 4 metres?", "400"),
-        ("How many grams are in 2.5 kilograms?", "2500"),
-        ("How many hours are in 3 days?", "72"),
-        ("How many millimetres are in 7 centimetres?", "70"),
-        ("How many minutes are in 1.5 hours?", "90"),
-        ("How many metres are in 3 kilometres?", "3000"),
-        ("How many days are in 5 weeks?", "35"),
-    ]);
-    let eval = rows(&[
-        ("How many seconds are in 5 minutes?", "300"),
-        ("How many centimetres are in 2 metres?", "200"),
-        ("How many grams are in 4 kilograms?", "4000"),
-        ("How many hours are in 2 days?", "48"),
-        ("How many minutes are in 4 hours?", "240"),
-        ("How many metres are in 1.5 kilometres?", "1500"),
-        ("How many days are in 3 weeks?", "21"),
-        ("What fraction of an hour is 15 minutes?", "1/4"),
-    ]);
+/// The files of a new environment of shape `t`, named `name`.
+fn scaffold(name: &str, t: Template) -> Vec<(&'static str, String)> {
+    let fill = |text: &str| text.replace("{{name}}", name);
     let readme = format!(
-        "# {name}\n\nA temper environment: unit conversions answered in `<answer></answer>` tags,\n\
-         rewarded by math equivalence (so `1/4`, `0.25` and `\\frac{{1}}{{4}}` all count).\n\n\
-         - `env.toml`: dataset, harness, parser, rubric, eval defaults.\n\
-         - `train.jsonl`, `eval.jsonl`: one row per line: `question` (or `prompt` messages), `answer`, optional `info`.\n\n\
-         ```sh\ntemper eval {name} -m MODEL -b http://127.0.0.1:8000/v1\ntemper view outputs/evals/{name}--MODEL/<run_id>\n```\n"
+        "# {name}\n\nA temper environment ({kind} template). Replace the TODO rows and the\n\
+         description; the README section \"Writing an environment\" explains every\n\
+         setting of `env.toml` and how to write a reward in Python.\n\n\
+         ```sh\ntemper eval {name} -m MODEL -b http://127.0.0.1:8000/v1\n\
+         temper view outputs/evals/{name}--MODEL/<run_id>\n```\n",
+        kind = match t {
+            Template::SingleTurn => "single-turn",
+            Template::MultiTurn => "multi-turn",
+            Template::Tools => "tools",
+            Template::Json => "json",
+            Template::Code => "code",
+        }
     );
-    vec![
-        ("env.toml", toml),
-        ("train.jsonl", train),
-        ("eval.jsonl", eval),
-        ("README.md", readme),
-    ]
+    let data = |toml: &str, train: &str, eval: &str| {
+        vec![
+            ("env.toml", fill(toml)),
+            ("train.jsonl", train.to_string()),
+            ("eval.jsonl", eval.to_string()),
+        ]
+    };
+    let mut files = match t {
+        Template::SingleTurn => data(
+            include_str!("templates/single-turn.toml"),
+            include_str!("templates/single-turn.train.jsonl"),
+            include_str!("templates/single-turn.eval.jsonl"),
+        ),
+        Template::Tools => data(
+            include_str!("templates/tools.toml"),
+            include_str!("templates/tools.train.jsonl"),
+            include_str!("templates/tools.eval.jsonl"),
+        ),
+        Template::Json => data(
+            include_str!("templates/json.toml"),
+            include_str!("templates/json.train.jsonl"),
+            include_str!("templates/json.eval.jsonl"),
+        ),
+        Template::Code => data(
+            include_str!("templates/code.toml"),
+            include_str!("templates/code.train.jsonl"),
+            include_str!("templates/code.eval.jsonl"),
+        ),
+        Template::MultiTurn => vec![
+            ("env.toml", fill(include_str!("templates/multi-turn.toml"))),
+            ("env.py", fill(include_str!("templates/multi-turn.py"))),
+            // The helper travels with the environment so it runs anywhere.
+            (
+                "temper_env.py",
+                include_str!("../../../python/temper_env.py").to_string(),
+            ),
+        ],
+    };
+    files.push(("README.md", readme));
+    files
 }

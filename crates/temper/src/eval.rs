@@ -54,9 +54,11 @@ pub struct EvalArgs {
     /// Temperature (default: the environment's).
     #[arg(short = 'T', long)]
     temperature: Option<f64>,
-    /// More sampling arguments as JSON (`{"top_p": 0.9, "min_p": 0.05}`).
+    /// More sampling arguments: JSON (`{"top_p": 0.9, "min_p": 0.05}`) or
+    /// `key=value` (`-S min_p=0.05 -S logit_bias='{"42": -100}'`);
+    /// repeatable, later ones win.
     #[arg(short = 'S', long = "sampling-args")]
-    sampling_args: Option<String>,
+    sampling_args: Vec<String>,
     /// Where runs go: DIR/{env}--{model}/{run_id}.
     #[arg(long = "save-dir", default_value = "outputs/evals")]
     save_dir: PathBuf,
@@ -93,6 +95,27 @@ fn json_arg(flag: &str, s: &Option<String>) -> Result<Value> {
         Some(s) => serde_json::from_str(s).with_context(|| format!("{flag} is not JSON")),
         None => Ok(Value::Object(Default::default())),
     }
+}
+
+/// One `-S` argument: a JSON object, or `key=value` with the value read
+/// as JSON when it parses (numbers, lists, objects) and as a string if not.
+fn sampling_arg(arg: &str) -> Result<serde_json::Map<String, Value>> {
+    let t = arg.trim();
+    if t.starts_with('{') {
+        return match serde_json::from_str(t) {
+            Ok(Value::Object(m)) => Ok(m),
+            _ => bail!("-S {arg:?} is not a JSON object"),
+        };
+    }
+    let Some((k, v)) = t.split_once('=') else {
+        bail!("-S {arg:?}: use key=value or a JSON object");
+    };
+    let k = k.trim();
+    if k.is_empty() {
+        bail!("-S {arg:?}: the key is empty");
+    }
+    let v = serde_json::from_str(v.trim()).unwrap_or_else(|_| Value::String(v.to_string()));
+    Ok(std::iter::once((k.to_string(), v)).collect())
 }
 
 /// Run `temper eval`.
@@ -143,10 +166,12 @@ pub fn run(a: EvalArgs) -> Result<()> {
             if let Some(t) = a.temperature {
                 sampling.temperature = t;
             }
-            if let Value::Object(extra) = json_arg("--sampling-args", &a.sampling_args)? {
+            if !a.sampling_args.is_empty() {
                 let mut merged = serde_json::to_value(&sampling)?;
-                for (k, v) in extra {
-                    merged[k] = v;
+                for arg in &a.sampling_args {
+                    for (k, v) in sampling_arg(arg)? {
+                        merged[k] = v;
+                    }
                 }
                 sampling = serde_json::from_value(merged).context("--sampling-args")?;
             }
@@ -183,6 +208,11 @@ pub fn run(a: EvalArgs) -> Result<()> {
             (env, cfg)
         }
     };
+    if let Some(w) =
+        temper_env::greedy_group_warning(cfg.rollouts_per_example, cfg.sampling.temperature)
+    {
+        eprintln!("warning: {w}");
+    }
     eprintln!("run dir: {}", cfg.run_dir.display());
     let out = rt.block_on(run_eval(env, &cfg))?;
     let lines = read_results(&cfg.run_dir.join("results.jsonl"))?;
@@ -193,6 +223,14 @@ pub fn run(a: EvalArgs) -> Result<()> {
         out.new_rollouts as f64 / out.metadata.time.max(1e-9)
     );
     println!("results    {}", cfg.run_dir.display());
+    if s.num_rollouts > 0 && s.num_errors == s.num_rollouts {
+        let (first, _) = s.errors.first().cloned().unwrap_or_default();
+        bail!(
+            "every rollout failed ({} of {}); the most common error: {first}",
+            s.num_errors,
+            s.num_rollouts
+        );
+    }
     Ok(())
 }
 
@@ -229,6 +267,7 @@ pub fn mock(a: MockArgs) -> Result<()> {
                 Default::default()
             },
             tool_calls: a.tool_calls,
+            ..Default::default()
         };
         temper_eval::mock::serve(listener, cfg, Default::default()).await?;
         Ok(())

@@ -103,6 +103,10 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
     match cmd {
         TrainCommand::Rl(args) => {
             let r = resolve::<RlConfig>(&args, |c, d| c.log.dir = d)?;
+            let s = &r.cfg.sampling;
+            if let Some(w) = temper_env::greedy_group_warning(s.group_size, s.temperature) {
+                eprintln!("warning: [sampling] {w}");
+            }
             // Every check happens here, so a dry run reports what a run would.
             let plan = RlPlan::try_from(r.cfg)?;
             if r.dry_run {

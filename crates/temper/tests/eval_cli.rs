@@ -46,14 +46,28 @@ fn groups(run_dir: &Path) -> BTreeMap<u64, Vec<String>> {
 }
 
 fn mock_server(latency: Duration) -> (String, tokio::runtime::Runtime) {
+    mock_with(MockConfig {
+        latency,
+        ..MockConfig::default()
+    })
+}
+
+fn mock_with(cfg: MockConfig) -> (String, tokio::runtime::Runtime) {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let (addr, _) = rt
-        .block_on(mock::spawn(MockConfig {
-            latency,
-            ..MockConfig::default()
-        }))
-        .unwrap();
+    let (addr, _) = rt.block_on(mock::spawn(cfg)).unwrap();
     (format!("http://{addr}/v1"), rt)
+}
+
+/// `temper eval arithmetic -n 3 -b BASE EXTRA…` into a fresh save dir.
+fn eval_against(base: &str, extra: &[&str]) -> std::process::Output {
+    let dir = tempfile::tempdir().unwrap();
+    temper()
+        .args(["eval", "arithmetic", "-n", "3", "--quiet", "-b", base])
+        .args(extra)
+        .arg("--save-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap()
 }
 
 #[test]
@@ -200,10 +214,10 @@ fn env_new_then_eval_then_view_as_in_the_readme() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("pass@1"), "{stdout}");
     let run = run_dir_of(&save);
-    // The scaffold's defaults: 8 examples × 2 rollouts.
+    // The scaffold's defaults: its 4 held-out rows × 1 greedy rollout.
     let g = groups(&run);
-    assert_eq!(g.len(), 8);
-    assert!(g.values().all(|v| v.len() == 2));
+    assert_eq!(g.len(), 4);
+    assert!(g.values().all(|v| v.len() == 1));
     // The mock answers 42 to these questions: all wrong, all well formatted.
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run.join("metadata.json")).unwrap()).unwrap();
@@ -221,7 +235,7 @@ fn env_new_then_eval_then_view_as_in_the_readme() {
     assert!(
         html.contains("<svg")
             && html.contains("pass@k")
-            && html.contains("How many seconds are in 5 minutes?")
+            && html.contains("What is the capital of France?")
     );
     assert!(!html.contains("<script"), "self-contained, no scripts");
 }
@@ -282,6 +296,189 @@ fn issue_12_eval_split_train_samples_training_questions() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("use train or eval"));
 }
 
+struct Server(std::process::Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `temper serve` on the tiny test model; its base URL.
+fn tiny_server() -> (Server, String) {
+    use std::io::BufRead;
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
+    let mut child = temper()
+        .args(["serve", "--port", "0", "--model"])
+        .arg(&model)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let url = loop {
+        let line = lines.next().expect("the server exited").unwrap();
+        if let Some(rest) = line.split("listening on ").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    (Server(child), format!("{url}/v1"))
+}
+
+/// Issue 15: every `temper env new --template` loads and runs against a
+/// real server (the tiny model), with no greedy-group warning, and a
+/// single-turn rollout ends `completed`.
+#[test]
+fn every_env_template_loads_and_evals_against_the_tiny_model() {
+    let (_server, base) = tiny_server();
+    let dir = tempfile::tempdir().unwrap();
+    for t in ["single-turn", "multi-turn", "tools", "json", "code"] {
+        let name = format!("my-{t}");
+        let out = temper()
+            .args(["env", "new", &name, "--template", t, "--dir"])
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{t}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let env_dir = dir.path().join(&name);
+        let toml = std::fs::read_to_string(env_dir.join("env.toml")).unwrap();
+        assert!(toml.contains(&format!("name = \"{name}\"")), "{t}: {toml}");
+        assert!(!toml.to_lowercase().contains("unit conversion"), "{t}");
+        let save = dir.path().join(format!("out-{t}"));
+        let out = temper()
+            .arg("eval")
+            .arg(&env_dir)
+            .args([
+                "-m",
+                "tiny-qwen3",
+                "-b",
+                &base,
+                "-n",
+                "2",
+                "-t",
+                "4",
+                "--quiet",
+                "--save-dir",
+            ])
+            .arg(&save)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{t}: {stderr}");
+        assert!(!stderr.contains("warning: "), "{t}: {stderr}");
+        let run = run_dir_of(&save);
+        let text = std::fs::read_to_string(run.join("results.jsonl")).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2, "{t}");
+        for l in &lines {
+            assert!(l["error"].is_null(), "{t}: {l}");
+            if t != "multi-turn" && t != "tools" {
+                // One answer ends a single-turn rollout: `completed`, or
+                // the token limit when `-t` cut it.
+                let want = if l["is_truncated"] == true {
+                    "max_total_completion_tokens_reached"
+                } else {
+                    "completed"
+                };
+                assert_eq!(l["stop_condition"], want, "{t}: {l}");
+            }
+        }
+    }
+}
+
+/// Issue 15: the sampling fields reach the endpoint through `-S`, as JSON or
+/// `key=value`, and the server honours them or names what it lacks.
+#[test]
+fn eval_sampling_args_reach_the_server() {
+    let (_server, base) = tiny_server();
+    let dir = tempfile::tempdir().unwrap();
+    let env_dir = env_new_units(dir.path());
+    let run = |extra: &[&str], save: &str| {
+        let save = dir.path().join(save);
+        let out = temper()
+            .arg("eval")
+            .arg(&env_dir)
+            .args([
+                "-m",
+                "tiny-qwen3",
+                "-b",
+                &base,
+                "-n",
+                "2",
+                "-t",
+                "4",
+                "--quiet",
+            ])
+            .args(extra)
+            .arg("--save-dir")
+            .arg(&save)
+            .output()
+            .unwrap();
+        (out, save)
+    };
+    let (out, save) = run(
+        &[
+            "-S",
+            "min_p=0.05",
+            "-S",
+            r#"{"frequency_penalty": 0.5, "presence_penalty": 0.25}"#,
+            "-S",
+            r#"logit_bias={"42": -100}"#,
+            "-S",
+            "repetition_penalty=1.1",
+            "-S",
+            "stop_token_ids=[7]",
+        ],
+        "ok",
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(run_dir_of(&save).join("metadata.json")).unwrap(),
+    )
+    .unwrap();
+    let s = &meta["sampling_args"];
+    assert_eq!(s["min_p"], 0.05);
+    assert_eq!(s["frequency_penalty"], 0.5);
+    assert_eq!(s["presence_penalty"], 0.25);
+    assert_eq!(s["repetition_penalty"], 1.1);
+    assert_eq!(s["logit_bias"]["42"], -100.0);
+    assert_eq!(s["stop_token_ids"], serde_json::json!([7]));
+    // A field the server does not implement: every rollout fails with the
+    // server's message naming it, and the run exits non-zero.
+    let (out, _) = run(&["-S", "guided_json={}"], "bad");
+    assert!(!out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("unsupported field `guided_json`"),
+        "{stdout}"
+    );
+}
+
+/// Issue 15: several greedy rollouts per prompt draw a warning.
+#[test]
+fn eval_warns_when_several_rollouts_are_greedy() {
+    let (base, _rt) = mock_server(Duration::ZERO);
+    let out = eval_against(&base, &["-m", "mock", "-r", "3", "-T", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("warning: 3 rollouts per prompt at temperature 0"),
+        "{err}"
+    );
+    let out = eval_against(&base, &["-m", "mock", "-r", "3", "-T", "0.7"]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("warning:"));
+}
+
 #[test]
 fn env_new_refuses_bad_names_and_existing_dirs() {
     let dir = tempfile::tempdir().unwrap();
@@ -305,4 +502,125 @@ fn env_new_refuses_bad_names_and_existing_dirs() {
         .unwrap()
         .status
         .success());
+}
+
+/// Issue 15: with the endpoint down, `temper eval` stops at once (no 29 s
+/// of retries) and says which URL it could not reach and why.
+#[test]
+fn eval_with_the_endpoint_down_fails_fast_naming_it() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port(); // the listener is dropped: nothing listens there
+    let base = format!("http://127.0.0.1:{port}/v1");
+    let t0 = Instant::now();
+    let out = eval_against(&base, &["-m", "mock"]);
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("cannot reach {base}/models")),
+        "{err}"
+    );
+    assert!(err.to_lowercase().contains("refused"), "{err}");
+}
+
+/// Issue 15: a refused key is named as such, not scored as reward 0.
+#[test]
+fn eval_with_a_wrong_key_says_check_the_key() {
+    let (base, _rt) = mock_with(MockConfig {
+        api_key: Some("right".into()),
+        ..MockConfig::default()
+    });
+    let out = temper()
+        .env("TEMPER_TEST_KEY", "wrong")
+        .args([
+            "eval",
+            "arithmetic",
+            "-n",
+            "2",
+            "--quiet",
+            "-m",
+            "mock",
+            "-k",
+            "TEMPER_TEST_KEY",
+            "-b",
+            &base,
+        ])
+        .arg("--save-dir")
+        .arg(tempfile::tempdir().unwrap().path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("401") && err.contains("check -k / the API key"),
+        "{err}"
+    );
+    assert!(err.contains("$TEMPER_TEST_KEY"), "{err}");
+    // The right key passes the preflight and the rollouts.
+    let out = temper()
+        .env("TEMPER_TEST_KEY", "right")
+        .args([
+            "eval",
+            "arithmetic",
+            "-n",
+            "2",
+            "--quiet",
+            "-m",
+            "mock",
+            "-k",
+            "TEMPER_TEST_KEY",
+            "-b",
+            &base,
+        ])
+        .arg("--save-dir")
+        .arg(tempfile::tempdir().unwrap().path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Issue 15: an unknown model name lists what the server offers.
+#[test]
+fn eval_with_an_unknown_model_lists_the_served_ones() {
+    let (base, _rt) = mock_with(MockConfig {
+        models: vec!["qwen".into(), "qwen-lora".into()],
+        ..MockConfig::default()
+    });
+    let out = eval_against(&base, &["-m", "gpt-5"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("does not serve model `gpt-5`") && err.contains("it offers: qwen, qwen-lora"),
+        "{err}"
+    );
+}
+
+/// Issue 15: the distinct errors are printed with counts, and a run where
+/// every rollout failed exits non-zero.
+#[test]
+fn eval_where_every_rollout_fails_lists_errors_and_exits_non_zero() {
+    let (base, _rt) = mock_with(MockConfig {
+        faults: mock::Faults {
+            cycle: 1,
+            server_error: vec![0],
+            ..mock::Faults::default()
+        },
+        ..MockConfig::default()
+    });
+    let out = eval_against(&base, &["-m", "mock", "-r", "1", "--max-retries", "0"]);
+    assert!(!out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stdout.contains("3 × model endpoint answered 500: boom"),
+        "{stdout}"
+    );
+    assert!(stderr.contains("every rollout failed (3 of 3)"), "{stderr}");
 }

@@ -52,6 +52,19 @@ fn chat_prompt(s: &OpenAiState, req: &ChatRequest) -> Result<(Vec<u32>, ToolMode
             ))
         }
     };
+    match &req.response_format {
+        None => {}
+        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
+        Some(f) => {
+            return Err(OpenAiError::invalid(
+                "response_format",
+                format!(
+                "response_format {f} is not supported: this server has no constrained decoding; \
+                     ask for JSON in the prompt and validate it"
+            ),
+            ))
+        }
+    }
     let use_tools = tools.is_some() && parse;
     let tools_json = if use_tools {
         tools.map(Value::Array)

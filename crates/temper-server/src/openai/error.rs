@@ -16,7 +16,7 @@ pub enum OpenAiError {
         /// What is wrong, for the client.
         message: String,
         /// The offending field, if one.
-        param: Option<&'static str>,
+        param: Option<String>,
         /// A machine-readable code (e.g. `context_length_exceeded`).
         code: Option<&'static str>,
     },
@@ -39,7 +39,7 @@ impl OpenAiError {
     pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
         OpenAiError::BadRequest {
             message: message.into(),
-            param: Some(param),
+            param: Some(param.to_string()),
             code: None,
         }
     }

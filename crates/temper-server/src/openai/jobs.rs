@@ -54,6 +54,14 @@ pub(super) fn prepare(
     let vocab = s.inner.model.config.vocab_size;
     let budget = s.inner.cfg.scheduler.kv_budget_tokens;
     let n = sampling.n;
+    sampling.params.validate_vocab(vocab).map_err(|e| {
+        let field = if e.to_string().starts_with("logit_bias") {
+            "logit_bias"
+        } else {
+            "stop_token_ids"
+        };
+        OpenAiError::invalid(field, e.to_string())
+    })?;
     let mut settled = usize::MAX;
     for p in &prompts {
         if p.is_empty() {
@@ -73,7 +81,7 @@ pub(super) fn prepare(
             message: format!(
                 "This model's maximum context length is {len} tokens. However, you requested {requested}. Please reduce the length of the {what} or completion."
             ),
-            param: Some("messages"),
+            param: Some("messages".into()),
             code: Some("context_length_exceeded"),
         }
         };
@@ -138,7 +146,7 @@ pub(super) fn submit(
                 "this request has {} prompts; the server queues at most {max_queue} (--max-queue): split it",
                 p.prompts.len()
             ),
-            param: Some("prompt"),
+            param: Some("prompt".into()),
             code: None,
         });
     }
@@ -157,7 +165,7 @@ pub(super) fn submit(
             SubmitError::Overloaded { .. } => OpenAiError::Overloaded(e.to_string()),
             SubmitError::TooLarge { .. } => OpenAiError::BadRequest {
                 message: e.to_string(),
-                param: Some("max_tokens"),
+                param: Some("max_tokens".into()),
                 code: Some("context_length_exceeded"),
             },
             _ => OpenAiError::Internal(e.to_string()),

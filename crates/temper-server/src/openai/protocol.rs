@@ -73,12 +73,92 @@ pub struct SamplingFields {
     /// Reproducible sampling: any 64-bit integer (a negative one is taken
     /// as its two's-complement `u64`).
     pub seed: Option<Seed>,
-    /// Unsupported unless 0.
+    /// Subtracted once from the logits of generated tokens, in [-2, 2].
     pub presence_penalty: Option<f64>,
-    /// Unsupported unless 0.
+    /// Subtracted per occurrence from the logits of generated tokens, in
+    /// [-2, 2].
     pub frequency_penalty: Option<f64>,
-    /// Unsupported unless 1 (vLLM extension).
+    /// vLLM extension: > 0; 1 is off.
     pub repetition_penalty: Option<f64>,
+    /// vLLM extension: drop tokens below `min_p` × the top probability.
+    pub min_p: Option<f64>,
+    /// `{"token id": bias}`, bias in [-100, 100].
+    pub logit_bias: Option<Map<String, Value>>,
+}
+
+/// Field names of [`SamplingFields`] (a flattened struct cannot deny
+/// unknown fields, so routes list what they accept: see [`parse_body`]).
+pub const SAMPLING_FIELDS: &[&str] = &[
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+];
+
+/// The fields a route accepts besides [`SAMPLING_FIELDS`].
+pub trait KnownFields {
+    /// Top-level field names.
+    const FIELDS: &'static [&'static str];
+    /// Whether the route also takes the sampling fields.
+    const SAMPLING: bool = true;
+}
+
+impl KnownFields for ChatRequest {
+    const FIELDS: &'static [&'static str] = &[
+        "model",
+        "messages",
+        "tools",
+        "tool_choice",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "stream",
+        "stream_options",
+        "chat_template_kwargs",
+        "response_format",
+        // An end-user id for the provider's abuse monitoring: it never
+        // changes the output, so accepting it honours it.
+        "user",
+    ];
+}
+
+impl KnownFields for CompletionRequest {
+    const FIELDS: &'static [&'static str] = &[
+        "model",
+        "prompt",
+        "max_tokens",
+        "logprobs",
+        "echo",
+        "stream",
+        "stream_options",
+        "suffix",
+        "best_of",
+        "user",
+    ];
+}
+
+impl KnownFields for GenerateRequest {
+    const FIELDS: &'static [&'static str] = &["model", "prompt_token_ids", "max_tokens"];
+}
+
+impl KnownFields for LoadLoraRequest {
+    const FIELDS: &'static [&'static str] = &["lora_name", "lora_path"];
+    const SAMPLING: bool = false;
+}
+
+impl KnownFields for UnloadLoraRequest {
+    const FIELDS: &'static [&'static str] = &["lora_name"];
+    const SAMPLING: bool = false;
 }
 
 /// `POST /v1/chat/completions`.
@@ -106,6 +186,8 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     /// Extra variables for the chat template (e.g. `enable_thinking`).
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// Only `{"type": "text"}` (the default); JSON modes are refused.
+    pub response_format: Option<Value>,
     /// Sampling.
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -181,10 +263,47 @@ pub struct UnloadLoraRequest {
     pub lora_name: String,
 }
 
-/// Parse a JSON body into `T`, answering a 400 with serde's message.
-pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, OpenAiError> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| OpenAiError::bad(format!("invalid request body: {e}")))
+/// Parse a JSON body into `T`, answering a 400 with serde's message, or
+/// naming the first field the route does not implement (serde would
+/// otherwise drop it silently, and the client would think it applied).
+pub fn parse_body<T: serde::de::DeserializeOwned + KnownFields>(
+    bytes: &[u8],
+) -> Result<T, OpenAiError> {
+    let v: Value = serde_json::from_slice(bytes)
+        .map_err(|e| OpenAiError::bad(format!("invalid request body: {e}")))?;
+    if let Value::Object(m) = &v {
+        let mut unknown: Vec<&String> = m
+            .keys()
+            .filter(|k| {
+                let known = T::FIELDS.contains(&k.as_str())
+                    || (T::SAMPLING && SAMPLING_FIELDS.contains(&k.as_str()));
+                !known
+            })
+            .collect();
+        unknown.sort();
+        if let Some(first) = unknown.first() {
+            return Err(OpenAiError::BadRequest {
+                message: format!(
+                    "unsupported field `{first}`: this server does not implement it{}",
+                    if unknown.len() > 1 {
+                        format!(
+                            " (nor {})",
+                            unknown[1..]
+                                .iter()
+                                .map(|k| format!("`{k}`"))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )
+                    } else {
+                        String::new()
+                    }
+                ),
+                param: Some(first.to_string()),
+                code: Some("unsupported_field"),
+            });
+        }
+    }
+    serde_json::from_value(v).map_err(|e| OpenAiError::bad(format!("invalid request body: {e}")))
 }
 
 /// Checked sampling settings (`max_tokens` still unresolved).
@@ -256,37 +375,57 @@ impl SamplingFields {
             ));
         }
         let seed = self.seed.map(Seed::value);
-        for (name, v, neutral) in [
-            ("presence_penalty", self.presence_penalty, 0.0),
-            ("frequency_penalty", self.frequency_penalty, 0.0),
-            ("repetition_penalty", self.repetition_penalty, 1.0),
-        ] {
-            if v.is_some_and(|v| v != neutral) {
-                return Err(OpenAiError::BadRequest {
-                    message: format!(
-                        "{name} is not supported by this server (leave it at {neutral})"
-                    ),
-                    param: Some(match name {
-                        "presence_penalty" => "presence_penalty",
-                        "frequency_penalty" => "frequency_penalty",
-                        _ => "repetition_penalty",
-                    }),
-                    code: None,
-                });
-            }
+        let mut logit_bias = Vec::new();
+        for (k, v) in self.logit_bias.unwrap_or_default() {
+            let id: u32 = k.parse().map_err(|_| {
+                OpenAiError::invalid(
+                    "logit_bias",
+                    format!("logit_bias keys are token ids, got {k:?}"),
+                )
+            })?;
+            let b = v.as_f64().ok_or_else(|| {
+                OpenAiError::invalid(
+                    "logit_bias",
+                    format!("logit_bias of token {id} must be a number, got {v}"),
+                )
+            })?;
+            logit_bias.push((id, b as f32));
+        }
+        logit_bias.sort_by_key(|(id, _)| *id);
+        let params = SamplingParams {
+            max_tokens: 1,
+            temperature,
+            top_p,
+            top_k,
+            min_p: self.min_p.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            logit_bias,
+            stop,
+            stop_token_ids: self.stop_token_ids.unwrap_or_default(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            seed,
+            logprobs: false,
+        };
+        // The shared rules' range checks, answered as a 400 naming the field
+        // (their messages start with it).
+        if let Err(e) = params.validate() {
+            let msg = e.to_string();
+            let field = [
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+                "logit_bias",
+            ]
+            .into_iter()
+            .find(|f| msg.contains(f))
+            .unwrap_or("sampling");
+            return Err(OpenAiError::invalid(field, msg));
         }
         Ok(Sampling {
-            params: SamplingParams {
-                max_tokens: 1,
-                temperature,
-                top_p,
-                top_k,
-                stop,
-                stop_token_ids: self.stop_token_ids.unwrap_or_default(),
-                ignore_eos: self.ignore_eos.unwrap_or(false),
-                seed,
-                logprobs: false,
-            },
+            params,
             n: n as usize,
         })
     }

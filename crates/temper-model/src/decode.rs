@@ -1,0 +1,589 @@
+//! The decode rules, one copy for every generator: the in-process
+//! [`crate::Sampler`] (RL rollouts, `temper eval` in process) and the
+//! server's scheduler (`temper serve`) both draw each token with
+//! [`next_token`] and end sequences with [`check_stop`] / [`visible_text`].
+//!
+//! Per step, in order (as vLLM does):
+//! 1. `logit_bias` is added to the raw logits;
+//! 2. `repetition_penalty` (HF / vLLM: a logit of a token seen in the prompt
+//!    or the output is divided by it when positive, multiplied when
+//!    negative), then `frequency_penalty · count` and `presence_penalty ·
+//!    [count > 0]` (OpenAI; counts over the generated tokens) are subtracted;
+//! 3. temperature; then `top_k`, `top_p` and `min_p` (tokens below `min_p ×`
+//!    the top probability) truncate; greedy (`T = 0`) takes the argmax of the
+//!    processed logits.
+//!
+//! A sequence ends on an EOS token (unless `ignore_eos`), on one of
+//! `stop_token_ids` (both kept in the tokens, not in the text), on a stop
+//! string (the text is cut before it), or at `max_tokens` / the context.
+//!
+//! # Which logprobs are reported
+//! Logprobs (the sampler's `Completion::logprobs`, the server's `logprobs`)
+//! are of the temperature-scaled *model* distribution, `log softmax(logits /
+//! T)` — before `logit_bias`, penalties and truncation — because that is the
+//! distribution the trainer recomputes. Truncation (`top_k`, `top_p`,
+//! `min_p`) only removes tail tokens; bias and penalties move mass, so RL
+//! configs refuse them (the importance ratio would be wrong).
+
+use rand::Rng;
+
+use crate::error::{ModelError, Result};
+use crate::tokenizer::Tokenizer;
+
+/// How to sample.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Most tokens to generate (>= 1).
+    pub max_tokens: usize,
+    /// Softmax temperature; 0 means greedy.
+    pub temperature: f64,
+    /// Nucleus mass in (0, 1]; 1 disables.
+    pub top_p: f64,
+    /// Keep only the k most likely tokens; 0 disables.
+    pub top_k: usize,
+    /// Drop tokens whose probability is below `min_p` times the most likely
+    /// one's, in [0, 1]; 0 disables.
+    pub min_p: f64,
+    /// Subtracted once from the logit of every token already generated, in
+    /// [-2, 2]; 0 disables.
+    pub presence_penalty: f64,
+    /// Subtracted per occurrence from the logit of generated tokens, in
+    /// [-2, 2]; 0 disables.
+    pub frequency_penalty: f64,
+    /// Divides positive (multiplies negative) logits of tokens in the prompt
+    /// or the output; > 0, 1 disables.
+    pub repetition_penalty: f64,
+    /// Added to the logit of each token id, in [-100, 100].
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Strings that end generation; the text is cut before the match.
+    pub stop: Vec<String>,
+    /// Extra token ids that end generation (kept in `tokens`, not in `text`).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past the model's EOS tokens.
+    pub ignore_eos: bool,
+    /// Same seed, same prompt, same weights ⇒ same tokens. `None`: random.
+    pub seed: Option<u64>,
+    /// Compute per-token logprobs (one extra scoring forward per sequence).
+    pub logprobs: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 16,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            seed: None,
+            logprobs: true,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Reject values that cannot be sampled with.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(ModelError::InvalidInput(m));
+        if self.max_tokens == 0 {
+            return bad("max_tokens must be >= 1".into());
+        }
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
+        }
+        if let Some((id, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return bad(format!(
+                "logit_bias of token {id} must be in [-100, 100], got {b}"
+            ));
+        }
+        if self.stop.iter().any(|s| s.is_empty()) {
+            return bad("stop strings must not be empty".into());
+        }
+        Ok(())
+    }
+
+    /// Reject token ids outside a vocabulary of `vocab` tokens.
+    pub fn validate_vocab(&self, vocab: usize) -> Result<()> {
+        let ids = self
+            .logit_bias
+            .iter()
+            .map(|(id, _)| (*id, "logit_bias"))
+            .chain(self.stop_token_ids.iter().map(|id| (*id, "stop_token_ids")));
+        for (id, field) in ids {
+            if id as usize >= vocab {
+                return Err(ModelError::InvalidInput(format!(
+                    "{field}: token id {id} is outside the vocabulary of {vocab}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the logits are changed before temperature and truncation
+    /// (bias or a penalty set): such samples are not drawn from the
+    /// distribution the reported logprobs describe.
+    pub fn reshapes_distribution(&self) -> bool {
+        !self.logit_bias.is_empty()
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+    }
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS / stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length was reached.
+    Length,
+}
+
+impl FinishReason {
+    /// `"stop"` or `"length"`, as in the OpenAI API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Apply `logit_bias` and the penalties to `logits` in place (steps 1–2 of
+/// the module docs). `prompt` and `generated` are the sequence so far.
+pub fn process_logits(logits: &mut [f32], p: &SamplingParams, prompt: &[u32], generated: &[u32]) {
+    for &(id, b) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l += b;
+        }
+    }
+    if p.repetition_penalty != 1.0 {
+        let r = p.repetition_penalty as f32;
+        let mut seen = vec![false; logits.len()];
+        for &t in prompt.iter().chain(generated) {
+            if let Some(s) = seen.get_mut(t as usize) {
+                *s = true;
+            }
+        }
+        for (l, s) in logits.iter_mut().zip(seen) {
+            if s {
+                *l = if *l > 0.0 { *l / r } else { *l * r };
+            }
+        }
+    }
+    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+        for &t in generated {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= (p.frequency_penalty * c as f64 + p.presence_penalty) as f32;
+            }
+        }
+    }
+}
+
+/// Draw the next token of a sequence: [`process_logits`] on a copy when
+/// bias or penalties are set, then [`sample_token`].
+pub fn next_token(
+    logits: &[f32],
+    p: &SamplingParams,
+    prompt: &[u32],
+    generated: &[u32],
+    rng: &mut impl Rng,
+) -> u32 {
+    if p.reshapes_distribution() {
+        let mut l = logits.to_vec();
+        process_logits(&mut l, p, prompt, generated);
+        sample_token(&l, p, rng)
+    } else {
+        sample_token(logits, p, rng)
+    }
+}
+
+/// What the last token did to a sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StopCheck {
+    /// Set when the sequence ends here.
+    pub finish: Option<FinishReason>,
+    /// The text cut before a matched stop string.
+    pub stop_text: Option<String>,
+    /// The decoded text so far, when it was decoded (stop strings, or
+    /// `want_text` for streaming) and no stop string matched.
+    pub text: Option<String>,
+}
+
+/// Whether `generated` (its last token just drawn) ends: EOS (unless
+/// `ignore_eos`), a stop token id, a stop string, `max_tokens`, or
+/// `context_full` (no room for another token).
+pub fn check_stop(
+    generated: &[u32],
+    p: &SamplingParams,
+    eos: &[u32],
+    tokenizer: &Tokenizer,
+    context_full: bool,
+    want_text: bool,
+) -> Result<StopCheck> {
+    let mut out = StopCheck {
+        finish: None,
+        stop_text: None,
+        text: None,
+    };
+    let Some(&tok) = generated.last() else {
+        return Ok(out);
+    };
+    if (!p.ignore_eos && eos.contains(&tok)) || p.stop_token_ids.contains(&tok) {
+        out.finish = Some(FinishReason::Stop);
+        return Ok(out);
+    }
+    if !p.stop.is_empty() || want_text {
+        let text = tokenizer.decode(generated, true)?;
+        if let Some(cut) = earliest_stop(&text, &p.stop) {
+            out.stop_text = Some(text[..cut].to_string());
+            out.finish = Some(FinishReason::Stop);
+            return Ok(out);
+        }
+        out.text = Some(text);
+    }
+    if generated.len() >= p.max_tokens || context_full {
+        out.finish = Some(FinishReason::Length);
+    }
+    Ok(out)
+}
+
+/// The final text of a finished sequence: cut before a stop string, else
+/// everything but a final stop token.
+pub fn visible_text(
+    generated: &[u32],
+    finish: FinishReason,
+    stop_text: Option<String>,
+    tokenizer: &Tokenizer,
+) -> Result<String> {
+    if let Some(t) = stop_text {
+        return Ok(t);
+    }
+    let visible = match (finish, generated.split_last()) {
+        (FinishReason::Stop, Some((_, rest))) => rest,
+        _ => generated,
+    };
+    tokenizer.decode(visible, true)
+}
+
+/// How much of `text` may be streamed now: all of it, less a trailing
+/// replacement character (an incomplete UTF-8 sequence that the next token
+/// may complete) and less the longest suffix that starts a stop string.
+pub fn streamable_len(text: &str, stops: &[String]) -> usize {
+    let mut end = text.len();
+    if text.ends_with('\u{FFFD}') {
+        end -= '\u{FFFD}'.len_utf8();
+    }
+    let head = &text[..end];
+    let mut hold = 0;
+    for s in stops {
+        for (i, _) in s.char_indices().skip(1) {
+            if i > hold && head.ends_with(&s[..i]) {
+                hold = i;
+            }
+        }
+    }
+    end - hold
+}
+
+fn earliest_stop(text: &str, stops: &[String]) -> Option<usize> {
+    stops.iter().filter_map(|s| text.find(s.as_str())).min()
+}
+
+/// Draw one token from `logits` under `p` (temperature, top-k, top-p,
+/// min-p); the logits are used as given (see [`next_token`]).
+pub fn sample_token(logits: &[f32], p: &SamplingParams, rng: &mut impl Rng) -> u32 {
+    let argmax = || {
+        let mut best = 0usize;
+        for (i, &x) in logits.iter().enumerate() {
+            if x > logits[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    if p.temperature <= 0.0 || p.top_k == 1 {
+        return argmax();
+    }
+    let inv_t = 1.0 / p.temperature;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    if p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0 {
+        let weights: Vec<f64> = logits
+            .iter()
+            .map(|&x| ((x as f64 - max) * inv_t).exp())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        return pick(
+            &weights,
+            (0..logits.len()).collect::<Vec<_>>().as_slice(),
+            total,
+            rng,
+        )
+        .unwrap_or_else(argmax);
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    if p.top_k > 0 && p.top_k < order.len() {
+        order.truncate(p.top_k);
+    }
+    let mut weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] as f64 - max) * inv_t).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    if p.top_p < 1.0 {
+        let mut cum = 0.0;
+        let mut keep = weights.len();
+        for (k, w) in weights.iter().enumerate() {
+            cum += w / total;
+            if cum >= p.top_p {
+                keep = k + 1;
+                break;
+            }
+        }
+        order.truncate(keep);
+        weights.truncate(keep);
+    }
+    if p.min_p > 0.0 {
+        // Sorted: weights[0] is the most likely token's.
+        let floor = weights.first().copied().unwrap_or(0.0) * p.min_p;
+        let keep = weights.iter().take_while(|&&w| w >= floor).count().max(1);
+        order.truncate(keep);
+        weights.truncate(keep);
+    }
+    let total: f64 = weights.iter().sum();
+    pick(&weights, &order, total, rng).unwrap_or_else(argmax)
+}
+
+/// Inverse-CDF draw: `weights[k]` is the mass of token `ids[k]`.
+fn pick(weights: &[f64], ids: &[usize], total: f64, rng: &mut impl Rng) -> Option<u32> {
+    if !(total > 0.0 && total.is_finite()) {
+        return None;
+    }
+    let u = rng.random::<f64>() * total;
+    let mut cum = 0.0;
+    for (k, w) in weights.iter().enumerate() {
+        cum += w;
+        if u < cum {
+            return Some(ids[k] as u32);
+        }
+    }
+    ids.last().map(|&i| i as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    #[test]
+    fn greedy_picks_argmax() {
+        let p = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert_eq!(sample_token(&[0.1, 3.0, -1.0, 2.9], &p, &mut rng), 1);
+    }
+
+    #[test]
+    fn top_k_and_top_p_restrict_the_support() {
+        let logits = [5.0f32, 4.0, 0.0, -1.0, -2.0];
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let k2 = SamplingParams {
+            top_k: 2,
+            ..Default::default()
+        };
+        let p = SamplingParams {
+            top_p: 0.5,
+            ..Default::default()
+        };
+        for _ in 0..500 {
+            assert!(sample_token(&logits, &k2, &mut rng) < 2);
+            assert_eq!(sample_token(&logits, &p, &mut rng), 0);
+        }
+    }
+
+    #[test]
+    fn temperature_one_matches_softmax_frequencies() {
+        let logits = [0.0f32, (2.0f32).ln(), (3.0f32).ln()];
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let mut counts = [0usize; 3];
+        let p = SamplingParams::default();
+        for _ in 0..60_000 {
+            counts[sample_token(&logits, &p, &mut rng) as usize] += 1;
+        }
+        for (c, want) in counts.iter().zip([1.0 / 6.0, 2.0 / 6.0, 3.0 / 6.0]) {
+            let f = *c as f64 / 60_000.0;
+            assert!((f - want).abs() < 0.01, "{counts:?}");
+        }
+    }
+
+    #[test]
+    fn stream_holds_back_possible_stop_prefixes() {
+        let stops = vec!["</end>".to_string()];
+        assert_eq!(streamable_len("hello </e", &stops), 6);
+        assert_eq!(streamable_len("hello", &stops), 5);
+        assert_eq!(streamable_len("ab\u{FFFD}", &[]), 2);
+    }
+
+    /// Frequencies of `n` draws from `logits` under `p` after `generated`.
+    fn freqs(logits: &[f32], p: &SamplingParams, generated: &[u32], n: usize) -> Vec<f64> {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut counts = vec![0usize; logits.len()];
+        for _ in 0..n {
+            counts[next_token(logits, p, &[], generated, &mut rng) as usize] += 1;
+        }
+        counts.iter().map(|&c| c as f64 / n as f64).collect()
+    }
+
+    #[test]
+    fn logit_bias_forces_and_bans_tokens() {
+        let logits = [5.0f32, 0.0, 0.0, 0.0];
+        let force = SamplingParams {
+            logit_bias: vec![(2, 100.0)],
+            ..Default::default()
+        };
+        assert_eq!(freqs(&logits, &force, &[], 500)[2], 1.0);
+        let greedy_ban = SamplingParams {
+            temperature: 0.0,
+            logit_bias: vec![(0, -100.0)],
+            ..Default::default()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert_ne!(next_token(&logits, &greedy_ban, &[], &[], &mut rng), 0);
+        assert!(force.reshapes_distribution());
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_move_mass_off_generated_tokens() {
+        // Two equally likely tokens; token 0 was generated three times.
+        let logits = [0.0f32, 0.0];
+        let plain = freqs(&logits, &SamplingParams::default(), &[0, 0, 0], 20_000);
+        assert!((plain[0] - 0.5).abs() < 0.02, "{plain:?}");
+        let freq = SamplingParams {
+            frequency_penalty: 0.5,
+            ..Default::default()
+        };
+        // logit 0 becomes −1.5: p0 = 1 / (1 + e^1.5) ≈ 0.182.
+        let f = freqs(&logits, &freq, &[0, 0, 0], 20_000);
+        assert!((f[0] - 0.182).abs() < 0.02, "{f:?}");
+        let pres = SamplingParams {
+            presence_penalty: 0.5,
+            ..Default::default()
+        };
+        // Once, whatever the count: p0 = 1 / (1 + e^0.5) ≈ 0.378.
+        let f = freqs(&logits, &pres, &[0, 0, 0], 20_000);
+        assert!((f[0] - 0.378).abs() < 0.02, "{f:?}");
+        // A negative penalty encourages repeats.
+        let neg = SamplingParams {
+            frequency_penalty: -1.0,
+            ..Default::default()
+        };
+        assert!(freqs(&logits, &neg, &[0], 5_000)[0] > 0.6);
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut l = vec![4.0f32, -1.0, 3.0, 1.0];
+        // Token 0 in the prompt, token 1 generated; 2 and 3 unseen.
+        process_logits(&mut l, &p, &[0], &[1]);
+        assert_eq!(l, vec![2.0, -2.0, 3.0, 1.0]);
+        // Greedy now prefers token 2 over the penalised token 0.
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..p
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let logits = [4.0f32, -1.0, 3.0, 1.0];
+        assert_eq!(next_token(&logits, &greedy, &[0], &[1], &mut rng), 2);
+    }
+
+    #[test]
+    fn min_p_masks_tokens_below_a_fraction_of_the_top() {
+        // Probabilities ∝ 8, 4, 1, 1: with min_p 0.25 only 0 and 1 survive.
+        let logits = [8f32.ln(), 4f32.ln(), 0.0, 0.0];
+        let p = SamplingParams {
+            min_p: 0.25,
+            ..Default::default()
+        };
+        let f = freqs(&logits, &p, &[], 20_000);
+        assert_eq!(f[2] + f[3], 0.0, "{f:?}");
+        assert!((f[0] - 2.0 / 3.0).abs() < 0.02, "{f:?}");
+        let off = freqs(&logits, &SamplingParams::default(), &[], 20_000);
+        assert!(off[2] + off[3] > 0.1, "{off:?}");
+    }
+
+    #[test]
+    fn out_of_range_values_are_refused() {
+        let bad = [
+            SamplingParams {
+                min_p: 1.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                frequency_penalty: 3.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 101.0)],
+                ..Default::default()
+            },
+        ];
+        for p in bad {
+            assert!(p.validate().is_err(), "{p:?}");
+        }
+        let ids = SamplingParams {
+            stop_token_ids: vec![9],
+            ..Default::default()
+        };
+        assert!(ids.validate_vocab(10).is_ok() && ids.validate_vocab(9).is_err());
+    }
+}
