@@ -5,7 +5,29 @@
 //! `tinker` Python SDK, over the in-process [`temper_engine::Engine`].
 //!
 //! `fn app(state) -> Router` builds each service so tests drive it with
-//! `tower::ServiceExt::oneshot`, no network needed.
+//! `tower::ServiceExt::oneshot`, no network needed. The key design choice:
+//! one engine thread owns the model and batches every request's decode step
+//! (the [`scheduler`]); HTTP handlers only parse, queue and stream.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use axum::body::Body;
+//! use axum::http::{Request, StatusCode};
+//! use temper_model::{LoadOptions, Pretrained};
+//! use temper_server::openai::{app, OpenAiState, ServeConfig};
+//! use tower::ServiceExt;
+//!
+//! let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
+//! let model = Arc::new(Pretrained::load(&dir, &LoadOptions::default())?);
+//! let cfg = ServeConfig::defaults("tiny", &model);
+//! let status = tokio::runtime::Runtime::new()?.block_on(async {
+//!     let router = app(OpenAiState::new(model, cfg));
+//!     let req = Request::get("/v1/models").body(Body::empty())?;
+//!     Ok::<_, Box<dyn std::error::Error>>(router.oneshot(req).await?.status())
+//! })?;
+//! assert_eq!(status, StatusCode::OK);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![deny(missing_docs)]
 
 mod error;
