@@ -67,9 +67,10 @@ struct CausalAttention {
     lse: Arc<Mutex<Option<Vec<f32>>>>,
 }
 
-/// `Σ a_i b_i` in a fixed order: 8 lane sums, then the lanes pairwise.
+/// `Σ a_i b_i` in a fixed order: 8 lane sums, then the lanes pairwise
+/// (also `matmul_nt`'s portable path).
 #[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let ca = a.chunks_exact(8);
     let cb = b.chunks_exact(8);

@@ -169,22 +169,8 @@ fn kernel() -> Kernel {
 }
 
 mod portable {
-    /// The same eight-lane structure as the AVX2 kernel, in plain Rust.
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let mut acc = [0f32; 8];
-        let ca = a.chunks_exact(8);
-        let cb = b.chunks_exact(8);
-        let (ra, rb) = (ca.remainder(), cb.remainder());
-        for (x, y) in ca.zip(cb) {
-            for l in 0..8 {
-                acc[l] += x[l] * y[l];
-            }
-        }
-        for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
-            acc[l] += x * y;
-        }
-        ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
-    }
+    // The same eight-lane structure as the AVX2 kernel, in plain Rust.
+    use crate::kernels::attention::dot;
 
     /// # Safety
     /// `y` must point to `m·n` writable floats; no other thread writes
