@@ -13,9 +13,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, V
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::kernels::{
-    causal_attention, fused_attention_supported, linear_nt, matmul_nt, matmul_nt_supported,
-};
+use crate::kernels::{causal_attention, fused_attention_supported};
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::rope::Rope;
 use crate::weights::Checkpoint;
@@ -44,9 +42,7 @@ impl Linear {
             && x.track_op()
             && x.device().is_cpu()
             && matches!(x.dtype(), DType::F32 | DType::F64);
-        let mut y = if matmul_nt_supported(x, &self.weight) {
-            matmul_nt(x, &self.weight)?
-        } else if frozen_on_cpu {
+        let mut y = if frozen_on_cpu {
             x.contiguous()?.apply_op1(FrozenMatmul {
                 weight: self.weight.clone(),
             })?
@@ -64,8 +60,8 @@ impl Linear {
             } else {
                 (p.a.as_tensor().detach(), p.b.as_tensor().detach())
             };
-            let down = linear_nt(x, &a)?;
-            let up = linear_nt(&down, &b)?;
+            let down = x.matmul(&a.t()?)?;
+            let up = down.matmul(&b.t()?)?;
             y = (y + up.affine(scale, 0.0)?)?;
         }
         Ok(y)
@@ -498,7 +494,7 @@ impl Model {
 
     /// Logits `[n, vocab]` for hidden states `[n, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        linear_nt(hidden, self.head_weight())
+        Ok(hidden.matmul(&self.head_weight().t()?)?)
     }
 
     /// The output projection `[vocab, hidden]` (the embedding when tied).

@@ -156,12 +156,16 @@ fn block_logits(
     h: usize,
     weight: &Tensor,
 ) -> candle_core::Result<Vec<f32>> {
-    if weight.dtype() == DType::F32 && weight.device().is_cpu() {
-        // Every row reduced in one fixed order: a one-token sequence's
-        // logits equal its row in a longer call.
-        return super::matmul::rows_times_weight(xb, rows, weight);
-    }
     let x = Tensor::from_slice(xb, (rows, h), &Device::Cpu)?;
+    if rows == 1 {
+        // candle's CPU matmul takes a matrix-vector path for one row, which
+        // rounds differently from the same row inside a larger call; compute
+        // a lone row as the first of two so a one-token sequence's logits
+        // match its row in a longer one.
+        let x2 = Tensor::cat(&[&x, &x.zeros_like()?], 0)?;
+        let y = x2.matmul(&weight.t()?)?.narrow(0, 0, 1)?;
+        return y.flatten_all()?.to_vec1::<f32>();
+    }
     x.matmul(&weight.t()?)?.flatten_all()?.to_vec1::<f32>()
 }
 

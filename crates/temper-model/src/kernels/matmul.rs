@@ -23,7 +23,7 @@
 
 use std::sync::OnceLock;
 
-use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
@@ -330,31 +330,10 @@ pub fn linear_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// A plain-slice entry point for kernels that already hold f32 rows (the LM
-/// head's blocks): `[rows, k]·Wᵀ` with `W` a CPU f32 tensor.
-pub(crate) fn rows_times_weight(
-    xb: &[f32],
-    rows: usize,
-    weight: &Tensor,
-) -> candle_core::Result<Vec<f32>> {
-    let (n, k) = weight.dims2()?;
-    let w = weight.to_device(&Device::Cpu)?.contiguous()?;
-    let (storage, layout) = w.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else {
-        return Err(candle_core::Error::Msg(
-            "matmul_nt: weight not on the CPU".into(),
-        ));
-    };
-    let ws = slice(cpu, layout, "w")?;
-    let mut y = vec![0f32; rows * n];
-    matmul_nt_f32(xb, ws, rows, n, k, &mut y);
-    Ok(y)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Var;
+    use candle_core::{Device, Var};
 
     fn rand(shape: (usize, usize), seed: u64) -> Tensor {
         use rand::{Rng, SeedableRng};
