@@ -24,6 +24,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
 use rayon::prelude::*;
 
+use super::f32_slice;
 use crate::error::{ModelError, Result};
 
 /// Keys per online-softmax block.
@@ -90,18 +91,6 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
-    }
-}
-
-fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("attention: non-contiguous {what}")))?;
-    match s {
-        CpuStorage::F32(v) => Ok(&v[a..b]),
-        _ => Err(candle_core::Error::Msg(format!(
-            "attention: {what} must be f32"
-        ))),
     }
 }
 
@@ -179,9 +168,9 @@ impl CustomOp3 for CausalAttention {
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (q, k, v) = (
-            slice(qs, ql, "q")?,
-            slice(ks, kl, "k")?,
-            slice(vs, vl, "v")?,
+            f32_slice("attention", qs, ql, "q")?,
+            f32_slice("attention", ks, kl, "k")?,
+            f32_slice("attention", vs, vl, "v")?,
         );
         let (nh, lq, hd) = ql.shape().dims3()?;
         let (nkv, lk, _) = kl.shape().dims3()?;

@@ -26,6 +26,7 @@ use std::sync::OnceLock;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::f32_slice;
 use crate::error::{ModelError, Result};
 
 /// Below this many multiply-adds a call runs on the calling thread.
@@ -66,18 +67,6 @@ struct MatmulNt {
     weight_grad: bool,
 }
 
-fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg(format!("matmul_nt: non-contiguous {what}")))?;
-    match s {
-        CpuStorage::F32(v) => Ok(&v[a..b]),
-        _ => Err(candle_core::Error::Msg(format!(
-            "matmul_nt: {what} must be f32"
-        ))),
-    }
-}
-
 impl CustomOp2 for MatmulNt {
     fn name(&self) -> &'static str {
         "matmul-nt"
@@ -90,7 +79,10 @@ impl CustomOp2 for MatmulNt {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, w) = (slice(xs, xl, "x")?, slice(ws, wl, "w")?);
+        let (x, w) = (
+            f32_slice("matmul_nt", xs, xl, "x")?,
+            f32_slice("matmul_nt", ws, wl, "w")?,
+        );
         let (m, k) = xl.shape().dims2()?;
         let (n, _) = wl.shape().dims2()?;
         let mut y = vec![0f32; m * n];

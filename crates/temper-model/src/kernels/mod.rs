@@ -1,6 +1,8 @@
 //! CPU kernels with their own backward, for what candle's composed ops do
 //! too slowly or with too much memory.
 
+use candle_core::{CpuStorage, Layout};
+
 mod attention;
 mod lm_head;
 mod matmul;
@@ -10,3 +12,19 @@ pub use attention::{causal_attention, fused_attention_supported, KEY_BLOCK};
 pub use lm_head::{for_each_logprob_row, fused_lm_head_supported, lm_head_logprobs, ROW_BLOCK};
 
 pub use matmul::{linear_nt, matmul_nt, matmul_nt_supported};
+
+/// An op's contiguous f32 input as a slice; errors name the op and input.
+fn f32_slice<'a>(
+    op: &str,
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a [f32]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: non-contiguous {what}")))?;
+    match s {
+        CpuStorage::F32(v) => Ok(&v[a..b]),
+        _ => Err(candle_core::Error::Msg(format!("{op}: {what} must be f32"))),
+    }
+}
