@@ -89,6 +89,22 @@ pub fn release_memory() {
     }
 }
 
+/// Apply `TEMPER_MATMUL` (`invariant`, the default, or `candle`): which
+/// matmul the forward uses on the CPU in f32 (see [`kernels::ForwardMatmul`]).
+/// Unset keeps the default; any other value is an error.
+pub fn forward_matmul_from_env() -> Result<()> {
+    match std::env::var("TEMPER_MATMUL") {
+        Ok(v) => {
+            kernels::set_forward_matmul(v.parse()?);
+            Ok(())
+        }
+        Err(std::env::VarError::NotPresent) => Ok(()),
+        Err(std::env::VarError::NotUnicode(v)) => Err(ModelError::InvalidInput(format!(
+            "TEMPER_MATMUL={v:?} is not valid UTF-8"
+        ))),
+    }
+}
+
 /// Set the number of CPU threads the tensor kernels use (`None`: keep
 /// `RAYON_NUM_THREADS` if set, else all cores). Call it before the first
 /// tensor operation, while the process has one thread.

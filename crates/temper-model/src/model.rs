@@ -13,7 +13,9 @@ use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, V
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::kernels::{causal_attention, fused_attention_supported};
+use crate::kernels::{
+    causal_attention, fused_attention_supported, linear_nt, matmul_nt, use_matmul_nt,
+};
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::rope::Rope;
 use crate::weights::Checkpoint;
@@ -42,7 +44,9 @@ impl Linear {
             && x.track_op()
             && x.device().is_cpu()
             && matches!(x.dtype(), DType::F32 | DType::F64);
-        let mut y = if frozen_on_cpu {
+        let mut y = if use_matmul_nt(x, &self.weight) {
+            matmul_nt(x, &self.weight)?
+        } else if frozen_on_cpu {
             x.contiguous()?.apply_op1(FrozenMatmul {
                 weight: self.weight.clone(),
             })?
@@ -60,8 +64,8 @@ impl Linear {
             } else {
                 (p.a.as_tensor().detach(), p.b.as_tensor().detach())
             };
-            let down = x.matmul(&a.t()?)?;
-            let up = down.matmul(&b.t()?)?;
+            let down = linear_nt(x, &a)?;
+            let up = linear_nt(&down, &b)?;
             y = (y + up.affine(scale, 0.0)?)?;
         }
         Ok(y)
@@ -494,7 +498,7 @@ impl Model {
 
     /// Logits `[n, vocab]` for hidden states `[n, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(hidden.matmul(&self.head_weight().t()?)?)
+        linear_nt(hidden, self.head_weight())
     }
 
     /// The output projection `[vocab, hidden]` (the embedding when tied).

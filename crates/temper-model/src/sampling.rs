@@ -11,11 +11,16 @@
 //! `Completion::logprobs[i]` is `log softmax(logits / T)[token_i]` — the
 //! temperature-scaled model distribution *before* logit bias, penalties and
 //! top-k / top-p / min-p truncation (greedy, `T = 0`, reports the `T = 1`
-//! distribution). It is computed by the
-//! training forward ([`Model::score`] over the finished sequence), so it is
-//! bit-identical to what the trainer computes for the same tokens and weights;
-//! see [`crate::scoring`]. Tokens are drawn from the decode pass's logits,
-//! which agree with those to float rounding (~1e-6).
+//! distribution), bit-identical to what the trainer computes for the same
+//! tokens and weights ([`Model::score`]; see [`crate::scoring`]).
+//!
+//! On the CPU in f32 with the batch-invariant matmul (the default) every
+//! kernel of the forward gives a row the same bits in a decode step as in the
+//! trainer's full-sequence pass, so the logprob is taken straight from the
+//! decode step's logits (with the LM head's own reduction,
+//! [`crate::kernels::row_logprob`]). Elsewhere (a GPU, bf16,
+//! `TEMPER_MATMUL=candle`, a trainable LM head) the finished sequence is
+//! re-scored by the training forward, one extra forward per sequence.
 
 use candle_core::{DType, Tensor};
 use rand::{Rng, SeedableRng};
@@ -24,6 +29,9 @@ use rand_chacha::ChaCha8Rng;
 use crate::decode::{check_stop, next_token, visible_text};
 pub use crate::decode::{sample_token, FinishReason, SamplingParams};
 use crate::error::{ModelError, Result};
+use crate::kernels::{
+    fused_attention_supported, fused_lm_head_supported, row_logprob, use_matmul_nt,
+};
 use crate::lora::LoraAdapter;
 use crate::model::{KvCache, Model, Segment};
 use crate::tokenizer::Tokenizer;
@@ -67,6 +75,8 @@ struct Live {
     rng: ChaCha8Rng,
     finish: Option<FinishReason>,
     stop_text: Option<String>,
+    /// Logprobs taken during decode (see the module docs).
+    logprobs: Vec<f32>,
 }
 
 impl<'a> Sampler<'a> {
@@ -110,6 +120,7 @@ impl<'a> Sampler<'a> {
             }
         }
         let num_layers = self.model.config().num_layers;
+        let decode_logprobs = self.decode_logprobs_are_exact()?;
 
         // Prefill every prompt once, in one packed forward.
         let mut caches: Vec<KvCache> = requests.iter().map(|_| KvCache::new(num_layers)).collect();
@@ -156,6 +167,7 @@ impl<'a> Sampler<'a> {
                     rng,
                     finish: None,
                     stop_text: None,
+                    logprobs: Vec::new(),
                 });
             }
         }
@@ -165,6 +177,15 @@ impl<'a> Sampler<'a> {
                 let p = &requests[live.req].params;
                 let prompt = &requests[live.req].prompt;
                 let tok = next_token(&live.logits, p, prompt, &live.tokens, &mut live.rng);
+                if p.logprobs && decode_logprobs {
+                    let t = if p.temperature > 0.0 {
+                        p.temperature
+                    } else {
+                        1.0
+                    };
+                    live.logprobs
+                        .push(row_logprob(&live.logits, tok as usize, t));
+                }
                 live.tokens.push(tok);
                 let full = live.cache.len() + 1 >= max_pos;
                 let check = check_stop(
@@ -210,7 +231,9 @@ impl<'a> Sampler<'a> {
         for live in lives {
             let r = &requests[live.req];
             let finish = live.finish.unwrap_or(FinishReason::Length);
-            let logprobs = if r.params.logprobs {
+            let logprobs = if r.params.logprobs && decode_logprobs {
+                Some(live.logprobs)
+            } else if r.params.logprobs {
                 Some(self.reported_logprobs(&r.prompt, &live.tokens, lora, r.params.temperature)?)
             } else {
                 None
@@ -224,6 +247,16 @@ impl<'a> Sampler<'a> {
             });
         }
         Ok(out)
+    }
+
+    /// Whether a decode step's logits are bit-identical to the training
+    /// forward's for the same token (see the module docs).
+    fn decode_logprobs_are_exact(&self) -> Result<bool> {
+        let probe = Tensor::zeros((1, 1), self.model.dtype(), self.model.device())?;
+        let head = self.model.head_weight();
+        Ok(fused_lm_head_supported(&probe, head)
+            && fused_attention_supported(&probe)
+            && use_matmul_nt(&probe, head))
     }
 
     /// Logprobs of `completion` after `prompt`, by the training forward.

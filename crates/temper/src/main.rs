@@ -76,6 +76,10 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    if let Err(e) = temper_model::forward_matmul_from_env() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Train(cmd) => train::run(cmd),

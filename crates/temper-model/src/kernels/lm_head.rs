@@ -125,6 +125,14 @@ struct LmHeadLogprobs {
     saved: Arc<Mutex<Option<Tensor>>>,
 }
 
+/// `log softmax(logits / T)[target]` of one row of logits, reduced exactly as
+/// [`lm_head_logprobs`] reduces its rows: given the same logits bits, a
+/// decode step's logprob equals the trainer's.
+pub fn row_logprob(logits: &[f32], target: usize, temperature: f64) -> f32 {
+    let mut row = logits.to_vec();
+    reduce_row(&mut row, target, (1.0 / temperature) as f32).0
+}
+
 /// Per-row `(logprob of target, entropy, log Σ exp(s − max))` of scaled
 /// logits `s`, with `row` overwritten by `s − max`. Sums run in f64 in index
 /// order: deterministic, independent of the thread count.
@@ -156,6 +164,14 @@ fn block_logits(
     h: usize,
     weight: &Tensor,
 ) -> candle_core::Result<Vec<f32>> {
+    if weight.dtype() == DType::F32
+        && weight.device().is_cpu()
+        && super::forward_matmul() == super::ForwardMatmul::BatchInvariant
+    {
+        // Every row reduced in one fixed order: a one-token sequence's
+        // logits equal its row in a longer call.
+        return super::matmul::rows_times_weight(xb, rows, weight);
+    }
     let x = Tensor::from_slice(xb, (rows, h), &Device::Cpu)?;
     if rows == 1 {
         // candle's CPU matmul takes a matrix-vector path for one row, which

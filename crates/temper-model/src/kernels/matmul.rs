@@ -21,9 +21,10 @@
 //! with the same lane structure (rounded differently, but one process only
 //! ever uses one of the two).
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::f32_slice;
@@ -58,9 +59,54 @@ pub fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, op)?)
 }
 
+/// Which matmul the model's forward uses for `x·Wᵀ` on the CPU in f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForwardMatmul {
+    /// [`matmul_nt`]: every row reduced in one fixed order (the default).
+    BatchInvariant,
+    /// candle's `gemm`: rows round differently with the call's shape. For
+    /// comparisons (`TEMPER_MATMUL=candle`).
+    Candle,
+}
+
+static FORWARD: AtomicU8 = AtomicU8::new(0);
+
+/// Choose the forward matmul for this process.
+pub fn set_forward_matmul(m: ForwardMatmul) {
+    FORWARD.store(m as u8, Ordering::Relaxed);
+}
+
+/// The forward matmul in use (see [`set_forward_matmul`]).
+pub fn forward_matmul() -> ForwardMatmul {
+    match FORWARD.load(Ordering::Relaxed) {
+        0 => ForwardMatmul::BatchInvariant,
+        _ => ForwardMatmul::Candle,
+    }
+}
+
+impl std::str::FromStr for ForwardMatmul {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "invariant" => Ok(Self::BatchInvariant),
+            "candle" => Ok(Self::Candle),
+            other => Err(ModelError::InvalidInput(format!(
+                "TEMPER_MATMUL={other:?}: expected \"invariant\" or \"candle\""
+            ))),
+        }
+    }
+}
+
 /// Whether [`matmul_nt`] handles these operands (f32 on the CPU).
 pub fn matmul_nt_supported(x: &Tensor, w: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32
+}
+
+/// Whether the forward runs `x·Wᵀ` through [`matmul_nt`]: supported
+/// operands and [`ForwardMatmul::BatchInvariant`] chosen.
+pub fn use_matmul_nt(x: &Tensor, w: &Tensor) -> bool {
+    forward_matmul() == ForwardMatmul::BatchInvariant && matmul_nt_supported(x, w)
 }
 
 struct MatmulNt {
@@ -313,19 +359,41 @@ mod avx2 {
     }
 }
 
-/// `x·Wᵀ` through [`matmul_nt`] when supported, else candle's matmul.
+/// `x·Wᵀ` through [`matmul_nt`] when the forward uses it (see
+/// [`use_matmul_nt`]), else candle's matmul.
 pub fn linear_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if matmul_nt_supported(x, w) {
+    if use_matmul_nt(x, w) {
         matmul_nt(x, w)
     } else {
         Ok(x.matmul(&w.t()?)?)
     }
 }
 
+/// A plain-slice entry point for kernels that already hold f32 rows (the LM
+/// head's blocks): `[rows, k]·Wᵀ` with `W` a CPU f32 tensor.
+pub(crate) fn rows_times_weight(
+    xb: &[f32],
+    rows: usize,
+    weight: &Tensor,
+) -> candle_core::Result<Vec<f32>> {
+    let (n, k) = weight.dims2()?;
+    let w = weight.to_device(&Device::Cpu)?.contiguous()?;
+    let (storage, layout) = w.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(candle_core::Error::Msg(
+            "matmul_nt: weight not on the CPU".into(),
+        ));
+    };
+    let ws = f32_slice("matmul_nt", cpu, layout, "w")?;
+    let mut y = vec![0f32; rows * n];
+    matmul_nt_f32(xb, ws, rows, n, k, &mut y);
+    Ok(y)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::Var;
 
     fn rand(shape: (usize, usize), seed: u64) -> Tensor {
         use rand::{Rng, SeedableRng};

@@ -9,9 +9,14 @@ mod matmul;
 
 pub use attention::{causal_attention, fused_attention_supported, KEY_BLOCK};
 
-pub use lm_head::{for_each_logprob_row, fused_lm_head_supported, lm_head_logprobs, ROW_BLOCK};
+pub use lm_head::{
+    for_each_logprob_row, fused_lm_head_supported, lm_head_logprobs, row_logprob, ROW_BLOCK,
+};
 
-pub use matmul::{linear_nt, matmul_nt, matmul_nt_supported};
+pub use matmul::{
+    forward_matmul, linear_nt, matmul_nt, matmul_nt_supported, set_forward_matmul, use_matmul_nt,
+    ForwardMatmul,
+};
 
 /// An op's contiguous f32 input as a slice; errors name the op and input.
 fn f32_slice<'a>(

@@ -92,10 +92,10 @@ fn sampler_logprobs_equal_training_forward_for_batches_1_to_8() {
         }
         eprintln!("{name}: {compared} tokens compared, max |sampler - trainer| = {worst:e}");
         assert!(compared > 200, "{name}: compared only {compared} tokens");
-        assert!(
-            worst <= 1e-6,
-            "{name}: sampler/trainer logprob mismatch {worst}"
-        );
+        // Bit for bit: the sampler takes logprobs straight from its decode
+        // steps, and every kernel gives a row the same bits there as in the
+        // trainer's full-sequence pass.
+        assert_eq!(worst, 0.0, "{name}: sampler/trainer logprob mismatch");
     }
 }
 
