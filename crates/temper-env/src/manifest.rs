@@ -9,7 +9,7 @@
 //!
 //! [dataset]
 //! train = "train.jsonl"   # .jsonl or .parquet: rows with prompt or question, answer, info
-//! eval = "eval.jsonl"     # optional: without it rows are split by content hash
+//! eval = "eval.jsonl"     # optional: without it train rows are split by content hash; alone, all rows are held out
 //! # generator = "arithmetic"   # or a built-in generator...
 //! # args = { digits = 2 }      # ...with its arguments
 //!
@@ -353,7 +353,8 @@ pub struct FileDataset {
 }
 
 impl FileDataset {
-    /// Read the files now; with one file, rows are split by content hash.
+    /// Read the files now; with only a train file, rows are split by
+    /// content hash; with only an eval file, all rows are eval rows.
     pub fn new(
         train: Option<PathBuf>,
         eval: Option<PathBuf>,
@@ -375,7 +376,9 @@ impl FileDataset {
             }
         };
         let (mut train_rows, mut eval_rows) = (load(&train)?, load(&eval)?);
-        if train.is_none() || eval.is_none() {
+        // An eval file alone is a benchmark: every row held out, none to
+        // train on. A train file alone is split by content hash.
+        if eval.is_none() {
             let all: Vec<Row> = train_rows.drain(..).chain(eval_rows.drain(..)).collect();
             for r in all {
                 let key = serde_json::to_string(&r.prompt).unwrap_or_default();

@@ -724,7 +724,10 @@ fn default_test_timeout() -> f64 {
 /// Runs the completion's Python code against the row's tests in the
 /// sandbox service (`POST /run_code`): the score is the fraction of tests
 /// that pass. Tests come from `info.tests`, a list of Python snippets
-/// (usually `assert` lines) appended to the code one at a time.
+/// (usually `assert` lines) appended to the code one at a time. An optional
+/// `info.prefix` goes before the code: HumanEval's signature and docstring,
+/// so an answer may be just the function body (or, as chat models write
+/// it, the whole function, which redefines the docstring-only one).
 pub struct CodeTests {
     client: temper_sandbox::Client,
     timeout: Duration,
@@ -776,7 +779,14 @@ impl CodeTests {
 
     async fn score(&self, c: &RewardCtx<'_>) -> f64 {
         let text = crate::last_assistant_text(c.completion);
-        let code = extract_code(&text);
+        let code = match c.info.get("prefix") {
+            None | Some(Value::Null) => extract_code(&text),
+            Some(Value::String(prefix)) => format!("{prefix}\n{}", extract_code(&text)),
+            Some(other) => {
+                tracing::warn!("code tests: info.prefix must be a string, got {other}");
+                return 0.0;
+            }
+        };
         let tests: Vec<String> = c
             .info
             .get("tests")
@@ -798,7 +808,9 @@ impl CodeTests {
     }
 }
 
-/// The last fenced code block (```python … ```), or the whole text.
+/// The last fenced code block (```python … ```), or the whole text without
+/// its blank first and trailing lines (the indentation of a bare function
+/// body is kept: it is the code).
 pub fn extract_code(text: &str) -> String {
     let mut best = None;
     let mut rest = text;
@@ -814,7 +826,17 @@ pub fn extract_code(text: &str) -> String {
             None => break,
         }
     }
-    best.unwrap_or_else(|| text.trim().to_string())
+    best.unwrap_or_else(|| {
+        let body = text.trim_end();
+        // Drop whole blank lines only, not the first line's indentation.
+        let start = body
+            .char_indices()
+            .take_while(|(_, c)| c.is_whitespace())
+            .filter(|(_, c)| *c == '\n')
+            .last()
+            .map_or(0, |(i, _)| i + 1);
+        body[start..].to_string()
+    })
 }
 
 /// Check a rubric spec list before use; programs start in `dir`.

@@ -369,6 +369,9 @@ fn code_block_extraction() {
         ),
         ("text\n```\nx = 1\n```\nmore\n```py\ny = 2\n```", "y = 2\n"),
         ("def g(): pass", "def g(): pass"),
+        // A bare function body keeps its indentation (HumanEval's answers).
+        ("    return 1\n", "    return 1"),
+        ("\n\n    x = 1\n    return x\n\n", "    x = 1\n    return x"),
         ("```python\nunclosed", "```python\nunclosed"),
     ];
     for (text, want) in cases {
@@ -378,15 +381,31 @@ fn code_block_extraction() {
 
 /// The sandbox service on a free port, or `None` where this host cannot
 /// create the namespaces it needs.
-async fn sandbox_service() -> Option<String> {
+/// `warm`: runs fork from a pool of warm workers (as `temper sandbox
+/// serve` does) instead of starting an interpreter each.
+async fn sandbox_service(warm: bool) -> Option<String> {
     use temper_sandbox::service::{app, AppState, Runner};
-    use temper_sandbox::{ExecRequest, Language, Sandbox, SandboxConfig};
+    use temper_sandbox::{ExecRequest, Language, Pool, PoolConfig, Sandbox, SandboxConfig};
     let sandbox = Sandbox::new(SandboxConfig::default()).ok()?;
     if let Err(e) = sandbox.run(&ExecRequest::new(Language::Python, "print(1)")) {
         eprintln!("SKIPPED: sandbox unavailable on this host: {e}");
         return None;
     }
-    let state = AppState::new(Runner::Cold(Arc::new(sandbox)), None, 4);
+    let sandbox = Arc::new(sandbox);
+    let runner = if warm {
+        let pool = Pool::new(
+            sandbox,
+            PoolConfig {
+                size: 4,
+                max_runs_per_worker: 200,
+            },
+        )
+        .expect("warm pool");
+        Runner::Pool(Arc::new(pool))
+    } else {
+        Runner::Cold(sandbox)
+    };
+    let state = AppState::new(runner, None, 4);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.ok()?;
     let addr = listener.local_addr().ok()?;
     tokio::spawn(async move { axum::serve(listener, app(state)).await });
@@ -395,7 +414,7 @@ async fn sandbox_service() -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn code_tests_run_in_the_sandbox_service() {
-    let Some(url) = sandbox_service().await else {
+    let Some(url) = sandbox_service(false).await else {
         return;
     };
     let tests = CodeTests::new(CodeTestsConfig {
@@ -464,6 +483,94 @@ async fn code_tests_score_zero_when_the_sandbox_is_unreachable() {
         )
         .await;
     assert_eq!(s[0].reward, 0.0);
+}
+
+/// HumanEval, validated (issue 16): through the committed
+/// `examples/envs/humaneval/env.toml` and the sandbox service, every
+/// problem's canonical solution scores 1 (as the bare body a completion
+/// model writes, and as the fenced whole function a chat model writes) and
+/// an empty body (`pass`) scores 0, on all 164. Needs the data:
+/// `TEMPER_HUMANEVAL=$(scripts/fetch_humaneval.sh)` (`.ci/run` sets it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn humaneval_canonical_solutions_pass_and_empty_bodies_fail() {
+    use futures::StreamExt;
+    let Ok(dir) = std::env::var("TEMPER_HUMANEVAL") else {
+        eprintln!("SKIPPED: set TEMPER_HUMANEVAL=$(scripts/fetch_humaneval.sh)");
+        return;
+    };
+    let Some(url) = sandbox_service(true).await else {
+        return;
+    };
+    let dir = std::path::Path::new(&dir);
+    let data = dir.join("humaneval.jsonl");
+    assert!(data.is_file(), "{} missing", data.display());
+    // The committed manifest, pointed at the test's sandbox service and at
+    // the fetched data; nothing else changed.
+    let manifest = std::fs::read_to_string(dir.join("env.toml")).unwrap();
+    let args = "args = { timeout_s = 10.0 }";
+    assert!(
+        manifest.contains(args),
+        "env.toml's code_tests args changed"
+    );
+    let manifest = manifest
+        .replace(
+            args,
+            &format!("args = {{ timeout_s = 10.0, sandbox_url = {url:?} }}"),
+        )
+        .replace(
+            "eval = \"humaneval.jsonl\"",
+            &format!("eval = {:?}", data.display().to_string()),
+        );
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("env.toml"), manifest).unwrap();
+    let env = temper_env::load_environment(tmp.path().to_str().unwrap(), &json!({})).unwrap();
+    assert_eq!(env.id(), "humaneval");
+    assert_eq!(env.eval_defaults().num_examples, 164);
+    let rows = env.rows(temper_env::Split::Eval, 1000, 0).unwrap();
+    assert_eq!(rows.len(), 164, "every problem is an eval row");
+    assert!(env
+        .rows(temper_env::Split::Train, 10, 0)
+        .unwrap()
+        .is_empty());
+
+    let scored: Vec<(String, Vec<f64>)> = futures::stream::iter(rows)
+        .map(|row| {
+            let env = env.clone();
+            async move {
+                let body = row.answer.clone().expect("canonical solution");
+                let prompt = row.info["prefix"].as_str().expect("prefix").to_string();
+                let rollouts = [
+                    rollout(&body),
+                    rollout(&format!("Here it is:\n```python\n{prompt}{body}```\nDone.")),
+                    rollout("    pass\n"),
+                ];
+                let s = env.score_group(&row, &rollouts).await;
+                let task = row.info["task_id"].as_str().unwrap_or("?").to_string();
+                (task, s.iter().map(|s| s.reward).collect())
+            }
+        })
+        .buffer_unordered(4)
+        .collect()
+        .await;
+    let failed = |i: usize, want: f64| -> Vec<&str> {
+        scored
+            .iter()
+            .filter(|(_, r)| r[i] != want)
+            .map(|(t, _)| t.as_str())
+            .collect()
+    };
+    assert_eq!(scored.len(), 164);
+    assert_eq!(
+        failed(0, 1.0),
+        Vec::<&str>::new(),
+        "canonical bodies that fail"
+    );
+    assert_eq!(
+        failed(1, 1.0),
+        Vec::<&str>::new(),
+        "canonical functions that fail"
+    );
+    assert_eq!(failed(2, 0.0), Vec::<&str>::new(), "empty bodies that pass");
 }
 
 fn xml() -> Parser {
@@ -664,7 +771,7 @@ def broken(**_):
 /// sandbox service, one isolated run per group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_reward_program_runs_in_the_sandbox() {
-    let Some(url) = sandbox_service().await else {
+    let Some(url) = sandbox_service(false).await else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

@@ -37,7 +37,8 @@ mod runner;
 use std::path::Path;
 
 pub use runner::{
-    default_run_dir, preflight, run_eval, run_eval_with, Bounded, EvalConfig, EvalOutcome,
+    default_run_dir, endpoint_model, preflight, run_eval, run_eval_with, Bounded, EvalConfig,
+    EvalOutcome,
 };
 pub use temper_env::openai::RetryPolicy;
 

@@ -117,17 +117,18 @@ pub async fn run_eval(
 /// wrong key or a wrong model name ends the run at once with the reason,
 /// instead of every rollout retrying for half a minute and scoring 0.
 pub async fn preflight(model: &OpenAiChatModel, cfg: &EvalConfig) -> Result<(), EvalError> {
-    let url = format!("{}/models", model.base_url());
     let timeout = cfg.request_timeout.min(Duration::from_secs(30));
-    let fail = |why: String| Err(EvalError::Preflight(why));
-    match model.list_models(timeout).await {
-        Ok(None) => {
+    match served_models(model, cfg.api_key_env.as_deref(), timeout).await? {
+        None => {
             // No model list to check against: the first rollouts will tell.
-            tracing::warn!("{url} is not served; skipping the model-name check");
+            tracing::warn!(
+                "{}/models is not served; skipping the model-name check",
+                model.base_url()
+            );
             Ok(())
         }
-        Ok(Some(ids)) if ids.iter().any(|id| id == model.model()) => Ok(()),
-        Ok(Some(ids)) => fail(format!(
+        Some(ids) if ids.iter().any(|id| id == model.model()) => Ok(()),
+        Some(ids) => Err(EvalError::Preflight(format!(
             "the endpoint {} does not serve model `{}`; it offers: {} (choose one with -m)",
             model.base_url(),
             model.model(),
@@ -136,9 +137,46 @@ pub async fn preflight(model: &OpenAiChatModel, cfg: &EvalConfig) -> Result<(), 
             } else {
                 ids.join(", ")
             }
-        )),
+        ))),
+    }
+}
+
+/// The model to evaluate when none is named: the endpoint's only one (as
+/// `temper serve` has), found by `GET /models`. Several, or no list, is an
+/// error that says to choose with -m.
+pub async fn endpoint_model(
+    base_url: &str,
+    api_key: Option<String>,
+    api_key_env: Option<&str>,
+    timeout: Duration,
+) -> Result<String, EvalError> {
+    let probe = OpenAiChatModel::new(base_url, "", api_key)?;
+    match served_models(&probe, api_key_env, timeout.min(Duration::from_secs(30))).await? {
+        Some(mut ids) if ids.len() == 1 => Ok(ids.remove(0)),
+        Some(ids) => Err(EvalError::Preflight(format!(
+            "the endpoint {base_url} serves {} models ({}); choose one with -m",
+            ids.len(),
+            ids.join(", ")
+        ))),
+        None => Err(EvalError::Preflight(format!(
+            "the endpoint {base_url} does not list its models (GET /models); name one with -m"
+        ))),
+    }
+}
+
+/// `GET /models`: the served ids (`None`: the endpoint has no such route),
+/// or why the endpoint cannot be used, in words a user can act on.
+async fn served_models(
+    model: &OpenAiChatModel,
+    api_key_env: Option<&str>,
+    timeout: Duration,
+) -> Result<Option<Vec<String>>, EvalError> {
+    let url = format!("{}/models", model.base_url());
+    let fail = |why: String| Err(EvalError::Preflight(why));
+    match model.list_models(timeout).await {
+        Ok(ids) => Ok(ids),
         Err(ModelCallError::Status { status, message }) if status == 401 || status == 403 => {
-            let key = match &cfg.api_key_env {
+            let key = match api_key_env {
                 Some(var) => format!("the key in ${var} was refused"),
                 None => "no key was sent".to_string(),
             };

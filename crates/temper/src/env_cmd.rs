@@ -37,13 +37,7 @@ pub fn run(cmd: EnvCommand) -> Result<()> {
             dir,
             template,
         } => {
-            let valid = !name.is_empty()
-                && name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
-            if !valid {
-                bail!("environment names use letters, digits, '-' and '_'");
-            }
+            check_name(&name)?;
             let root = dir.join(&name);
             if root.exists() {
                 bail!("{} already exists", root.display());
@@ -62,6 +56,18 @@ pub fn run(cmd: EnvCommand) -> Result<()> {
     }
 }
 
+/// Environment names are also directory names and TOML strings.
+pub(crate) fn check_name(name: &str) -> Result<()> {
+    let valid = !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if !valid {
+        bail!("environment names use letters, digits, '-' and '_'");
+    }
+    Ok(())
+}
+
 /// The shapes `temper env new --template` writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Template {
@@ -78,7 +84,7 @@ pub enum Template {
 }
 
 /// The files of a new environment of shape `t`, named `name`.
-fn scaffold(name: &str, t: Template) -> Vec<(&'static str, String)> {
+pub(crate) fn scaffold(name: &str, t: Template) -> Vec<(&'static str, String)> {
     let fill = |text: &str| text.replace("{{name}}", name);
     let readme = format!(
         "# {name}\n\nA temper environment ({kind} template). Replace the TODO rows and the\n\

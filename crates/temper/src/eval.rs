@@ -17,21 +17,22 @@ use temper_eval::{default_run_dir, run_eval, EvalConfig, RetryPolicy};
 #[derive(Args)]
 pub struct EvalArgs {
     /// A built-in environment, a directory with env.toml, or a command.
-    #[arg(required_unless_present = "resume")]
+    #[arg(required_unless_present_any = ["resume", "config"])]
     env: Option<String>,
+    /// A TOML file of these flags (long names, `_` for `-`: `env`,
+    /// `model`, `base_url`, `num_examples`, `rollouts_per_example`,
+    /// `sampling_args = {...}`, ...); flags on the command line win.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Environment arguments as JSON (`{"digits": 2}`).
     #[arg(short = 'a', long = "env-args")]
     env_args: Option<String>,
-    /// Model name.
-    #[arg(short = 'm', long, default_value = "default")]
-    model: String,
-    /// OpenAI-compatible base URL.
-    #[arg(
-        short = 'b',
-        long = "base-url",
-        default_value = "http://127.0.0.1:8000/v1"
-    )]
-    base_url: String,
+    /// Model name (default: the endpoint's only model, from GET /models).
+    #[arg(short = 'm', long)]
+    model: Option<String>,
+    /// OpenAI-compatible base URL [default: http://127.0.0.1:8000/v1].
+    #[arg(short = 'b', long = "base-url")]
+    base_url: Option<String>,
     /// Environment variable holding the API key.
     #[arg(short = 'k', long = "api-key-var")]
     api_key_var: Option<String>,
@@ -40,14 +41,14 @@ pub struct EvalArgs {
     num_examples: Option<usize>,
     /// Which rows: `eval` (held out) or `train` (e.g. to sample a teacher
     /// on training questions for `temper generate-sft`).
-    #[arg(long, value_parser = parse_split, default_value = "eval")]
-    split: Split,
+    #[arg(long, value_parser = parse_split)]
+    split: Option<Split>,
     /// Rollouts per example (default: the environment's).
     #[arg(short = 'r', long = "rollouts-per-example")]
     rollouts: Option<usize>,
-    /// Most model calls in flight.
-    #[arg(short = 'c', long = "max-concurrent", default_value_t = 32)]
-    concurrency: usize,
+    /// Most model calls in flight [default: 32].
+    #[arg(short = 'c', long = "max-concurrent")]
+    concurrency: Option<usize>,
     /// Completion tokens per call (default: the environment's).
     #[arg(short = 't', long = "max-tokens")]
     max_tokens: Option<usize>,
@@ -59,27 +60,98 @@ pub struct EvalArgs {
     /// repeatable, later ones win.
     #[arg(short = 'S', long = "sampling-args")]
     sampling_args: Vec<String>,
-    /// Where runs go: DIR/{env}--{model}/{run_id}.
-    #[arg(long = "save-dir", default_value = "outputs/evals")]
-    save_dir: PathBuf,
+    /// Where runs go: DIR/{env}--{model}/{run_id} [default: outputs/evals].
+    #[arg(long = "save-dir")]
+    save_dir: Option<PathBuf>,
     /// Continue the run in this directory (its metadata.json has the rest).
     #[arg(short = 'R', long)]
     resume: Option<PathBuf>,
-    /// Seed of the eval rows.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Per-request timeout, seconds.
-    #[arg(long, default_value_t = 600.0)]
-    timeout: f64,
-    /// Retries per request.
-    #[arg(long = "max-retries", default_value_t = 6)]
-    max_retries: u32,
-    /// A rollout passes (pass@k) at reward ≥ this.
-    #[arg(long = "pass-threshold", default_value_t = 1.0)]
-    pass_threshold: f64,
+    /// Seed of the eval rows [default: 0].
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Per-request timeout, seconds [default: 600].
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Retries per request [default: 6].
+    #[arg(long = "max-retries")]
+    max_retries: Option<u32>,
+    /// A rollout passes (pass@k) at reward ≥ this [default: 1].
+    #[arg(long = "pass-threshold")]
+    pass_threshold: Option<f64>,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+}
+
+/// `temper eval --config FILE`: the flags as TOML keys. Paths in it are
+/// relative to the working directory, as in the train configs.
+#[derive(Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EvalFile {
+    env: Option<String>,
+    env_args: Option<Value>,
+    model: Option<String>,
+    base_url: Option<String>,
+    api_key_var: Option<String>,
+    num_examples: Option<usize>,
+    split: Option<String>,
+    rollouts_per_example: Option<usize>,
+    max_concurrent: Option<usize>,
+    max_tokens: Option<usize>,
+    temperature: Option<f64>,
+    sampling_args: Option<Value>,
+    save_dir: Option<PathBuf>,
+    seed: Option<u64>,
+    timeout: Option<f64>,
+    max_retries: Option<u32>,
+    pass_threshold: Option<f64>,
+}
+
+impl EvalArgs {
+    /// Fill what the command line left unset from `--config`.
+    fn with_config(mut self) -> Result<Self> {
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
+        let text =
+            std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+        let f: EvalFile = toml::from_str(&text).with_context(|| format!("{}", path.display()))?;
+        let json = |what: &str, v: Option<Value>| -> Result<Option<String>> {
+            match v {
+                None => Ok(None),
+                Some(v @ Value::Object(_)) => Ok(Some(v.to_string())),
+                Some(other) => bail!("{}: {what} must be a table, got {other}", path.display()),
+            }
+        };
+        self.env = self.env.or(f.env);
+        self.env_args = self.env_args.or(json("env_args", f.env_args)?);
+        self.model = self.model.or(f.model);
+        self.base_url = self.base_url.or(f.base_url);
+        self.api_key_var = self.api_key_var.or(f.api_key_var);
+        self.num_examples = self.num_examples.or(f.num_examples);
+        if self.split.is_none() {
+            self.split = f
+                .split
+                .as_deref()
+                .map(parse_split)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("{}: split {e}", path.display()))?;
+        }
+        self.rollouts = self.rollouts.or(f.rollouts_per_example);
+        self.concurrency = self.concurrency.or(f.max_concurrent);
+        self.max_tokens = self.max_tokens.or(f.max_tokens);
+        self.temperature = self.temperature.or(f.temperature);
+        // The file's sampling arguments first: later -S arguments win.
+        if let Some(s) = json("sampling_args", f.sampling_args)? {
+            self.sampling_args.insert(0, s);
+        }
+        self.save_dir = self.save_dir.or(f.save_dir);
+        self.seed = self.seed.or(f.seed);
+        self.timeout = self.timeout.or(f.timeout);
+        self.max_retries = self.max_retries.or(f.max_retries);
+        self.pass_threshold = self.pass_threshold.or(f.pass_threshold);
+        Ok(self)
+    }
 }
 
 fn parse_split(s: &str) -> std::result::Result<Split, String> {
@@ -120,7 +192,13 @@ fn sampling_arg(arg: &str) -> Result<serde_json::Map<String, Value>> {
 
 /// Run `temper eval`.
 pub fn run(a: EvalArgs) -> Result<()> {
+    let a = a.with_config()?;
     let rt = tokio::runtime::Runtime::new()?;
+    let timeout = Duration::from_secs_f64(a.timeout.unwrap_or(600.0).max(0.001));
+    let retry = RetryPolicy {
+        max_retries: a.max_retries.unwrap_or(6),
+        ..RetryPolicy::default()
+    };
     let (env, cfg) = match &a.resume {
         Some(dir) => {
             let m = read_metadata(dir).with_context(|| format!("resume {}", dir.display()))?;
@@ -143,11 +221,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 sampling: m.sampling_args,
                 seed: m.seed,
                 run_dir: dir.clone(),
-                request_timeout: Duration::from_secs_f64(a.timeout.max(0.001)),
-                retry: RetryPolicy {
-                    max_retries: a.max_retries,
-                    ..RetryPolicy::default()
-                },
+                request_timeout: timeout,
+                retry,
                 pass_threshold: m.pass_threshold,
                 resume: true,
                 progress: !a.quiet,
@@ -155,7 +230,10 @@ pub fn run(a: EvalArgs) -> Result<()> {
             (env, cfg)
         }
         None => {
-            let spec = a.env.clone().context("ENV is required")?;
+            let spec = a
+                .env
+                .clone()
+                .context("ENV is required (an argument or `env` in --config)")?;
             let env_args = json_arg("--env-args", &a.env_args)?;
             let env = temper_env::load_environment(&spec, &env_args)?;
             let d = env.eval_defaults();
@@ -179,29 +257,48 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 Some(v) => Some(std::env::var(v).with_context(|| format!("${v} is not set"))?),
                 None => None,
             };
-            if a.concurrency == 0 {
+            let concurrency = a.concurrency.unwrap_or(32);
+            if concurrency == 0 {
                 bail!("--max-concurrent must be at least 1");
             }
+            let base_url = a
+                .base_url
+                .clone()
+                .unwrap_or_else(|| "http://127.0.0.1:8000/v1".into());
+            let model = match &a.model {
+                Some(m) => m.clone(),
+                None => {
+                    let m = rt.block_on(temper_eval::endpoint_model(
+                        &base_url,
+                        api_key.clone(),
+                        a.api_key_var.as_deref(),
+                        timeout,
+                    ))?;
+                    eprintln!("model: {m} (the endpoint's only model)");
+                    m
+                }
+            };
+            let save_dir = a
+                .save_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("outputs/evals"));
             let cfg = EvalConfig {
-                run_dir: default_run_dir(&a.save_dir, env.id(), &a.model),
+                run_dir: default_run_dir(&save_dir, env.id(), &model),
                 env_spec: spec,
                 env_args,
-                model: a.model.clone(),
-                base_url: a.base_url.clone(),
+                model,
+                base_url,
                 api_key,
                 api_key_env: a.api_key_var.clone(),
                 num_examples: a.num_examples.unwrap_or(d.num_examples),
-                split: a.split,
+                split: a.split.unwrap_or(Split::Eval),
                 rollouts_per_example: a.rollouts.unwrap_or(d.rollouts_per_example).max(1),
-                max_concurrent: a.concurrency,
+                max_concurrent: concurrency,
                 sampling,
-                seed: a.seed,
-                request_timeout: Duration::from_secs_f64(a.timeout.max(0.001)),
-                retry: RetryPolicy {
-                    max_retries: a.max_retries,
-                    ..RetryPolicy::default()
-                },
-                pass_threshold: a.pass_threshold,
+                seed: a.seed.unwrap_or(0),
+                request_timeout: timeout,
+                retry,
+                pass_threshold: a.pass_threshold.unwrap_or(1.0),
                 resume: false,
                 progress: !a.quiet,
             };

@@ -9,6 +9,7 @@ mod env_cmd;
 mod eval;
 mod export;
 mod generate;
+mod init;
 mod sandbox;
 mod serve;
 mod train;
@@ -46,6 +47,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Evaluate an environment against an OpenAI-compatible endpoint.
     Eval(eval::EvalArgs),
+    /// Start a lab workspace: an environment, eval/RL/SFT configs, a README.
+    Init(init::InitArgs),
     /// Scaffold and list environments.
     #[command(subcommand)]
     Env(env_cmd::EnvCommand),
@@ -86,6 +89,7 @@ fn main() -> ExitCode {
         Command::Quickstart(args) => train::run_quickstart(args),
         Command::GenerateSft(args) => train::generate_sft(args),
         Command::Eval(args) => eval::run(args),
+        Command::Init(args) => init::run(args),
         Command::Env(cmd) => env_cmd::run(cmd),
         Command::View(args) => view::run(args),
         Command::MockOpenai(args) => eval::mock(args),

@@ -395,6 +395,154 @@ fn every_env_template_loads_and_evals_against_the_tiny_model() {
     }
 }
 
+/// Issue 16: `temper init DIR`, then `temper eval --config eval.toml` from
+/// DIR against a running `temper serve`, with no edits (only `-b`: the test
+/// server's port is not 8000); the model is the server's only one. The RL
+/// and SFT configs it writes pass `--dry-run` and train one real step on
+/// the tiny model.
+#[test]
+fn init_then_eval_against_temper_serve_with_no_edits() {
+    let (_server, base) = tiny_server();
+    let tmp = tempfile::tempdir().unwrap();
+    let lab = tmp.path().join("lab");
+    let out = temper().arg("init").arg(&lab).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for f in [
+        "README.md",
+        "eval.toml",
+        "rl.toml",
+        "sft.toml",
+        "envs/my-task/env.toml",
+        "envs/my-task/train.jsonl",
+        "envs/my-task/eval.jsonl",
+    ] {
+        assert!(lab.join(f).is_file(), "{f}");
+    }
+    let readme = std::fs::read_to_string(lab.join("README.md")).unwrap();
+    for cmd in [
+        "temper serve --model",
+        "temper eval --config eval.toml",
+        "temper view",
+        "temper train sft sft.toml",
+        "temper train rl rl.toml",
+    ] {
+        assert!(readme.contains(cmd), "README lacks `{cmd}`");
+    }
+
+    let out = temper()
+        .current_dir(&lab)
+        .args(["eval", "--config", "eval.toml", "--quiet", "-b", &base])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("model: tiny-qwen3"), "{stderr}");
+    let run = run_dir_of(&lab.join("outputs/evals"));
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("metadata.json")).unwrap()).unwrap();
+    assert_eq!(meta["env_id"], "my-task");
+    assert_eq!(meta["model"], "tiny-qwen3");
+    assert_eq!(meta["num_examples"], 4);
+    let results = std::fs::read_to_string(run.join("results.jsonl")).unwrap();
+    assert_eq!(results.lines().count(), 4);
+    for l in results.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(v["error"].is_null(), "{v}");
+    }
+    // A second `init` into the same, now full, directory refuses.
+    let out = temper().arg("init").arg(&lab).output().unwrap();
+    assert!(!out.status.success());
+
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
+    for (kind, file) in [("rl", "rl.toml"), ("sft", "sft.toml")] {
+        let out = temper()
+            .current_dir(&lab)
+            .args(["train", kind, file, "--dry-run"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{kind} --dry-run: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("envs/my-task"), "{kind}: {stdout}");
+        let out = temper()
+            .current_dir(&lab)
+            .args(["train", kind, file, "--model.path"])
+            .arg(&model)
+            .args([
+                "--trainer.max_steps",
+                "1",
+                "--eval.num_examples",
+                "0",
+                "--log.progress",
+                "false",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{kind}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            lab.join("runs").join(kind).join("metrics.jsonl").is_file(),
+            "{kind}"
+        );
+    }
+}
+
+/// Issue 16: `--config` fills what the command line leaves unset; flags win.
+#[test]
+fn eval_config_file_and_flags() {
+    let (base, _rt) = mock_server(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("eval.toml");
+    let save = dir.path().join("out");
+    std::fs::write(
+        &cfg,
+        format!(
+            "env = \"arithmetic\"\nbase_url = {base:?}\nnum_examples = 5\nrollouts_per_example = 2\n\
+             temperature = 0.5\nsave_dir = {:?}\nsampling_args = {{ top_p = 0.9 }}\n",
+            save.display().to_string()
+        ),
+    )
+    .unwrap();
+    let out = temper()
+        .args(["eval", "--config"])
+        .arg(&cfg)
+        .args(["-n", "3", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = run_dir_of(&save);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("metadata.json")).unwrap()).unwrap();
+    assert_eq!(meta["num_examples"], 3, "the flag wins");
+    assert_eq!(meta["rollouts_per_example"], 2, "from the file");
+    assert_eq!(meta["model"], "mock", "the endpoint's only model");
+    assert_eq!(meta["sampling_args"]["temperature"], 0.5);
+    assert_eq!(meta["sampling_args"]["top_p"], 0.9);
+    // An unknown key is an error that names it.
+    std::fs::write(&cfg, "env = \"arithmetic\"\nrollouts = 2\n").unwrap();
+    let out = temper()
+        .args(["eval", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rollouts"));
+}
+
 /// Issue 15: the sampling fields reach the endpoint through `-S`, as JSON or
 /// `key=value`, and the server honours them or names what it lacks.
 #[test]
@@ -598,6 +746,14 @@ fn eval_with_an_unknown_model_lists_the_served_ones() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("does not serve model `gpt-5`") && err.contains("it offers: qwen, qwen-lora"),
+        "{err}"
+    );
+    // Issue 16: with no -m, an endpoint with several models must be told which.
+    let out = eval_against(&base, &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("serves 2 models (qwen, qwen-lora); choose one with -m"),
         "{err}"
     );
 }
