@@ -118,11 +118,16 @@ impl HubClient {
 
     /// A package and its versions.
     pub async fn info(&self, namespace: &str, name: &str) -> Result<PackageInfo, HubError> {
-        self.get_json(&format!("/api/v1/packages/{namespace}/{name}")).await
+        self.get_json(&format!("/api/v1/packages/{namespace}/{name}"))
+            .await
     }
 
     /// Search by free text and/or tag.
-    pub async fn search(&self, q: Option<&str>, tag: Option<&str>) -> Result<Vec<PackageSummary>, HubError> {
+    pub async fn search(
+        &self,
+        q: Option<&str>,
+        tag: Option<&str>,
+    ) -> Result<Vec<PackageSummary>, HubError> {
         let mut req = self.req(reqwest::Method::GET, "/api/v1/search");
         let mut params = Vec::new();
         if let Some(q) = q {
@@ -160,7 +165,10 @@ impl HubClient {
         let resp = self
             .req(
                 reqwest::Method::GET,
-                &format!("/api/v1/packages/{}/{}/{}/download", v.namespace, v.name, v.version),
+                &format!(
+                    "/api/v1/packages/{}/{}/{}/download",
+                    v.namespace, v.name, v.version
+                ),
             )
             .send()
             .await?;
@@ -177,7 +185,13 @@ impl HubClient {
     }
 
     /// Yank (or un-yank) a version.
-    pub async fn yank(&self, namespace: &str, name: &str, version: &str, yanked: bool) -> Result<(), HubError> {
+    pub async fn yank(
+        &self,
+        namespace: &str,
+        name: &str,
+        version: &str,
+        yanked: bool,
+    ) -> Result<(), HubError> {
         let resp = self
             .req(
                 reqwest::Method::POST,
@@ -262,7 +276,11 @@ impl Cache {
         let mut best: Option<(semver::Version, PathBuf)> = None;
         for item in rd {
             let item = item.map_err(|e| HubError::io(&dir, e))?;
-            let Some(v) = item.file_name().to_str().and_then(|s| semver::Version::parse(s).ok()) else {
+            let Some(v) = item
+                .file_name()
+                .to_str()
+                .and_then(|s| semver::Version::parse(s).ok())
+            else {
                 continue;
             };
             if r.spec.matches(&v) && best.as_ref().is_none_or(|(b, _)| v > *b) {
@@ -285,7 +303,12 @@ impl Cache {
 
     /// Check `archive` against `expected` digest and the package rules,
     /// then move it into place. On any error the cache is as it was.
-    pub fn install(&self, archive: &[u8], expected: &str, limits: &Limits) -> Result<Cached, HubError> {
+    pub fn install(
+        &self,
+        archive: &[u8],
+        expected: &str,
+        limits: &Limits,
+    ) -> Result<Cached, HubError> {
         let actual = package::digest(archive);
         if actual != expected {
             return Err(HubError::DigestMismatch {
@@ -308,7 +331,8 @@ impl Cache {
         if let Err(e) = std::fs::rename(&unpacked, &dest) {
             // Another pull may have won the race: keep its copy if it holds
             // the same bytes.
-            let theirs = std::fs::read_to_string(dest.join(DIGEST_FILE)).map_err(|_| HubError::io(&dest, e))?;
+            let theirs = std::fs::read_to_string(dest.join(DIGEST_FILE))
+                .map_err(|_| HubError::io(&dest, e))?;
             if theirs.trim() != actual {
                 return Err(HubError::BadPackage(format!(
                     "{} holds {}, the hub serves {actual} for the same version; remove it to pull again",

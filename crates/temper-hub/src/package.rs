@@ -172,7 +172,10 @@ pub fn pack_dir(dir: &Path, namespace: Option<&str>) -> Result<Packed, HubError>
     if let Some(req) = &m.temper {
         semver::VersionReq::parse(req).map_err(|e| bad(format!("temper = {req:?}: {e}")))?;
     }
-    let entry = match (&m.command, m.dataset.as_ref().and_then(|d| d.generator.clone())) {
+    let entry = match (
+        &m.command,
+        m.dataset.as_ref().and_then(|d| d.generator.clone()),
+    ) {
         (Some(command), _) => Entry::Command {
             command: command.clone(),
         },
@@ -221,14 +224,21 @@ fn is_executable(path: &Path) -> Result<bool, HubError> {
     Ok(meta.permissions().mode() & 0o111 != 0)
 }
 
-fn collect_files(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) -> Result<(), HubError> {
+fn collect_files(
+    root: &Path,
+    dir: &Path,
+    out: &mut Vec<(String, PathBuf)>,
+) -> Result<(), HubError> {
     let rd = std::fs::read_dir(dir).map_err(|e| HubError::io(dir, e))?;
     for item in rd {
         let item = item.map_err(|e| HubError::io(dir, e))?;
         let name = item.file_name();
-        let name = name
-            .to_str()
-            .ok_or_else(|| bad(format!("{}: file names must be UTF-8", item.path().display())))?;
+        let name = name.to_str().ok_or_else(|| {
+            bad(format!(
+                "{}: file names must be UTF-8",
+                item.path().display()
+            ))
+        })?;
         if name.starts_with('.') || name == "__pycache__" || name == MANIFEST_FILE {
             continue;
         }
@@ -240,7 +250,10 @@ fn collect_files(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) -> R
             let rel = path
                 .strip_prefix(root)
                 .map_err(|_| bad(format!("{} is outside {}", path.display(), root.display())))?;
-            let rel: Vec<&str> = rel.components().filter_map(|c| c.as_os_str().to_str()).collect();
+            let rel: Vec<&str> = rel
+                .components()
+                .filter_map(|c| c.as_os_str().to_str())
+                .collect();
             out.push((rel.join("/"), path));
         } else {
             return Err(bad(format!(
@@ -298,7 +311,9 @@ pub fn read_archive(
     limits: &Limits,
 ) -> Result<(PackageManifest, Vec<UnpackedFile>), HubError> {
     let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(archive));
-    let entries = tar.entries().map_err(|e| bad(format!("not a tar.gz: {e}")))?;
+    let entries = tar
+        .entries()
+        .map_err(|e| bad(format!("not a tar.gz: {e}")))?;
     let mut total: u64 = 0;
     let mut manifest: Option<PackageManifest> = None;
     let mut files: Vec<UnpackedFile> = Vec::new();
@@ -320,8 +335,7 @@ pub fn read_archive(
     for entry in entries {
         let mut entry = entry.map_err(|e| bad(format!("corrupt archive: {e}")))?;
         let raw = entry.path_bytes().into_owned();
-        let path = String::from_utf8(raw)
-            .map_err(|_| bad("an entry's path is not UTF-8"))?;
+        let path = String::from_utf8(raw).map_err(|_| bad("an entry's path is not UTF-8"))?;
         check_path(&path)?;
         let kind = entry.header().entry_type();
         if !kind.is_file() {
@@ -363,12 +377,17 @@ pub fn read_archive(
         let executable = entry.header().mode().is_ok_and(|m| m & 0o111 != 0);
         if manifest.is_none() {
             if path != MANIFEST_FILE {
-                return Err(bad(format!("the first entry must be {MANIFEST_FILE}, not {path:?}")));
+                return Err(bad(format!(
+                    "the first entry must be {MANIFEST_FILE}, not {path:?}"
+                )));
             }
-            let m: PackageManifest = serde_json::from_slice(&bytes)
-                .map_err(|e| bad(format!("{MANIFEST_FILE}: {e}")))?;
+            let m: PackageManifest =
+                serde_json::from_slice(&bytes).map_err(|e| bad(format!("{MANIFEST_FILE}: {e}")))?;
             if m.format != FORMAT {
-                return Err(bad(format!("package format {} (this temper reads {FORMAT})", m.format)));
+                return Err(bad(format!(
+                    "package format {} (this temper reads {FORMAT})",
+                    m.format
+                )));
             }
             if !valid_name(&m.namespace) || !valid_name(&m.name) {
                 return Err(bad("invalid namespace or name in the manifest"));
@@ -395,11 +414,17 @@ pub fn read_archive(
     }
     for (want, got) in manifest.files.iter().zip(&files) {
         if want.path != got.path {
-            return Err(bad(format!("expected {:?}, found {:?}", want.path, got.path)));
+            return Err(bad(format!(
+                "expected {:?}, found {:?}",
+                want.path, got.path
+            )));
         }
         let sha = hex(&Sha256::digest(&got.bytes));
         if want.sha256 != sha || want.size != got.bytes.len() as u64 {
-            return Err(bad(format!("{}: content does not match the manifest", got.path)));
+            return Err(bad(format!(
+                "{}: content does not match the manifest",
+                got.path
+            )));
         }
     }
     if !files.iter().any(|f| f.path == "env.toml") {
@@ -421,9 +446,7 @@ fn check_path(path: &str) -> Result<(), HubError> {
         match c {
             Component::Normal(_) => {}
             Component::ParentDir => return Err(unsafe_entry("`..` leaves the package")),
-            Component::RootDir | Component::Prefix(_) => {
-                return Err(unsafe_entry("absolute path"))
-            }
+            Component::RootDir | Component::Prefix(_) => return Err(unsafe_entry("absolute path")),
             Component::CurDir => return Err(unsafe_entry("`.` in the path")),
         }
     }
@@ -441,7 +464,11 @@ pub fn unpack(archive: &[u8], dest: &Path, limits: &Limits) -> Result<PackageMan
     result.map(|()| manifest)
 }
 
-fn write_files(dest: &Path, manifest: &PackageManifest, files: &[UnpackedFile]) -> Result<(), HubError> {
+fn write_files(
+    dest: &Path,
+    manifest: &PackageManifest,
+    files: &[UnpackedFile],
+) -> Result<(), HubError> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir(dest).map_err(|e| HubError::io(dest, e))?;
     let json = serde_json::to_vec_pretty(manifest).map_err(|e| bad(e.to_string()))?;

@@ -49,7 +49,9 @@ impl VersionSpec {
         versions
             .iter()
             .filter_map(|v| semver::Version::parse(&v.version).ok().map(|p| (p, v)))
-            .filter(|(p, v)| self.matches(p) && (matches!(self, VersionSpec::Exact(_)) || !v.yanked))
+            .filter(|(p, v)| {
+                self.matches(p) && (matches!(self, VersionSpec::Exact(_)) || !v.yanked)
+            })
             .max_by(|a, b| a.0.cmp(&b.0))
             .map(|(_, v)| v)
     }
@@ -84,7 +86,9 @@ impl EnvRef {
             None => (s, ""),
         };
         let Some((ns, name)) = id.split_once('/') else {
-            return Err(HubError::BadRequest(format!("{s:?}: use owner/name[@version]")));
+            return Err(HubError::BadRequest(format!(
+                "{s:?}: use owner/name[@version]"
+            )));
         };
         if !valid_name(ns) || !valid_name(name) {
             return Err(HubError::BadRequest(format!(
@@ -141,8 +145,17 @@ mod tests {
 
     #[test]
     fn ranges_skip_yanked_versions_but_exact_ones_do_not() {
-        let vs = [v("1.0.0", false), v("1.2.0", false), v("1.3.0", true), v("2.0.0", false)];
-        let pick = |s: &str| VersionSpec::parse(s).ok().and_then(|p| p.pick(&vs).map(|x| x.version.clone()));
+        let vs = [
+            v("1.0.0", false),
+            v("1.2.0", false),
+            v("1.3.0", true),
+            v("2.0.0", false),
+        ];
+        let pick = |s: &str| {
+            VersionSpec::parse(s)
+                .ok()
+                .and_then(|p| p.pick(&vs).map(|x| x.version.clone()))
+        };
         assert_eq!(pick("^1").as_deref(), Some("1.2.0"));
         assert_eq!(pick("1.2").as_deref(), Some("1.2.0"));
         assert_eq!(pick("1.3.0").as_deref(), Some("1.3.0"));

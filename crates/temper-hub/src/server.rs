@@ -79,16 +79,36 @@ impl HubMetrics {
                 v.load(Ordering::Relaxed)
             ));
         };
-        counter("temper_hub_published_total", "Versions published.", &self.published);
+        counter(
+            "temper_hub_published_total",
+            "Versions published.",
+            &self.published,
+        );
         counter(
             "temper_hub_publish_rejected_total",
             "Publishes refused (bad package, existing version).",
             &self.publish_rejected,
         );
-        counter("temper_hub_downloads_total", "Archives served.", &self.downloads);
-        counter("temper_hub_download_bytes_total", "Archive bytes served.", &self.download_bytes);
-        counter("temper_hub_upload_bytes_total", "Archive bytes accepted.", &self.upload_bytes);
-        counter("temper_hub_resolves_total", "References resolved.", &self.resolves);
+        counter(
+            "temper_hub_downloads_total",
+            "Archives served.",
+            &self.downloads,
+        );
+        counter(
+            "temper_hub_download_bytes_total",
+            "Archive bytes served.",
+            &self.download_bytes,
+        );
+        counter(
+            "temper_hub_upload_bytes_total",
+            "Archive bytes accepted.",
+            &self.upload_bytes,
+        );
+        counter(
+            "temper_hub_resolves_total",
+            "References resolved.",
+            &self.resolves,
+        );
         counter("temper_hub_searches_total", "Searches.", &self.searches);
         counter(
             "temper_hub_auth_failures_total",
@@ -259,17 +279,26 @@ async fn require_publish(state: &HubState, headers: &HeaderMap, ns: &str) -> Res
 pub fn app(state: HubState) -> Router {
     let limit = state.settings.max_package_bytes;
     Router::new()
-        .route("/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route(
+            "/health",
+            get(|| async { Json(serde_json::json!({"status": "ok"})) }),
+        )
         .route("/metrics", get(metrics))
         .route("/api/v1/whoami", get(whoami))
         .route("/api/v1/search", get(search))
-        .route("/api/v1/packages/{ns}/{name}", get(package_info).post(publish))
+        .route(
+            "/api/v1/packages/{ns}/{name}",
+            get(package_info).post(publish),
+        )
         .route("/api/v1/packages/{ns}/{name}/resolve", get(resolve))
         .route(
             "/api/v1/packages/{ns}/{name}/{version}",
             axum::routing::delete(delete_version),
         )
-        .route("/api/v1/packages/{ns}/{name}/{version}/download", get(download))
+        .route(
+            "/api/v1/packages/{ns}/{name}/{version}/download",
+            get(download),
+        )
         .route("/api/v1/packages/{ns}/{name}/{version}/yank", post(yank))
         .route("/api/v1/blobs/{digest}", get(blob))
         .route("/", get(web_index))
@@ -285,7 +314,10 @@ async fn metrics(State(s): State<HubState>) -> impl IntoResponse {
     )
 }
 
-async fn whoami(State(s): State<HubState>, headers: HeaderMap) -> ApiResult<Json<serde_json::Value>> {
+async fn whoami(
+    State(s): State<HubState>,
+    headers: HeaderMap,
+) -> ApiResult<Json<serde_json::Value>> {
     let scope = caller(&s, &headers).await?;
     Ok(Json(serde_json::json!({
         "scope": scope.map(|s| s.as_string()),
@@ -357,7 +389,11 @@ async fn search(
     Ok(Json(serde_json::json!({ "packages": packages })))
 }
 
-pub(crate) async fn load_package(s: &HubState, ns: &str, name: &str) -> Result<PackageInfo, HubError> {
+pub(crate) async fn load_package(
+    s: &HubState,
+    ns: &str,
+    name: &str,
+) -> Result<PackageInfo, HubError> {
     let (meta, n, m) = (s.meta.clone(), ns.to_string(), name.to_string());
     let versions = blocking(move || meta.versions(&n, &m)).await?;
     let l = latest(&versions)
@@ -396,7 +432,9 @@ async fn resolve(
     let spec = VersionSpec::parse(p.version.as_deref().unwrap_or(""))?;
     let info = load_package(&s, &ns, &name).await?;
     let v = spec.pick(&info.versions).cloned().ok_or_else(|| {
-        HubError::NotFound(format!("no version of {ns}/{name} matches {spec} (yanked versions need an exact version)"))
+        HubError::NotFound(format!(
+            "no version of {ns}/{name} matches {spec} (yanked versions need an exact version)"
+        ))
     })?;
     Ok(Json(v))
 }
@@ -447,7 +485,13 @@ async fn publish(
         Ok(v) => {
             s.metrics.published.fetch_add(1, Ordering::Relaxed);
             s.metrics.upload_bytes.fetch_add(v.size, Ordering::Relaxed);
-            tracing::info!("published {}/{}@{} {}", v.namespace, v.name, v.version, v.digest);
+            tracing::info!(
+                "published {}/{}@{} {}",
+                v.namespace,
+                v.name,
+                v.version,
+                v.digest
+            );
             Ok((StatusCode::CREATED, Json(v)))
         }
         Err(e) => {
@@ -533,7 +577,9 @@ async fn yank(
     let meta = s.meta.clone();
     let (n, m, v) = (ns.clone(), name.clone(), version.clone());
     blocking(move || meta.set_yanked(&n, &m, &v, yanked)).await?;
-    Ok(Json(serde_json::json!({ "id": format!("{ns}/{name}"), "version": version, "yanked": yanked })))
+    Ok(Json(
+        serde_json::json!({ "id": format!("{ns}/{name}"), "version": version, "yanked": yanked }),
+    ))
 }
 
 async fn delete_version(
@@ -553,7 +599,9 @@ async fn delete_version(
         Ok(())
     })
     .await?;
-    Ok(Json(serde_json::json!({ "id": format!("{ns}/{name}"), "version": version, "deleted": true })))
+    Ok(Json(
+        serde_json::json!({ "id": format!("{ns}/{name}"), "version": version, "deleted": true }),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -573,7 +621,11 @@ fn html_error(e: HubError) -> Response {
     if status == StatusCode::INTERNAL_SERVER_ERROR {
         tracing::error!("hub web: {e}");
     }
-    (status, Html(web::error_page(status.as_u16(), &e.to_string()))).into_response()
+    (
+        status,
+        Html(web::error_page(status.as_u16(), &e.to_string())),
+    )
+        .into_response()
 }
 
 async fn web_index(
@@ -590,7 +642,12 @@ async fn web_index(
         namespace: None,
     };
     match run_search(&s, query).await {
-        Ok(p) => Html(web::index_page(q.q.as_deref().unwrap_or(""), q.tag.as_deref(), &p)).into_response(),
+        Ok(p) => Html(web::index_page(
+            q.q.as_deref().unwrap_or(""),
+            q.tag.as_deref(),
+            &p,
+        ))
+        .into_response(),
         Err(e) => html_error(e),
     }
 }

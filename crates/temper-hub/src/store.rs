@@ -108,15 +108,30 @@ pub trait MetaStore: Send + Sync {
     /// Every live (not deleted) version of a package, oldest first.
     fn versions(&self, namespace: &str, name: &str) -> Result<Vec<VersionInfo>, HubError>;
     /// The README stored with a version.
-    fn readme(&self, namespace: &str, name: &str, version: &str) -> Result<Option<String>, HubError>;
+    fn readme(
+        &self,
+        namespace: &str,
+        name: &str,
+        version: &str,
+    ) -> Result<Option<String>, HubError>;
     /// Live versions matching `query` (all versions of each matching package).
     fn search(&self, query: &Query) -> Result<Vec<VersionInfo>, HubError>;
     /// Set or clear `yanked`.
-    fn set_yanked(&self, namespace: &str, name: &str, version: &str, yanked: bool)
-        -> Result<(), HubError>;
+    fn set_yanked(
+        &self,
+        namespace: &str,
+        name: &str,
+        version: &str,
+        yanked: bool,
+    ) -> Result<(), HubError>;
     /// Delete a version (a tombstone stays, so the number is never reused);
     /// returns its digest.
-    fn delete_version(&self, namespace: &str, name: &str, version: &str) -> Result<String, HubError>;
+    fn delete_version(
+        &self,
+        namespace: &str,
+        name: &str,
+        version: &str,
+    ) -> Result<String, HubError>;
     /// Whether a live version references `digest`.
     fn digest_live(&self, digest: &str) -> Result<bool, HubError>;
     /// Store a token's hash and scope.
@@ -210,9 +225,9 @@ impl SqliteMeta {
 impl MetaStore for SqliteMeta {
     fn insert_version(&self, v: &NewVersion) -> Result<VersionInfo, HubError> {
         let m = &v.manifest;
-        let tags = serde_json::to_string(&m.tags).map_err(|e| HubError::BadPackage(e.to_string()))?;
-        let manifest =
-            serde_json::to_string(m).map_err(|e| HubError::BadPackage(e.to_string()))?;
+        let tags =
+            serde_json::to_string(&m.tags).map_err(|e| HubError::BadPackage(e.to_string()))?;
+        let manifest = serde_json::to_string(m).map_err(|e| HubError::BadPackage(e.to_string()))?;
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         let version = m.version.to_string();
         let conn = self.conn();
@@ -270,7 +285,12 @@ impl MetaStore for SqliteMeta {
         Ok(out)
     }
 
-    fn readme(&self, namespace: &str, name: &str, version: &str) -> Result<Option<String>, HubError> {
+    fn readme(
+        &self,
+        namespace: &str,
+        name: &str,
+        version: &str,
+    ) -> Result<Option<String>, HubError> {
         let conn = self.conn();
         let r: Option<Option<String>> = conn
             .query_row(
@@ -286,17 +306,14 @@ impl MetaStore for SqliteMeta {
     fn search(&self, query: &Query) -> Result<Vec<VersionInfo>, HubError> {
         let conn = self.conn();
         // Packages with a matching version; then all their live versions.
-        let like = query
-            .q
-            .as_deref()
-            .map(|q| {
-                let escaped = q
-                    .to_lowercase()
-                    .replace('\\', "\\\\")
-                    .replace('%', "\\%")
-                    .replace('_', "\\_");
-                format!("%{escaped}%")
-            });
+        let like = query.q.as_deref().map(|q| {
+            let escaped = q
+                .to_lowercase()
+                .replace('\\', "\\\\")
+                .replace('%', "\\%")
+                .replace('_', "\\_");
+            format!("%{escaped}%")
+        });
         let mut st = conn.prepare(&format!(
             "SELECT {COLUMNS} FROM versions v WHERE deleted = 0 AND EXISTS (
                 SELECT 1 FROM versions m WHERE m.namespace = v.namespace AND m.name = v.name
@@ -312,7 +329,13 @@ impl MetaStore for SqliteMeta {
         Ok(out)
     }
 
-    fn set_yanked(&self, namespace: &str, name: &str, version: &str, yanked: bool) -> Result<(), HubError> {
+    fn set_yanked(
+        &self,
+        namespace: &str,
+        name: &str,
+        version: &str,
+        yanked: bool,
+    ) -> Result<(), HubError> {
         let n = self.conn().execute(
             "UPDATE versions SET yanked = ?4 WHERE namespace = ?1 AND name = ?2 AND version = ?3 \
              AND deleted = 0",
@@ -324,7 +347,12 @@ impl MetaStore for SqliteMeta {
         Ok(())
     }
 
-    fn delete_version(&self, namespace: &str, name: &str, version: &str) -> Result<String, HubError> {
+    fn delete_version(
+        &self,
+        namespace: &str,
+        name: &str,
+        version: &str,
+    ) -> Result<String, HubError> {
         let conn = self.conn();
         let digest: Option<String> = conn
             .query_row(
@@ -372,12 +400,18 @@ impl MetaStore for SqliteMeta {
 fn sort_versions(v: &mut [VersionInfo]) {
     v.sort_by(|a, b| {
         let key = |x: &VersionInfo| semver::Version::parse(&x.version).ok();
-        (a.namespace.as_str(), a.name.as_str(), key(a), a.version.as_str()).cmp(&(
-            b.namespace.as_str(),
-            b.name.as_str(),
-            key(b),
-            b.version.as_str(),
-        ))
+        (
+            a.namespace.as_str(),
+            a.name.as_str(),
+            key(a),
+            a.version.as_str(),
+        )
+            .cmp(&(
+                b.namespace.as_str(),
+                b.name.as_str(),
+                key(b),
+                b.version.as_str(),
+            ))
     });
 }
 
@@ -417,10 +451,15 @@ impl BlobStore for FsBlobs {
         let dir = path.parent().unwrap_or(&self.root);
         std::fs::create_dir_all(dir).map_err(|e| HubError::io(dir, e))?;
         let tmp_dir = self.root.join("tmp");
-        let mut tmp = tempfile::NamedTempFile::new_in(&tmp_dir).map_err(|e| HubError::io(&tmp_dir, e))?;
-        tmp.write_all(bytes).map_err(|e| HubError::io(tmp.path(), e))?;
-        tmp.as_file().sync_all().map_err(|e| HubError::io(&path, e))?;
-        tmp.persist(&path).map_err(|e| HubError::io(&path, e.error))?;
+        let mut tmp =
+            tempfile::NamedTempFile::new_in(&tmp_dir).map_err(|e| HubError::io(&tmp_dir, e))?;
+        tmp.write_all(bytes)
+            .map_err(|e| HubError::io(tmp.path(), e))?;
+        tmp.as_file()
+            .sync_all()
+            .map_err(|e| HubError::io(&path, e))?;
+        tmp.persist(&path)
+            .map_err(|e| HubError::io(&path, e.error))?;
         Ok(())
     }
 

@@ -2,7 +2,7 @@
 //! search form, and a page per environment (README, versions, digest, the
 //! commands to use it).
 
-use pulldown_cmark::{Event, Parser};
+use pulldown_cmark::{Event, Options, Parser};
 
 use crate::server::{PackageInfo, PackageSummary};
 
@@ -44,7 +44,13 @@ fn page(title: &str, body: &str) -> String {
 
 fn tags(tags: &[String]) -> String {
     tags.iter()
-        .map(|t| format!("<a class=\"tag\" href=\"/?tag={u}\">{e}</a>", u = url_escape(t), e = esc(t)))
+        .map(|t| {
+            format!(
+                "<a class=\"tag\" href=\"/?tag={u}\">{e}</a>",
+                u = url_escape(t),
+                e = esc(t)
+            )
+        })
         .collect()
 }
 
@@ -52,7 +58,9 @@ fn tags(tags: &[String]) -> String {
 fn url_escape(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
             _ => format!("%{b:02X}"),
         })
         .collect()
@@ -66,9 +74,16 @@ pub fn index_page(q: &str, tag: Option<&str>, packages: &[PackageSummary]) -> St
         esc(q)
     );
     if let Some(t) = tag.filter(|t| !t.is_empty()) {
-        body.push_str(&format!("<p>Tagged <span class=\"tag\">{}</span> · <a href=\"/\">all</a></p>", esc(t)));
+        body.push_str(&format!(
+            "<p>Tagged <span class=\"tag\">{}</span> · <a href=\"/\">all</a></p>",
+            esc(t)
+        ));
     }
-    body.push_str(&format!("<p id=\"count\">{} environment{}</p>", packages.len(), if packages.len() == 1 { "" } else { "s" }));
+    body.push_str(&format!(
+        "<p id=\"count\">{} environment{}</p>",
+        packages.len(),
+        if packages.len() == 1 { "" } else { "s" }
+    ));
     if !packages.is_empty() {
         body.push_str("<table><thead><tr><th>environment</th><th>latest</th><th>description</th><th>tags</th></tr></thead><tbody>");
         for p in packages {
@@ -88,7 +103,9 @@ pub fn index_page(q: &str, tag: Option<&str>, packages: &[PackageSummary]) -> St
 
 /// Markdown to HTML, with raw HTML shown as text (a README is untrusted).
 pub fn render_markdown(md: &str) -> String {
-    let events = Parser::new(md).map(|e| match e {
+    let options =
+        Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH | Options::ENABLE_TASKLISTS;
+    let events = Parser::new_ext(md, options).map(|e| match e {
         Event::Html(h) | Event::InlineHtml(h) => Event::Text(h),
         e => e,
     });
@@ -131,7 +148,10 @@ pub fn package_page(info: &PackageInfo, readme: Option<&str>) -> String {
         esc(&l.published_at)
     ));
     if let Some(md) = readme {
-        body.push_str(&format!("<div class=\"readme\" id=\"readme\">{}</div>", render_markdown(md)));
+        body.push_str(&format!(
+            "<div class=\"readme\" id=\"readme\">{}</div>",
+            render_markdown(md)
+        ));
     }
     body.push_str("<h3>Versions</h3><table id=\"versions\"><thead><tr><th>version</th><th>digest</th><th>published</th><th></th></tr></thead><tbody>");
     for v in info.versions.iter().rev() {
@@ -140,7 +160,11 @@ pub fn package_page(info: &PackageInfo, readme: Option<&str>) -> String {
             esc(&v.version),
             esc(&v.digest),
             esc(&v.published_at),
-            if v.yanked { "<span class=\"yanked\">yanked</span>" } else { "" }
+            if v.yanked {
+                "<span class=\"yanked\">yanked</span>"
+            } else {
+                ""
+            }
         ));
     }
     body.push_str("</tbody></table>");
@@ -149,7 +173,10 @@ pub fn package_page(info: &PackageInfo, readme: Option<&str>) -> String {
 
 /// An error page.
 pub fn error_page(status: u16, message: &str) -> String {
-    page("temper hub", &format!("<h2>{status}</h2><p>{}</p>", esc(message)))
+    page(
+        "temper hub",
+        &format!("<h2>{status}</h2><p>{}</p>", esc(message)),
+    )
 }
 
 #[cfg(test)]

@@ -42,8 +42,18 @@ fn the_same_directory_packs_to_the_same_digest() {
     assert_eq!(pa.bytes, pb.bytes);
     let m = &pa.manifest;
     assert_eq!(
-        (m.id(), m.version.to_string(), m.license.as_deref(), m.temper.as_deref()),
-        ("acme/capitals".to_string(), "1.0.0".to_string(), Some("MIT"), Some(">=0.1"))
+        (
+            m.id(),
+            m.version.to_string(),
+            m.license.as_deref(),
+            m.temper.as_deref()
+        ),
+        (
+            "acme/capitals".to_string(),
+            "1.0.0".to_string(),
+            Some("MIT"),
+            Some(">=0.1")
+        )
     );
     let paths: Vec<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
     assert_eq!(paths, ["README.md", "data/eval.jsonl", "env.toml"]);
@@ -64,7 +74,13 @@ fn a_packed_environment_unpacks_and_loads() {
     assert!(dest.join(MANIFEST_FILE).is_file());
     let env = temper_env::load_environment(&dest.display().to_string(), &serde_json::Value::Null)
         .expect("load");
-    let rows = env.rows(temper_env::Split::Eval, 1, 0).expect("rows");
+    // One data file: its rows are split by content hash; together they are all there.
+    let mut rows = env.rows(temper_env::Split::Eval, 5, 0).expect("eval rows");
+    rows.extend(
+        env.rows(temper_env::Split::Train, 1, 0)
+            .expect("train rows"),
+    );
+    assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].answer.as_deref(), Some("Paris"));
 }
 
@@ -98,7 +114,12 @@ fn evil_archive(entries: &[(&[u8], tar::EntryType, &[u8], Option<&str>)]) -> Vec
         h.set_cksum();
         t.append(&h, data).expect("append");
     };
-    raw(MANIFEST_FILE.as_bytes(), tar::EntryType::Regular, &json, None);
+    raw(
+        MANIFEST_FILE.as_bytes(),
+        tar::EntryType::Regular,
+        &json,
+        None,
+    );
     for (name, kind, data, link) in entries {
         raw(name, *kind, data, *link);
     }
@@ -116,32 +137,80 @@ fn refused(archive: &[u8]) -> HubError {
 
 #[test]
 fn dot_dot_paths_are_refused() {
-    let e = refused(&evil_archive(&[(b"../evil", tar::EntryType::Regular, b"x", None)]));
-    assert!(matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("..")), "{e}");
-    let e = refused(&evil_archive(&[(b"data/../../evil", tar::EntryType::Regular, b"x", None)]));
+    let e = refused(&evil_archive(&[(
+        b"../evil",
+        tar::EntryType::Regular,
+        b"x",
+        None,
+    )]));
+    assert!(
+        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("..")),
+        "{e}"
+    );
+    let e = refused(&evil_archive(&[(
+        b"data/../../evil",
+        tar::EntryType::Regular,
+        b"x",
+        None,
+    )]));
     assert!(matches!(e, HubError::UnsafeEntry { .. }), "{e}");
 }
 
 #[test]
 fn absolute_paths_are_refused() {
-    let e = refused(&evil_archive(&[(b"/tmp/evil", tar::EntryType::Regular, b"x", None)]));
-    assert!(matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("absolute")), "{e}");
+    let e = refused(&evil_archive(&[(
+        b"/tmp/evil",
+        tar::EntryType::Regular,
+        b"x",
+        None,
+    )]));
+    assert!(
+        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("absolute")),
+        "{e}"
+    );
 }
 
 #[test]
 fn symlinks_and_hard_links_are_refused() {
-    let e = refused(&evil_archive(&[(b"evil", tar::EntryType::Symlink, b"", Some("/etc/passwd"))]));
-    assert!(matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("symlink")), "{e}");
-    let e = refused(&evil_archive(&[(b"evil", tar::EntryType::Link, b"", Some("../../etc/passwd"))]));
-    assert!(matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("hard link")), "{e}");
+    let e = refused(&evil_archive(&[(
+        b"evil",
+        tar::EntryType::Symlink,
+        b"",
+        Some("/etc/passwd"),
+    )]));
+    assert!(
+        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("symlink")),
+        "{e}"
+    );
+    let e = refused(&evil_archive(&[(
+        b"evil",
+        tar::EntryType::Link,
+        b"",
+        Some("../../etc/passwd"),
+    )]));
+    assert!(
+        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("hard link")),
+        "{e}"
+    );
 }
 
 #[test]
 fn device_files_are_refused() {
     let e = refused(&evil_archive(&[(b"evil", tar::EntryType::Char, b"", None)]));
-    assert!(matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("device")), "{e}");
-    let e = refused(&evil_archive(&[(b"evil", tar::EntryType::Block, b"", None)]));
-    assert!(matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("device")), "{e}");
+    assert!(
+        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("device")),
+        "{e}"
+    );
+    let e = refused(&evil_archive(&[(
+        b"evil",
+        tar::EntryType::Block,
+        b"",
+        None,
+    )]));
+    assert!(
+        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("device")),
+        "{e}"
+    );
 }
 
 #[test]
@@ -149,7 +218,9 @@ fn size_bombs_are_refused() {
     let src = tempfile::tempdir().expect("tmp");
     write_env(src.path(), "1.0.0");
     // Incompressible, so only the size limit can fire.
-    let data: Vec<u8> = (0..300_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let data: Vec<u8> = (0..300_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     std::fs::write(src.path().join("big.bin"), &data).expect("write");
     let p = pack_dir(src.path(), None).expect("pack");
     let limits = Limits {
@@ -194,8 +265,14 @@ fn a_file_that_differs_from_the_manifest_is_refused() {
     };
     add(MANIFEST_FILE, &json);
     add("README.md", b"# capitals\n\nName the capital.\n");
-    add("data/eval.jsonl", b"{\"question\": \"France?\", \"answer\": \"Lyon\"}\n");
-    add("env.toml", &std::fs::read(src.path().join("env.toml")).expect("read"));
+    add(
+        "data/eval.jsonl",
+        b"{\"question\": \"France?\", \"answer\": \"Lyon\"}\n",
+    );
+    add(
+        "env.toml",
+        &std::fs::read(src.path().join("env.toml")).expect("read"),
+    );
     let bytes = t.into_inner().expect("tar").finish().expect("gz");
     let e = read_archive(&bytes, &Limits::default()).expect_err("tampered file accepted");
     assert!(e.to_string().contains("data/eval.jsonl"), "{e}");
@@ -208,7 +285,9 @@ fn a_digest_mismatch_leaves_the_cache_as_it_was() {
     let v1 = pack_dir(src.path(), None).expect("pack");
     let root = tempfile::tempdir().expect("tmp");
     let cache = Cache::new(root.path());
-    let c = cache.install(&v1.bytes, &v1.digest, &Limits::default()).expect("install");
+    let c = cache
+        .install(&v1.bytes, &v1.digest, &Limits::default())
+        .expect("install");
     let before = listing(root.path());
     // 1.0.1's bytes offered under a digest they do not have.
     write_env(src.path(), "1.0.1");
