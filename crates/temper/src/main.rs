@@ -9,6 +9,7 @@ mod env_cmd;
 mod eval;
 mod export;
 mod generate;
+mod hub_cmd;
 mod sandbox;
 mod serve;
 mod train;
@@ -46,9 +47,14 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Evaluate an environment against an OpenAI-compatible endpoint.
     Eval(eval::EvalArgs),
-    /// Scaffold and list environments.
+    /// Environments: scaffold, list, and push / pull / search on a hub.
     #[command(subcommand)]
     Env(env_cmd::EnvCommand),
+    /// The environments hub: a self-hosted registry (serve, tokens).
+    #[command(subcommand)]
+    Hub(hub_cmd::HubCommand),
+    /// Store a hub URL and API token for `temper env push/pull`.
+    Login(hub_cmd::LoginArgs),
     /// Summarise an eval run and write its HTML report.
     View(view::ViewArgs),
     /// A mock OpenAI-compatible server with fault injection (tests, benchmarks).
@@ -83,6 +89,8 @@ fn main() -> ExitCode {
         Command::GenerateSft(args) => train::generate_sft(args),
         Command::Eval(args) => eval::run(args),
         Command::Env(cmd) => env_cmd::run(cmd),
+        Command::Hub(cmd) => hub_cmd::run(cmd),
+        Command::Login(args) => hub_cmd::login(args),
         Command::View(args) => view::run(args),
         Command::MockOpenai(args) => eval::mock(args),
         Command::Bench(cmd) => bench::run(cmd),
