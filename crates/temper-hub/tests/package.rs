@@ -95,7 +95,10 @@ fn packing_refuses_a_symlink() {
 
 /// A gzipped tar whose first entry is a valid manifest (so the check that
 /// fires is the one under test), then `entries` written with raw headers.
-fn evil_archive(entries: &[(&[u8], tar::EntryType, &[u8], Option<&str>)]) -> Vec<u8> {
+/// A raw entry: path bytes, type, content, link target.
+type RawEntry<'a> = (&'a [u8], tar::EntryType, &'a [u8], Option<&'a str>);
+
+fn evil_archive(entries: &[RawEntry<'_>]) -> Vec<u8> {
     let src = tempfile::tempdir().expect("tmp");
     write_env(src.path(), "1.0.0");
     let good = pack_dir(src.path(), None).expect("pack");

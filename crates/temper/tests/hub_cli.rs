@@ -156,7 +156,16 @@ fn push_search_pull_and_eval_through_a_hub() {
         .expect("mock");
     let save = home.join("evals");
     let out = temper(home)
-        .args(["eval", "acme/capitals@>=0.1", "-n", "2", "-m", "mock", "--quiet", "-b"])
+        .args([
+            "eval",
+            "acme/capitals@>=0.1",
+            "-n",
+            "2",
+            "-m",
+            "mock",
+            "--quiet",
+            "-b",
+        ])
         .arg(format!("http://{addr}/v1"))
         .arg("--save-dir")
         .arg(&save)
