@@ -105,3 +105,19 @@ pub fn load_environment(
     }
     Err(EnvError::Unknown(spec.to_string()))
 }
+
+/// An environment pulled from a hub, as a run records it (eval
+/// `metadata.json`, a training run's `config.toml`), so the run names the
+/// exact bytes it used.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PackageRef {
+    /// As written (`acme/capitals@^1`).
+    pub reference: String,
+    /// `namespace/name`.
+    pub id: String,
+    /// The version it resolved to.
+    pub version: String,
+    /// The archive's digest (`sha256:...`).
+    pub digest: String,
+}

@@ -36,6 +36,15 @@
 //! temperature = 0.0
 //! ```
 //!
+//! Publishing to a hub (`temper env push`) reads four more keys:
+//!
+//! ```toml
+//! namespace = "acme"          # the owner on the hub (or `temper env push --namespace`)
+//! tags = ["math", "easy"]
+//! license = "MIT"
+//! temper = ">=0.1"           # the temper versions it needs (a semver requirement)
+//! ```
+//!
 //! `command = "python3 env.py"` instead of a dataset makes it an external
 //! environment ([`crate::external`]) run from the manifest's directory.
 
@@ -67,6 +76,18 @@ pub struct Manifest {
     /// One line on what it is.
     #[serde(default)]
     pub description: Option<String>,
+    /// Owner on a hub.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// Search tags on a hub.
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// License of the package (an SPDX id).
+    #[serde(default)]
+    pub license: Option<String>,
+    /// The temper versions it needs (a semver requirement, `>=0.1`).
+    #[serde(default)]
+    pub temper: Option<String>,
     /// System prompt.
     #[serde(default)]
     pub system_prompt: Option<String>,
@@ -211,6 +232,15 @@ fn manifest_err(path: &Path, message: impl Into<String>) -> EnvError {
     }
 }
 
+/// Read and parse an `env.toml` file.
+pub fn read_manifest(file: &Path) -> Result<Manifest, EnvError> {
+    let text = std::fs::read_to_string(file).map_err(|source| EnvError::Io {
+        path: file.display().to_string(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|e| manifest_err(file, e.to_string()))
+}
+
 /// Load the environment described by `path` (a directory holding
 /// `env.toml`, or the file itself). `args` override generator arguments,
 /// or are handed to an external command.
@@ -221,11 +251,7 @@ pub fn load_manifest(path: &Path, args: &Value) -> Result<Arc<dyn Environment>, 
         path.to_path_buf()
     };
     let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
-    let text = std::fs::read_to_string(&file).map_err(|source| EnvError::Io {
-        path: file.display().to_string(),
-        source,
-    })?;
-    let m: Manifest = toml::from_str(&text).map_err(|e| manifest_err(&file, e.to_string()))?;
+    let m = read_manifest(&file)?;
     if let Some(cmd) = &m.command {
         let env = crate::external::ExternalEnv::spawn(cmd, Some(&dir), args)?;
         return Ok(Arc::new(env));

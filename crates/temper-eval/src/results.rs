@@ -100,6 +100,10 @@ pub struct Metadata {
     pub env_spec: String,
     /// Environment arguments.
     pub env_args: Value,
+    /// The hub package the environment came from: reference, resolved
+    /// version and digest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env_package: Option<temper_env::PackageRef>,
     /// Concurrency.
     pub max_concurrent: usize,
     /// Seed of the eval rows.

@@ -29,6 +29,9 @@ pub struct EvalConfig {
     pub env_spec: String,
     /// Environment arguments.
     pub env_args: Value,
+    /// The hub package the environment was pulled from (recorded in
+    /// `metadata.json`).
+    pub env_package: Option<temper_env::PackageRef>,
     /// Model name sent to the endpoint.
     pub model: String,
     /// OpenAI-compatible base URL.
@@ -261,6 +264,7 @@ pub async fn run_eval_with(
         num_errors: 0,
         env_spec: cfg.env_spec.clone(),
         env_args: cfg.env_args.clone(),
+        env_package: cfg.env_package.clone(),
         max_concurrent: cfg.max_concurrent,
         seed: cfg.seed,
         api_key_env: cfg.api_key_env.clone(),

@@ -14,6 +14,7 @@ fn config(base_url: String, dir: &std::path::Path, n: usize, r: usize) -> EvalCo
     EvalConfig {
         env_spec: "arithmetic".into(),
         env_args: json!({"digits": 2}),
+        env_package: None,
         model: "mock".into(),
         base_url,
         api_key: None,

@@ -67,6 +67,10 @@ pub struct EnvSection {
     /// Environment arguments.
     #[serde(default = "empty_object")]
     pub args: serde_json::Value,
+    /// Set by `temper train` when `id` was a hub reference: what it
+    /// resolved to (then `id` is the pulled directory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub package: Option<temper_env::PackageRef>,
 }
 
 fn one() -> f64 {

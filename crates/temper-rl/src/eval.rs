@@ -194,6 +194,7 @@ impl Evaluator {
         let ecfg = temper_eval::EvalConfig {
             env_spec: self.spec.clone(),
             env_args: self.args.clone(),
+            env_package: None,
             model: format!("policy@{step}"),
             base_url: "in-process".into(),
             api_key: None,

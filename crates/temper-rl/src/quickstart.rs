@@ -101,6 +101,7 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
                 id: "arithmetic".into(),
                 weight: 1.0,
                 args: env_args(o.digits),
+                package: None,
             }),
             answer_format: Some("<answer>{answer}</answer>".into()),
             teacher_noise: o.teacher_noise,
@@ -152,6 +153,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
             id: "arithmetic".into(),
             weight: 1.0,
             args: env_args(o.digits),
+            package: None,
         }],
         sampling: SamplingSection {
             temperature: 1.0,

@@ -282,6 +282,7 @@ mod tests {
             id: "unused".into(),
             weight: 1.0,
             args: Value::Null,
+            package: None,
         });
         let (_base, trainer) = local_trainer(&cfg.model, &cfg.lora, 0, dir.path()).unwrap();
         let cfg = RlPlan::try_from(cfg).unwrap();

@@ -26,6 +26,9 @@ pub enum BenchCommand {
     /// Generated tokens/s of `temper serve` at several concurrencies vs HF
     /// transformers `generate` on the same model and work.
     Serve(crate::bench_serve::ServeBenchArgs),
+    /// Push and pull latency and throughput of a 10 MB environment through
+    /// the hub's HTTP API (an in-process hub on loopback).
+    Hub(crate::hub_cmd::BenchHubArgs),
 }
 
 /// Arguments of `temper bench model`.
@@ -62,6 +65,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Model(a) => model(a),
         BenchCommand::Api(a) => crate::bench_api::run(a),
         BenchCommand::Serve(a) => crate::bench_serve::run(a),
+        BenchCommand::Hub(a) => crate::hub_cmd::bench(a),
     }
 }
 

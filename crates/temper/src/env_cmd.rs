@@ -1,6 +1,7 @@
-//! `temper env`: scaffold and list environments.
+//! `temper env`: scaffold and list environments; push, pull, search,
+//! inspect and yank them on a hub.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Subcommand;
@@ -21,6 +22,279 @@ pub enum EnvCommand {
     },
     /// List the built-in environments.
     List,
+    /// Pack an environment directory and publish it to the hub.
+    Push {
+        /// The environment directory (holds env.toml).
+        #[arg(default_value = ".")]
+        dir: PathBuf,
+        /// Publish the next version: bumps the higher of env.toml's
+        /// version and the hub's latest, and writes it to env.toml.
+        #[arg(long, value_enum)]
+        bump: Option<Bump>,
+        /// Owner (default: env.toml's `namespace`).
+        #[arg(long)]
+        namespace: Option<String>,
+        /// The hub (default: $TEMPER_HUB_URL, else `temper login`'s).
+        #[arg(long)]
+        hub: Option<String>,
+    },
+    /// Download an environment into the local cache and print its directory.
+    Pull {
+        /// `owner/name`, `owner/name@1.2.3` (exact) or `owner/name@^1` (range).
+        reference: String,
+        /// Ask the hub even if the cache holds a matching version.
+        #[arg(long)]
+        update: bool,
+        /// The hub.
+        #[arg(long)]
+        hub: Option<String>,
+    },
+    /// Search the hub (free text over names and descriptions).
+    Search {
+        /// Text to look for (empty: everything).
+        #[arg(default_value = "")]
+        text: String,
+        /// Only environments with this tag.
+        #[arg(long)]
+        tag: Option<String>,
+        /// The hub.
+        #[arg(long)]
+        hub: Option<String>,
+    },
+    /// An environment's versions and digests.
+    Info {
+        /// `owner/name`.
+        reference: String,
+        /// The hub.
+        #[arg(long)]
+        hub: Option<String>,
+    },
+    /// Hide a version from resolution (exact pulls still work).
+    Yank {
+        /// `owner/name@1.2.3`.
+        reference: String,
+        /// Un-yank.
+        #[arg(long)]
+        undo: bool,
+        /// The hub.
+        #[arg(long)]
+        hub: Option<String>,
+    },
+    /// Delete one of your versions (its number is never reused).
+    Delete {
+        /// `owner/name@1.2.3`.
+        reference: String,
+        /// The hub.
+        #[arg(long)]
+        hub: Option<String>,
+    },
+}
+
+/// Which part of the version `temper env push --bump` raises.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Bump {
+    /// 1.2.3 -> 1.2.4
+    Patch,
+    /// 1.2.3 -> 1.3.0
+    Minor,
+    /// 1.2.3 -> 2.0.0
+    Major,
+}
+
+fn hub_client(hub: Option<&str>) -> Result<temper_hub::HubClient> {
+    crate::hub_cmd::client(hub)?
+        .context("no hub: pass --hub URL, set TEMPER_HUB_URL, or run `temper login URL`")
+}
+
+fn exact_ref(reference: &str) -> Result<(temper_hub::EnvRef, String)> {
+    let r = temper_hub::EnvRef::parse(reference)?;
+    match &r.spec {
+        temper_hub::VersionSpec::Exact(v) => {
+            let v = v.to_string();
+            Ok((r, v))
+        }
+        _ => bail!("{reference}: give an exact version (owner/name@1.2.3)"),
+    }
+}
+
+/// Replace (or add) env.toml's top-level `version`, keeping the rest of
+/// the file as written.
+fn set_version(dir: &Path, version: &semver::Version) -> Result<()> {
+    let path = dir.join("env.toml");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+    let mut done = false;
+    let mut out = String::with_capacity(text.len() + 24);
+    let mut top_level = true;
+    for line in text.lines() {
+        let t = line.trim_start();
+        if t.starts_with('[') {
+            top_level = false;
+        }
+        if top_level
+            && !done
+            && t.starts_with("version")
+            && t["version".len()..].trim_start().starts_with('=')
+        {
+            out.push_str(&format!("version = \"{version}\"\n"));
+            done = true;
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    if !done {
+        out = format!("version = \"{version}\"\n{out}");
+    }
+    std::fs::write(&path, out).with_context(|| format!("write {}", path.display()))
+}
+
+fn push(dir: &Path, bump: Option<Bump>, namespace: Option<&str>, hub: Option<&str>) -> Result<()> {
+    let client = hub_client(hub)?;
+    let rt = tokio::runtime::Runtime::new()?;
+    if let Some(b) = bump {
+        let m = temper_env::manifest::read_manifest(&dir.join("env.toml"))?;
+        let ns = namespace
+            .map(str::to_string)
+            .or(m.namespace.clone())
+            .context("env.toml has no `namespace` (or pass --namespace)")?;
+        let mut base = match &m.version {
+            Some(v) => {
+                semver::Version::parse(v).with_context(|| format!("env.toml version {v:?}"))?
+            }
+            None => semver::Version::new(0, 0, 0),
+        };
+        match rt.block_on(client.info(&ns, &m.name)) {
+            Ok(info) => {
+                for v in info.versions {
+                    if let Ok(v) = semver::Version::parse(&v.version) {
+                        base = base.max(v);
+                    }
+                }
+            }
+            Err(temper_hub::HubError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let next = match b {
+            Bump::Patch => semver::Version::new(base.major, base.minor, base.patch + 1),
+            Bump::Minor => semver::Version::new(base.major, base.minor + 1, 0),
+            Bump::Major => semver::Version::new(base.major + 1, 0, 0),
+        };
+        set_version(dir, &next)?;
+        eprintln!("env.toml: version = \"{next}\"");
+    }
+    let packed = temper_hub::pack_dir(dir, namespace)?;
+    let (pb, progress) = crate::hub_cmd::bar(&format!(
+        "push {}@{}",
+        packed.manifest.id(),
+        packed.manifest.version
+    ));
+    let out = rt.block_on(client.publish(&packed.manifest, packed.bytes, Some(progress)));
+    pb.finish_and_clear();
+    let v = out?;
+    println!(
+        "published {}/{}@{} {} ({} bytes)",
+        v.namespace, v.name, v.version, v.digest, v.size
+    );
+    println!("  temper env pull {}/{}@{}", v.namespace, v.name, v.version);
+    Ok(())
+}
+
+fn hub_command(cmd: EnvCommand) -> Result<()> {
+    let rt = tokio::runtime::Runtime::new()?;
+    match cmd {
+        EnvCommand::Push {
+            dir,
+            bump,
+            namespace,
+            hub,
+        } => push(&dir, bump, namespace.as_deref(), hub.as_deref()),
+        EnvCommand::Pull {
+            reference,
+            update,
+            hub,
+        } => {
+            let r = temper_hub::EnvRef::parse(&reference)?;
+            let c = crate::hub_cmd::pull(&r, hub.as_deref(), update, false)?;
+            eprintln!(
+                "{}@{} {} ({})",
+                c.id,
+                c.version,
+                c.digest,
+                if c.from_cache { "cached" } else { "pulled" }
+            );
+            println!("{}", c.dir.display());
+            Ok(())
+        }
+        EnvCommand::Search { text, tag, hub } => {
+            let client = hub_client(hub.as_deref())?;
+            let q = Some(text.as_str()).filter(|t| !t.trim().is_empty());
+            let found = rt.block_on(client.search(q, tag.as_deref()))?;
+            if found.is_empty() {
+                println!("no environments match");
+            }
+            for p in found {
+                println!(
+                    "{:<32} {:<10} {}{}",
+                    p.id,
+                    p.latest.version,
+                    p.latest.description,
+                    if p.latest.tags.is_empty() {
+                        String::new()
+                    } else {
+                        format!("  [{}]", p.latest.tags.join(", "))
+                    }
+                );
+            }
+            Ok(())
+        }
+        EnvCommand::Info { reference, hub } => {
+            let r = temper_hub::EnvRef::parse(&reference)?;
+            let client = hub_client(hub.as_deref())?;
+            let info = rt.block_on(client.info(&r.namespace, &r.name))?;
+            let l = &info.latest;
+            println!("{}  {}", info.id, l.description);
+            println!("latest   {}", l.version);
+            println!("license  {}", l.license.as_deref().unwrap_or("-"));
+            println!("tags     {}", l.tags.join(", "));
+            println!("temper   {}", l.temper.as_deref().unwrap_or("any"));
+            println!("versions:");
+            for v in info.versions.iter().rev() {
+                println!(
+                    "  {:<10} {} {:>10} B  {}{}",
+                    v.version,
+                    v.digest,
+                    v.size,
+                    v.published_at,
+                    if v.yanked { "  (yanked)" } else { "" }
+                );
+            }
+            Ok(())
+        }
+        EnvCommand::Yank {
+            reference,
+            undo,
+            hub,
+        } => {
+            let (r, v) = exact_ref(&reference)?;
+            let client = hub_client(hub.as_deref())?;
+            rt.block_on(client.yank(&r.namespace, &r.name, &v, !undo))?;
+            println!(
+                "{}@{v} {}",
+                r.id(),
+                if undo { "un-yanked" } else { "yanked" }
+            );
+            Ok(())
+        }
+        EnvCommand::Delete { reference, hub } => {
+            let (r, v) = exact_ref(&reference)?;
+            let client = hub_client(hub.as_deref())?;
+            rt.block_on(client.delete(&r.namespace, &r.name, &v))?;
+            println!("{}@{v} deleted", r.id());
+            Ok(())
+        }
+        EnvCommand::New { .. } | EnvCommand::List => bail!("not a hub command"),
+    }
 }
 
 /// Run `temper env`.
@@ -32,6 +306,12 @@ pub fn run(cmd: EnvCommand) -> Result<()> {
             }
             Ok(())
         }
+        cmd @ (EnvCommand::Push { .. }
+        | EnvCommand::Pull { .. }
+        | EnvCommand::Search { .. }
+        | EnvCommand::Info { .. }
+        | EnvCommand::Yank { .. }
+        | EnvCommand::Delete { .. }) => hub_command(cmd),
         EnvCommand::New {
             name,
             dir,

@@ -16,7 +16,8 @@ use temper_eval::{default_run_dir, run_eval, EvalConfig, RetryPolicy};
 /// `temper eval` flags (verifiers' short flags).
 #[derive(Args)]
 pub struct EvalArgs {
-    /// A built-in environment, a directory with env.toml, or a command.
+    /// A built-in environment, a directory with env.toml, a command, or a
+    /// hub reference (`owner/name`, `owner/name@1.2`), pulled into the cache.
     #[arg(required_unless_present_any = ["resume", "config"])]
     env: Option<String>,
     /// A TOML file of these flags (long names, `_` for `-`: `env`,
@@ -202,7 +203,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let (env, cfg) = match &a.resume {
         Some(dir) => {
             let m = read_metadata(dir).with_context(|| format!("resume {}", dir.display()))?;
-            let env = temper_env::load_environment(&m.env_spec, &m.env_args)?;
+            let (load, env_package) =
+                crate::hub_cmd::resolve_env(&m.env_spec, m.env_package.as_ref())?;
+            let env = temper_env::load_environment(&load, &m.env_args)?;
             let api_key = match &m.api_key_env {
                 Some(v) => Some(std::env::var(v).with_context(|| format!("${v} is not set"))?),
                 None => None,
@@ -210,6 +213,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             let cfg = EvalConfig {
                 env_spec: m.env_spec,
                 env_args: m.env_args,
+                env_package,
                 model: m.model,
                 base_url: m.base_url,
                 api_key,
@@ -235,7 +239,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 .clone()
                 .context("ENV is required (an argument or `env` in --config)")?;
             let env_args = json_arg("--env-args", &a.env_args)?;
-            let env = temper_env::load_environment(&spec, &env_args)?;
+            let (load, env_package) = crate::hub_cmd::resolve_env(&spec, None)?;
+            let env = temper_env::load_environment(&load, &env_args)?;
             let d = env.eval_defaults();
             let mut sampling = d.sampling.clone();
             if let Some(t) = a.max_tokens {
@@ -286,6 +291,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 run_dir: default_run_dir(&save_dir, env.id(), &model),
                 env_spec: spec,
                 env_args,
+                env_package,
                 model,
                 base_url,
                 api_key,

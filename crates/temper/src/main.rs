@@ -9,6 +9,7 @@ mod env_cmd;
 mod eval;
 mod export;
 mod generate;
+mod hub_cmd;
 mod init;
 mod sandbox;
 mod serve;
@@ -49,9 +50,14 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Start a lab workspace: an environment, eval/RL/SFT configs, a README.
     Init(init::InitArgs),
-    /// Scaffold and list environments.
+    /// Environments: scaffold, list, and push / pull / search on a hub.
     #[command(subcommand)]
     Env(env_cmd::EnvCommand),
+    /// The environments hub: a self-hosted registry (serve, tokens).
+    #[command(subcommand)]
+    Hub(hub_cmd::HubCommand),
+    /// Store a hub URL and API token for `temper env push/pull`.
+    Login(hub_cmd::LoginArgs),
     /// Summarise an eval run and write its HTML report.
     View(view::ViewArgs),
     /// A mock OpenAI-compatible server with fault injection (tests, benchmarks).
@@ -91,6 +97,8 @@ fn main() -> ExitCode {
         Command::Eval(args) => eval::run(args),
         Command::Init(args) => init::run(args),
         Command::Env(cmd) => env_cmd::run(cmd),
+        Command::Hub(cmd) => hub_cmd::run(cmd),
+        Command::Login(args) => hub_cmd::login(args),
         Command::View(args) => view::run(args),
         Command::MockOpenai(args) => eval::mock(args),
         Command::Bench(cmd) => bench::run(cmd),

@@ -98,11 +98,24 @@ fn pass_at_1(e: &Option<temper_rl::rl::EvalResult>) -> String {
         .map_or("-".to_string(), |e| format!("{:.1}%", 100.0 * e.pass_at_1))
 }
 
+/// A hub reference in `[[env]] id` is pulled; `id` becomes the pulled
+/// directory and `package` records reference, version and digest in the
+/// run's saved config (a resumed run uses exactly that version).
+fn pull_env(e: &mut config::EnvSection) -> Result<()> {
+    let (id, package) = crate::hub_cmd::resolve_env(&e.id, e.package.as_ref())?;
+    e.id = id;
+    e.package = package;
+    Ok(())
+}
+
 /// Run a training command.
 pub fn run(cmd: TrainCommand) -> Result<()> {
     match cmd {
         TrainCommand::Rl(args) => {
-            let r = resolve::<RlConfig>(&args, |c, d| c.log.dir = d)?;
+            let mut r = resolve::<RlConfig>(&args, |c, d| c.log.dir = d)?;
+            for e in &mut r.cfg.env {
+                pull_env(e)?;
+            }
             let s = &r.cfg.sampling;
             if let Some(w) = temper_env::greedy_group_warning(s.group_size, s.temperature) {
                 eprintln!("warning: [sampling] {w}");
@@ -135,7 +148,10 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             Ok(())
         }
         TrainCommand::Sft(args) => {
-            let r = resolve::<SftConfig>(&args, |c, d| c.log.dir = d)?;
+            let mut r = resolve::<SftConfig>(&args, |c, d| c.log.dir = d)?;
+            if let Some(e) = &mut r.cfg.data.env {
+                pull_env(e)?;
+            }
             let plan = SftPlan::try_from(r.cfg)?;
             if r.dry_run {
                 print!("{}", plan.config().dry_run()?);

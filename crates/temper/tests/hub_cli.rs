@@ -1,0 +1,221 @@
+//! The hub as a team uses it: `temper hub serve`, `temper hub token
+//! create`, `temper login`, `temper env push/search/info/pull/yank`, and
+//! `temper eval owner/name@range` recording what it resolved.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+
+use temper_eval::mock::{self, MockConfig};
+
+fn temper(home: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_temper"));
+    c.env("TEMPER_CONFIG_DIR", home.join("config"))
+        .env("TEMPER_HUB_CACHE", home.join("cache"))
+        .env_remove("TEMPER_HUB_URL")
+        .env_remove("TEMPER_HUB_TOKEN");
+    c
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The hub process, and its stdout kept open (it prints after the first line).
+struct Server(
+    Child,
+    #[allow(dead_code)] BufReader<std::process::ChildStdout>,
+);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve(home: &Path) -> (Server, String) {
+    let mut child = temper(home)
+        .args(["hub", "serve", "--addr", "127.0.0.1:0", "--dir"])
+        .arg(home.join("hub"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn hub");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    let mut stdout = BufReader::new(stdout);
+    stdout.read_line(&mut line).expect("read");
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_string();
+    (Server(child, stdout), format!("http://{addr}"))
+}
+
+#[test]
+fn push_search_pull_and_eval_through_a_hub() {
+    let home = tempfile::tempdir().expect("tmp");
+    let home = home.path();
+    let (_server, url) = serve(home);
+    let token = ok(temper(home)
+        .args(["hub", "token", "create", "--namespace", "acme", "--dir"])
+        .arg(home.join("hub"))
+        .output()
+        .expect("token"));
+    let token = token.trim();
+    assert!(token.starts_with("tmpr_"));
+
+    ok(temper(home)
+        .args(["login", &url, "--token", token])
+        .output()
+        .expect("login"));
+    let login = home.join("config/hub.toml");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&login)
+        .expect("login file")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+
+    // A scaffolded environment, given an owner, pushed twice with --bump.
+    ok(temper(home)
+        .args(["env", "new", "capitals", "--dir"])
+        .arg(home)
+        .output()
+        .expect("new"));
+    let dir = home.join("capitals");
+    let toml = std::fs::read_to_string(dir.join("env.toml")).expect("env.toml");
+    std::fs::write(
+        dir.join("env.toml"),
+        format!("namespace = \"acme\"\ntags = [\"demo\"]\n{toml}").replace(
+            "TODO: one line on what this environment tests.",
+            "Capitals of Europe",
+        ),
+    )
+    .expect("write");
+    let pushed = ok(temper(home)
+        .args(["env", "push"])
+        .arg(&dir)
+        .output()
+        .expect("push"));
+    assert!(
+        pushed.contains("published acme/capitals@0.1.0 sha256:"),
+        "{pushed}"
+    );
+    let pushed = ok(temper(home)
+        .args(["env", "push", "--bump", "minor"])
+        .arg(&dir)
+        .output()
+        .expect("push"));
+    assert!(pushed.contains("published acme/capitals@0.2.0"), "{pushed}");
+    assert!(std::fs::read_to_string(dir.join("env.toml"))
+        .expect("read")
+        .contains("version = \"0.2.0\""));
+    let again = temper(home)
+        .args(["env", "push"])
+        .arg(&dir)
+        .output()
+        .expect("push");
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("immutable"));
+
+    let found = ok(temper(home)
+        .args(["env", "search", "europe"])
+        .output()
+        .expect("search"));
+    assert!(
+        found.contains("acme/capitals") && found.contains("0.2.0"),
+        "{found}"
+    );
+    let info = ok(temper(home)
+        .args(["env", "info", "acme/capitals"])
+        .output()
+        .expect("info"));
+    assert!(info.contains("0.1.0") && info.contains("0.2.0"), "{info}");
+    ok(temper(home)
+        .args(["env", "yank", "acme/capitals@0.2.0"])
+        .output()
+        .expect("yank"));
+    let info = ok(temper(home)
+        .args(["env", "info", "acme/capitals"])
+        .output()
+        .expect("info"));
+    assert!(info.contains("(yanked)"), "{info}");
+
+    // The yanked 0.2.0 is skipped by a range: eval gets 0.1.0 and records it.
+    let rt = tokio::runtime::Runtime::new().expect("rt");
+    let (addr, _) = rt
+        .block_on(mock::spawn(MockConfig::default()))
+        .expect("mock");
+    let save = home.join("evals");
+    let out = temper(home)
+        .args([
+            "eval",
+            "acme/capitals@>=0.1",
+            "-n",
+            "2",
+            "-m",
+            "mock",
+            "--quiet",
+            "-b",
+        ])
+        .arg(format!("http://{addr}/v1"))
+        .arg("--save-dir")
+        .arg(&save)
+        .output()
+        .expect("eval");
+    ok(out);
+    let env_dir = std::fs::read_dir(&save)
+        .expect("save")
+        .next()
+        .expect("env")
+        .expect("entry")
+        .path();
+    let run = std::fs::read_dir(env_dir)
+        .expect("runs")
+        .next()
+        .expect("run")
+        .expect("entry")
+        .path();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("metadata.json")).expect("meta"))
+            .expect("json");
+    let pkg = &meta["env_package"];
+    assert_eq!(pkg["reference"], "acme/capitals@>=0.1");
+    assert_eq!(pkg["id"], "acme/capitals");
+    assert_eq!(pkg["version"], "0.1.0");
+    assert!(
+        pkg["digest"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("sha256:")),
+        "{meta}"
+    );
+
+    // Pulled, then pulled again with the hub unreachable: the cache answers.
+    let pulled = ok(temper(home)
+        .args(["env", "pull", "acme/capitals@0.2.0"])
+        .output()
+        .expect("pull"));
+    assert!(
+        Path::new(pulled.trim()).join("env.toml").is_file(),
+        "{pulled}"
+    );
+    let offline = temper(home)
+        .args([
+            "env",
+            "pull",
+            "acme/capitals@0.2.0",
+            "--hub",
+            "http://127.0.0.1:9",
+        ])
+        .output()
+        .expect("pull");
+    assert_eq!(ok(offline), pulled);
+}
