@@ -219,3 +219,50 @@ fn push_search_pull_and_eval_through_a_hub() {
         .expect("pull");
     assert_eq!(ok(offline), pulled);
 }
+
+/// HumanEval (validated in temper-env's rubric tests) published to a hub and
+/// pulled back byte for byte. Runs when `TEMPER_HUMANEVAL` names the
+/// environment directory (`scripts/fetch_humaneval.sh` prints it; CI sets it).
+#[test]
+fn humaneval_publishes_to_a_hub_and_pulls_back_identical() {
+    let Some(src) = std::env::var_os("TEMPER_HUMANEVAL") else {
+        eprintln!("skipped: TEMPER_HUMANEVAL is not set (scripts/fetch_humaneval.sh)");
+        return;
+    };
+    let src = Path::new(&src);
+    let home = tempfile::tempdir().expect("tmp");
+    let home = home.path();
+    let (_server, url) = serve(home);
+    let token = ok(temper(home)
+        .args(["hub", "token", "create", "--namespace", "openai", "--dir"])
+        .arg(home.join("hub"))
+        .output()
+        .expect("token"));
+    ok(temper(home)
+        .args(["login", &url, "--token", token.trim()])
+        .output()
+        .expect("login"));
+    ok(temper(home)
+        .args(["env", "push"])
+        .arg(src)
+        .args(["--namespace", "openai"])
+        .output()
+        .expect("push"));
+    let found = ok(temper(home)
+        .args(["env", "search", "HumanEval"])
+        .output()
+        .expect("search"));
+    assert!(found.contains("openai/humaneval"), "search: {found}");
+    let dir = ok(temper(home)
+        .args(["env", "pull", "openai/humaneval@1.0.3"])
+        .output()
+        .expect("pull"));
+    let dir = Path::new(dir.trim());
+    for f in ["env.toml", "humaneval.jsonl"] {
+        let a = std::fs::read(src.join(f)).expect("source file");
+        let b = std::fs::read(dir.join(f)).expect("pulled file");
+        assert!(a == b, "{f} differs after push and pull");
+    }
+    let rows = std::fs::read_to_string(dir.join("humaneval.jsonl")).expect("rows");
+    assert_eq!(rows.lines().count(), 164);
+}
