@@ -218,6 +218,29 @@ fn push_search_pull_and_eval_through_a_hub() {
         .output()
         .expect("pull");
     assert_eq!(ok(offline), pulled);
+
+    // A train config's `[[env]] id` is a hub reference too: the dry run
+    // shows the pulled version and digest the run would record.
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
+    let cfg = home.join("rl.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\npath = {:?}\n\n[[env]]\nid = \"acme/capitals@^0.1\"\n",
+            model.display().to_string()
+        ),
+    )
+    .expect("write rl.toml");
+    let plan = ok(temper(home)
+        .args(["train", "rl"])
+        .arg(&cfg)
+        .arg("--dry-run")
+        .output()
+        .expect("dry run"));
+    assert!(
+        plan.contains("acme/capitals@^0.1") && plan.contains("0.1.0") && plan.contains("sha256:"),
+        "{plan}"
+    );
 }
 
 /// HumanEval (validated in temper-env's rubric tests) published to a hub and
