@@ -1,6 +1,9 @@
 //! The package format: deterministic packing, and unpacking that refuses
 //! every way an archive can reach outside its directory or blow up.
 
+mod common;
+use common::listing;
+
 use std::io::Write;
 use std::path::Path;
 
@@ -138,82 +141,49 @@ fn refused(archive: &[u8]) -> HubError {
     e
 }
 
-#[test]
-fn dot_dot_paths_are_refused() {
-    let e = refused(&evil_archive(&[(
-        b"../evil",
-        tar::EntryType::Regular,
-        b"x",
-        None,
-    )]));
+/// An archive holding one `entry` is refused as unsafe, for a reason that
+/// mentions `why` (any reason when `why` is empty).
+fn refused_entry(entry: RawEntry<'_>, why: &str) {
+    let e = refused(&evil_archive(&[entry]));
     assert!(
-        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("..")),
+        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains(why)),
         "{e}"
     );
-    let e = refused(&evil_archive(&[(
-        b"data/../../evil",
-        tar::EntryType::Regular,
-        b"x",
-        None,
-    )]));
-    assert!(matches!(e, HubError::UnsafeEntry { .. }), "{e}");
+}
+
+#[test]
+fn dot_dot_paths_are_refused() {
+    refused_entry((b"../evil", tar::EntryType::Regular, b"x", None), "..");
+    refused_entry(
+        (b"data/../../evil", tar::EntryType::Regular, b"x", None),
+        "",
+    );
 }
 
 #[test]
 fn absolute_paths_are_refused() {
-    let e = refused(&evil_archive(&[(
-        b"/tmp/evil",
-        tar::EntryType::Regular,
-        b"x",
-        None,
-    )]));
-    assert!(
-        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("absolute")),
-        "{e}"
+    refused_entry(
+        (b"/tmp/evil", tar::EntryType::Regular, b"x", None),
+        "absolute",
     );
 }
 
 #[test]
 fn symlinks_and_hard_links_are_refused() {
-    let e = refused(&evil_archive(&[(
-        b"evil",
-        tar::EntryType::Symlink,
-        b"",
-        Some("/etc/passwd"),
-    )]));
-    assert!(
-        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("symlink")),
-        "{e}"
+    refused_entry(
+        (b"evil", tar::EntryType::Symlink, b"", Some("/etc/passwd")),
+        "symlink",
     );
-    let e = refused(&evil_archive(&[(
-        b"evil",
-        tar::EntryType::Link,
-        b"",
-        Some("../../etc/passwd"),
-    )]));
-    assert!(
-        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("hard link")),
-        "{e}"
+    refused_entry(
+        (b"evil", tar::EntryType::Link, b"", Some("../../etc/passwd")),
+        "hard link",
     );
 }
 
 #[test]
 fn device_files_are_refused() {
-    let e = refused(&evil_archive(&[(b"evil", tar::EntryType::Char, b"", None)]));
-    assert!(
-        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("device")),
-        "{e}"
-    );
-    let e = refused(&evil_archive(&[(
-        b"evil",
-        tar::EntryType::Block,
-        b"",
-        None,
-    )]));
-    assert!(
-        matches!(&e, HubError::UnsafeEntry { reason, .. } if reason.contains("device")),
-        "{e}"
-    );
+    refused_entry((b"evil", tar::EntryType::Char, b"", None), "device");
+    refused_entry((b"evil", tar::EntryType::Block, b"", None), "device");
 }
 
 #[test]
@@ -302,20 +272,4 @@ fn a_digest_mismatch_leaves_the_cache_as_it_was() {
     assert_eq!(listing(root.path()), before);
     assert!(c.dir.join("env.toml").is_file());
     assert_eq!(package::digest(&v2.bytes), v2.digest);
-}
-
-fn listing(root: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).expect("read_dir") {
-            let p = e.expect("entry").path();
-            out.push(p.strip_prefix(root).expect("prefix").display().to_string());
-            if p.is_dir() {
-                stack.push(p);
-            }
-        }
-    }
-    out.sort();
-    out
 }

@@ -2,6 +2,9 @@
 //! search, resolve, download, yank, delete, tokens, and the failure cases
 //! (half-sent uploads, concurrent pushes of one version, tampered blobs).
 
+mod common;
+use common::listing;
+
 use std::path::{Path, PathBuf};
 
 use temper_hub::package::{pack_dir, Packed};
@@ -503,20 +506,4 @@ async fn the_web_page_lists_searches_and_shows_an_environment() {
     assert!(page.contains("temper eval acme/capitals@1.2.0"), "{page}");
     let (s, _) = get(format!("{}/envs/acme/nope", hub.url)).await;
     assert_eq!(s, 404);
-}
-
-fn listing(root: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).expect("read_dir") {
-            let p = e.expect("entry").path();
-            out.push(p.strip_prefix(root).expect("prefix").display().to_string());
-            if p.is_dir() {
-                stack.push(p);
-            }
-        }
-    }
-    out.sort();
-    out
 }
