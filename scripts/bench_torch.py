@@ -74,6 +74,7 @@ ATTN_IMPLEMENTATION = "sdpa"
 ROWS = [
     ("train tokens/s", "train_tokens_per_s", "train_tokens_per_s"),
     ("train tokens/s vs torch bf16", "train_tokens_per_s", "bf16_train_tokens_per_s"),
+    ("train tokens per CPU-second", "train_tokens_per_cpu_s", "train_tokens_per_cpu_s"),
     ("sample tokens/s", "sample_tokens_per_s", "sample_tokens_per_s"),
     ("sample tokens/s (no logprobs)", "sample_without_logprobs_tokens_per_s", "sample_tokens_per_s"),
     ("train peak RSS MB", "train_peak_rss_mb", "train_peak_rss_mb"),
@@ -98,6 +99,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", type=Path, help="a Hugging Face model directory instead of the tiny random Llama")
     p.add_argument("--no-bf16", action="store_true", help="with --model: skip the bf16 training run")
+    p.add_argument(
+        "--train-only", action="store_true",
+        help="skip sampling on both sides (with --threads 1, the CPU-second row is robust on a busy machine)",
+    )
     args = p.parse_args()
     for name in ("threads", "iters", "sample_runs"):
         if getattr(args, name) < 1:
@@ -121,6 +126,8 @@ def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
     cmd = [str(exe), "bench", "model", "--json", "--threads", str(args.threads), "--iters", str(args.iters)]
     if args.model:
         cmd += ["--model", str(args.model)]
+    if args.train_only:
+        cmd += ["--train-only"]
     print("running:", " ".join(cmd), file=sys.stderr, flush=True)
     try:
         # stdout carries the JSON; temper's stderr (progress, errors) goes straight to ours.
@@ -151,6 +158,8 @@ def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
     if rss.get("sample_peak") is not None:
         result["sample_peak_rss_mb"] = rss["sample_peak"]
     missing = [k for k in ("train_tokens_per_s", "sample_tokens_per_s") if k not in result]
+    if args.train_only:
+        missing = [k for k in missing if k != "sample_tokens_per_s"]
     if missing:
         return None, f"temper's JSON lacks {missing}: {out[:2000]}"
     # Warn (do not fail) if temper benchmarked different shapes.
@@ -269,12 +278,13 @@ def bench_train(torch, peft, base, args, dtype=None) -> dict:
     for _ in range(args.warmup):
         model.zero_grad(set_to_none=True)
         step()
-    times = []
+    times, cpu = [], []
     for _ in range(args.iters):
         model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     med = statistics.median(times)
     peak = peak_rss_mb()
     model.zero_grad(set_to_none=True)
@@ -283,6 +293,7 @@ def bench_train(torch, peft, base, args, dtype=None) -> dict:
         "train_peak_rss_mb": peak,
         "peak_is_per_phase": reset,
         "train_tokens_per_s": b * t / med,
+        "train_tokens_per_cpu_s": b * t / statistics.median(cpu),
         "train_step_ms": med * 1e3,
         "train_step_ms_all": [x * 1e3 for x in times],
         "lora_trainable_params": n_trainable,
@@ -347,8 +358,10 @@ def run_torch(args: argparse.Namespace) -> dict:
         train["bf16_train_tokens_per_s"] = bf["train_tokens_per_s"]
         train["bf16_train_step_ms"] = bf["train_step_ms"]
         train["bf16_train_peak_rss_mb"] = bf["train_peak_rss_mb"]
-    print(f"torch: sample (1 warm-up + {args.sample_runs} timed generate calls) ...", file=sys.stderr, flush=True)
-    sample = bench_sample(torch, transformers, base, args)
+    sample = {}
+    if not args.train_only:
+        print(f"torch: sample (1 warm-up + {args.sample_runs} timed generate calls) ...", file=sys.stderr, flush=True)
+        sample = bench_sample(torch, transformers, base, args)
     return {
         "rss_after_load_mb": loaded,
         **train,

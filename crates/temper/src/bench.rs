@@ -26,6 +26,9 @@ pub enum BenchCommand {
     /// Generated tokens/s of `temper serve` at several concurrencies vs HF
     /// transformers `generate` on the same model and work.
     Serve(crate::bench_serve::ServeBenchArgs),
+    /// GFLOP/s of temper's matmul kernels vs candle's gemm on a decoder's
+    /// linear-layer shapes (forward and input gradient).
+    Kernels(crate::bench_kernels::KernelBenchArgs),
     /// Push and pull latency and throughput of a 10 MB environment through
     /// the hub's HTTP API (an in-process hub on loopback).
     Hub(crate::hub_cmd::BenchHubArgs),
@@ -45,6 +48,10 @@ pub struct ModelBenchArgs {
     /// sampling).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Run only the training step (e.g. under a profiler); sampling is
+    /// reported as absent.
+    #[arg(long)]
+    train_only: bool,
 }
 
 const HIDDEN: usize = 256;
@@ -66,6 +73,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Api(a) => crate::bench_api::run(a),
         BenchCommand::Serve(a) => crate::bench_serve::run(a),
         BenchCommand::Hub(a) => crate::hub_cmd::bench(a),
+        BenchCommand::Kernels(a) => crate::bench_kernels::run(a),
     }
 }
 
@@ -136,6 +144,17 @@ mod rss {
         field("VmHWM")
     }
 
+    /// User + system CPU seconds of the whole process (every thread): with
+    /// one thread, the work a step costs even while other processes share
+    /// the cores.
+    pub fn cpu_seconds() -> f64 {
+        // SAFETY: `usage` is a valid rusage for the call to fill.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+        let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+        tv(usage.ru_utime) + tv(usage.ru_stime)
+    }
+
     /// Reset the peak to the current RSS (Linux ≥ 4.0: `echo 5 >
     /// /proc/self/clear_refs`). Returns whether it worked; when not, the peak
     /// reported afterwards is the process-lifetime peak.
@@ -188,8 +207,9 @@ fn model(args: ModelBenchArgs) -> Result<()> {
     // Training step: forward + backward of a summed token NLL over 8 × 128,
     // as the engine's `forward_backward` runs it: each sequence's backward
     // right after its forward (the loss is a sum), gradients accumulated.
-    let step = |lora: &LoraAdapter| -> Result<f64> {
+    let step = |lora: &LoraAdapter| -> Result<(f64, f64)> {
         let t = Instant::now();
+        let c = rss::cpu_seconds();
         let vars = lora.named_vars();
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
         for s in &seqs {
@@ -207,15 +227,15 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         std::hint::black_box(acc);
         // As the engine does after forward_backward.
         temper_model::release_memory();
-        Ok(t.elapsed().as_secs_f64())
+        Ok((t.elapsed().as_secs_f64(), rss::cpu_seconds() - c))
     };
     let peak_reset = rss::reset_peak();
     step(&lora)?;
-    let train_s = median(
-        (0..iters)
-            .map(|_| step(&lora))
-            .collect::<Result<Vec<_>>>()?,
-    );
+    let timed = (0..iters)
+        .map(|_| step(&lora))
+        .collect::<Result<Vec<_>>>()?;
+    let train_s = median(timed.iter().map(|t| t.0).collect());
+    let train_cpu_s = median(timed.iter().map(|t| t.1).collect());
     let train_peak = rss::peak_mb();
     let rss_after_train = rss::now_mb();
     lora = lora.snapshot()?;
@@ -247,18 +267,24 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         Ok(t.elapsed().as_secs_f64())
     };
     rss::reset_peak();
-    sample(true)?;
     let sample_iters = iters.min(3);
-    let sample_s = median(
-        (0..sample_iters)
-            .map(|_| sample(true))
-            .collect::<Result<Vec<_>>>()?,
-    );
-    let sample_nolp_s = median(
-        (0..sample_iters)
-            .map(|_| sample(false))
-            .collect::<Result<Vec<_>>>()?,
-    );
+    let (sample_s, sample_nolp_s) = if args.train_only {
+        (f64::NAN, f64::NAN)
+    } else {
+        sample(true)?;
+        (
+            median(
+                (0..sample_iters)
+                    .map(|_| sample(true))
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+            median(
+                (0..sample_iters)
+                    .map(|_| sample(false))
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+        )
+    };
 
     let sample_peak = rss::peak_mb();
     let threads = temper_model::candle_core::utils::get_num_threads();
@@ -275,6 +301,7 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         },
         "train_tokens_per_s": tokens / train_s,
         "train_step_ms": train_s * 1e3,
+        "train_tokens_per_cpu_s": tokens / train_cpu_s,
         "sample_tokens_per_s": new_tokens / sample_s,
         "sample_ms": sample_s * 1e3,
         "sample_without_logprobs_tokens_per_s": new_tokens / sample_nolp_s,
@@ -294,20 +321,23 @@ fn model(args: ModelBenchArgs) -> Result<()> {
             cfg.hidden_size, cfg.num_layers
         );
         println!(
-            "  LoRA forward+backward  {BATCH}x{SEQ} tokens   {:>9.1} ms   {:>9.0} tokens/s",
+            "  LoRA forward+backward  {BATCH}x{SEQ} tokens   {:>9.1} ms   {:>9.0} tokens/s   ({:.0} tokens per CPU-second)",
             train_s * 1e3,
-            tokens / train_s
+            tokens / train_s,
+            tokens / train_cpu_s
         );
-        println!(
-            "  sampling (+logprobs)   {BATCH}x{NEW} new tokens {:>9.1} ms   {:>9.0} tokens/s",
-            sample_s * 1e3,
-            new_tokens / sample_s
-        );
-        println!(
-            "  sampling (no logprobs) {BATCH}x{NEW} new tokens {:>9.1} ms   {:>9.0} tokens/s",
-            sample_nolp_s * 1e3,
-            new_tokens / sample_nolp_s
-        );
+        if !args.train_only {
+            println!(
+                "  sampling (+logprobs)   {BATCH}x{NEW} new tokens {:>9.1} ms   {:>9.0} tokens/s",
+                sample_s * 1e3,
+                new_tokens / sample_s
+            );
+            println!(
+                "  sampling (no logprobs) {BATCH}x{NEW} new tokens {:>9.1} ms   {:>9.0} tokens/s",
+                sample_nolp_s * 1e3,
+                new_tokens / sample_nolp_s
+            );
+        }
         let mb = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.0} MB"));
         println!(
             "  RSS: after load {}, training peak {}, after training {}, sampling peak {}{}",

@@ -3,6 +3,7 @@
 mod api;
 mod bench;
 mod bench_api;
+mod bench_kernels;
 mod bench_serve;
 mod conn;
 mod env_cmd;

@@ -206,21 +206,53 @@ impl LmHeadLogprobs {
             .zip(g_lp.par_iter().zip(g_ent.par_iter()))
             .for_each(|((row, &t), (&gl, &ge))| {
                 let (_, ent, log_sum) = reduce_row(row, t as usize, inv_temp);
-                let ent = ent as f64;
-                for x in row.iter_mut() {
-                    let lp = *x as f64 - log_sum;
-                    let p = lp.exp();
-                    let mut d = -(gl as f64) * p;
-                    if ge != 0.0 {
-                        d -= ge as f64 * p * (lp + ent);
-                    }
-                    *x = (d * inv_temp as f64) as f32;
-                }
-                row[t as usize] += gl * inv_temp;
+                grad_row(row, t as usize, log_sum, ent, gl, ge, inv_temp);
             });
-        let ds = Tensor::from_vec(s, (rows, vocab), &Device::Cpu)?;
-        ds.matmul(&self.weight)
+        self.times_weight(s, rows)
     }
+
+    /// `ds·W` for a block's `[rows, vocab]` logit gradients: the hidden-space
+    /// gradient `[rows, h]`.
+    fn times_weight(&self, ds: Vec<f32>, rows: usize) -> candle_core::Result<Tensor> {
+        let (vocab, h) = self.weight.dims2()?;
+        if super::forward_matmul() == super::ForwardMatmul::BatchInvariant {
+            let (storage, layout) = self.weight.storage_and_layout();
+            let candle_core::Storage::Cpu(cpu) = &*storage else {
+                return Err(candle_core::Error::Msg(
+                    "lm-head-logprobs: weight not on the CPU".into(),
+                ));
+            };
+            let w = super::f32_slice("lm-head-logprobs", cpu, layout, "weight")?;
+            let mut y = vec![0f32; rows * h];
+            super::matmul_nn::matmul_nn_f32(&ds, w, rows, vocab, h, &mut y);
+            return Tensor::from_vec(y, (rows, h), &Device::Cpu);
+        }
+        Tensor::from_vec(ds, (rows, vocab), &Device::Cpu)?.matmul(&self.weight)
+    }
+}
+
+/// Overwrite a reduced row (`s − max`, see [`reduce_row`]) with `∂L/∂logits`
+/// given the upstream gradients of its logprob (`gl`) and entropy (`ge`).
+fn grad_row(
+    row: &mut [f32],
+    target: usize,
+    log_sum: f64,
+    ent: f32,
+    gl: f32,
+    ge: f32,
+    inv_temp: f32,
+) {
+    let ent = ent as f64;
+    for x in row.iter_mut() {
+        let lp = *x as f64 - log_sum;
+        let p = lp.exp();
+        let mut d = -(gl as f64) * p;
+        if ge != 0.0 {
+            d -= ge as f64 * p * (lp + ent);
+        }
+        *x = (d * inv_temp as f64) as f32;
+    }
+    row[target] += gl * inv_temp;
 }
 
 fn cpu_input<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
@@ -250,18 +282,23 @@ impl CustomOp1 for LmHeadLogprobs {
         let (vocab, _) = self.weight.dims2()?;
         let mut out = vec![0f32; 2 * n];
         let mut saved = Vec::new();
-        let ones = vec![1f32; ROW_BLOCK];
-        let zeros = vec![0f32; ROW_BLOCK];
         for start in (0..n).step_by(ROW_BLOCK) {
             let rows = ROW_BLOCK.min(n - start);
             let xb = &x[start * h..(start + rows) * h];
             let mut s = block_logits(xb, rows, h, &self.weight)?;
             let targets = &self.targets[start..start + rows];
+            let save_grad = self.save_grad;
+            let inv_temp = self.inv_temp;
             let stats: Vec<(f32, f32)> = s
                 .par_chunks_mut(vocab)
                 .zip(targets.par_iter())
                 .map(|(row, &t)| {
-                    let (lp, ent, _) = reduce_row(row, t as usize, self.inv_temp);
+                    let (lp, ent, log_sum) = reduce_row(row, t as usize, inv_temp);
+                    if save_grad {
+                        // The logprob's gradient from these same logits (what
+                        // `block_grad` with g_lp = 1, g_ent = 0 recomputes).
+                        grad_row(row, t as usize, log_sum, ent, 1.0, 0.0, inv_temp);
+                    }
                     (lp, ent)
                 })
                 .collect();
@@ -269,9 +306,8 @@ impl CustomOp1 for LmHeadLogprobs {
                 out[2 * (start + i)] = lp;
                 out[2 * (start + i) + 1] = ent;
             }
-            drop(s);
-            if self.save_grad {
-                saved.push(self.block_grad(xb, start, &ones[..rows], &zeros[..rows])?);
+            if save_grad {
+                saved.push(self.times_weight(s, rows)?);
             }
         }
         if self.save_grad {

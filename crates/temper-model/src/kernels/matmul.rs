@@ -143,11 +143,12 @@ impl CustomOp2 for MatmulNt {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        // Gradients need determinism, not invariance: candle's matmul is
-        // deterministic for a given shape. Detached operands: a gradient
-        // that tracked `x` would keep the whole forward graph alive for as
-        // long as the caller holds the gradient.
-        let dx = grad.matmul(&w.detach())?;
+        // The input gradient through our own `g·W` kernel (detached
+        // operands: a gradient that tracked `x` would keep the whole forward
+        // graph alive for as long as the caller holds the gradient). The
+        // weight's gradient (LoRA's small factors, or full training) stays
+        // on candle's matmul: deterministic for a given shape.
+        let dx = super::matmul_nn::matmul_nn(grad, w)?;
         let dw = if self.weight_grad {
             Some(grad.t()?.matmul(&x.detach())?)
         } else {
@@ -181,12 +182,12 @@ pub(crate) fn matmul_nt_f32(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, 
 }
 
 #[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
+pub(super) struct SendPtr(pub(super) *mut f32);
 // SAFETY: used only to hand disjoint output columns to worker threads.
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 impl SendPtr {
-    fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut f32 {
         self.0
     }
 }

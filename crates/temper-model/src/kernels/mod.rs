@@ -6,12 +6,15 @@ use candle_core::{CpuStorage, Layout};
 mod attention;
 mod lm_head;
 mod matmul;
+mod matmul_nn;
 
 pub use attention::{causal_attention, fused_attention_supported, KEY_BLOCK};
 
 pub use lm_head::{
     for_each_logprob_row, fused_lm_head_supported, lm_head_logprobs, row_logprob, ROW_BLOCK,
 };
+
+pub use matmul_nn::{matmul_nn, matmul_nn_isa};
 
 pub use matmul::{
     forward_matmul, linear_nt, matmul_nt, matmul_nt_supported, set_forward_matmul, use_matmul_nt,

@@ -1,0 +1,515 @@
+//! `y = g·W` (`g` `[m, n]`, `W` `[n, k]`, both row-major): the input gradient
+//! of `x·Wᵀ`, and the LM head's hidden-space gradient.
+//!
+//! # Why our own
+//! candle's CPU `gemm` reached about a fifth of this CPU's peak on these
+//! shapes (`temper bench kernels`), and a LoRA step spends most of its
+//! time here. `W` is read in its stored layout: for one output tile, each
+//! `n` broadcasts `R` values of `g` and multiplies them into `V` vectors of
+//! `W[n, k..k+16·V]`, accumulating in registers, so nothing is packed or
+//! transposed per call.
+//!
+//! # Numbers
+//! Output `(i, c)` is `Σ_n g[i, n]·W[n, c]` summed in `n` order, one fused
+//! multiply-add per term, starting from zero; chunking `n` (to keep a panel
+//! of `W` in L2) stores and reloads the partial sum exactly, so it changes no
+//! bit. A row's result therefore depends only on that row: the kernel is
+//! batch-invariant and deterministic, whatever the row count or threads.
+//!
+//! AVX-512 (16 lanes) or AVX2+FMA is chosen at run time; other CPUs get a
+//! portable loop in the same `n` order (rounded differently, without FMA;
+//! one process only ever uses one of them).
+
+use std::sync::OnceLock;
+
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use super::f32_slice;
+
+/// Below this many multiply-adds a call runs on the calling thread.
+const SEQUENTIAL_WORK: usize = 1 << 17;
+/// Rows of `g` per work item.
+const M_BLOCK: usize = 48;
+/// Output columns per work item.
+const K_BLOCK: usize = 128;
+/// Terms of the `n` sum per pass over a row block: a `N_CHUNK × K_BLOCK`
+/// panel of `W` (128 KiB) stays in L2 while every row tile passes over it.
+const N_CHUNK: usize = 256;
+
+/// `g·W` for CPU f32 tensors `g` `[m, n]` and `w` `[n, k]`: a new `[m, k]`
+/// tensor with no autograd graph (callers are backward passes).
+pub fn matmul_nn(g: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let (m, n) = g.dims2()?;
+    let (wn, k) = w.dims2()?;
+    if n != wn {
+        return Err(candle_core::Error::Msg(format!(
+            "matmul_nn: g {:?} and w {:?} differ in n",
+            g.dims(),
+            w.dims()
+        )));
+    }
+    let (g, w) = (
+        g.detach().contiguous()?.to_device(&Device::Cpu)?,
+        w.detach().contiguous()?.to_device(&Device::Cpu)?,
+    );
+    let (gs, gl) = g.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let (candle_core::Storage::Cpu(gs), candle_core::Storage::Cpu(ws)) = (&*gs, &*ws) else {
+        return Err(candle_core::Error::Msg(
+            "matmul_nn: operands not on the CPU".into(),
+        ));
+    };
+    let mut y = vec![0f32; m * k];
+    matmul_nn_f32(
+        f32_slice("matmul_nn", gs, gl, "g")?,
+        f32_slice("matmul_nn", ws, wl, "w")?,
+        m,
+        n,
+        k,
+        &mut y,
+    );
+    Tensor::from_vec(y, (m, k), &Device::Cpu)
+}
+
+/// `y[m, k] = g[m, n]·w[n, k]` into `y` (`[m, k]`, row-major, overwritten).
+pub(crate) fn matmul_nn_f32(g: &[f32], w: &[f32], m: usize, n: usize, k: usize, y: &mut [f32]) {
+    assert!(g.len() >= m * n && w.len() >= n * k && y.len() >= m * k);
+    if m == 0 || k == 0 {
+        return;
+    }
+    if n == 0 {
+        y[..m * k].fill(0.0);
+        return;
+    }
+    let kernel = kernel();
+    let out = super::matmul::SendPtr(y.as_mut_ptr());
+    let (mb, kb) = (m.div_ceil(M_BLOCK), k.div_ceil(K_BLOCK));
+    let run = |item: usize| {
+        let (i, c) = (item / kb, item % kb);
+        let (m0, k0) = (i * M_BLOCK, c * K_BLOCK);
+        let (m1, k1) = ((m0 + M_BLOCK).min(m), (k0 + K_BLOCK).min(k));
+        // SAFETY: item (i, c) writes only rows m0..m1, columns k0..k1 of
+        // `y`, disjoint from every other item's; `y` outlives the loop.
+        unsafe { kernel(g, w, n, k, m0, m1, k0, k1, out.get()) };
+    };
+    if m * n * k < SEQUENTIAL_WORK || rayon::current_num_threads() == 1 {
+        (0..mb * kb).for_each(run);
+    } else {
+        (0..mb * kb).into_par_iter().for_each(run);
+    }
+}
+
+/// Computes rows `m0..m1`, columns `k0..k1` of `y` (row stride `k`).
+type Kernel = unsafe fn(&[f32], &[f32], usize, usize, usize, usize, usize, usize, *mut f32);
+
+fn kernel() -> Kernel {
+    static K: OnceLock<Kernel> = OnceLock::new();
+    *K.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return avx512::block;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return avx2::block;
+            }
+        }
+        portable::block
+    })
+}
+
+/// The kernel this CPU runs, for benchmark output.
+pub fn matmul_nn_isa() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return "avx512";
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return "avx2+fma";
+        }
+    }
+    "portable"
+}
+
+mod portable {
+    use super::N_CHUNK;
+
+    /// # Safety
+    /// `y` must point to a `[.., k]` row-major buffer covering rows `m1`;
+    /// no other thread writes rows `m0..m1`, columns `k0..k1`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn block(
+        g: &[f32],
+        w: &[f32],
+        n: usize,
+        k: usize,
+        m0: usize,
+        m1: usize,
+        k0: usize,
+        k1: usize,
+        y: *mut f32,
+    ) {
+        for i in m0..m1 {
+            let yr = y.add(i * k);
+            for c in k0..k1 {
+                *yr.add(c) = 0.0;
+            }
+            for n0 in (0..n).step_by(N_CHUNK) {
+                for j in n0..(n0 + N_CHUNK).min(n) {
+                    let a = g[i * n + j];
+                    let wr = &w[j * k..(j + 1) * k];
+                    for c in k0..k1 {
+                        *yr.add(c) += a * wr[c];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The tiled loop, shared by both SIMD paths: for each `n` chunk, every
+/// `R`-row tile of the block against `V`-vector column tiles. `$tile` is
+/// the ISA's microkernel, `$mr` its row count, `$lanes` its vector width.
+macro_rules! tiled_block {
+    ($tile:ident, $mr:expr, $lanes:expr, $vmax:expr,
+     $g:ident, $w:ident, $n:ident, $k:ident, $m0:ident, $m1:ident, $k0:ident, $k1:ident, $y:ident) => {{
+        let (g, w) = ($g.as_ptr(), $w.as_ptr());
+        let mut n0 = 0;
+        while n0 < $n {
+            let nc = (n0 + super::N_CHUNK).min($n) - n0;
+            let first = n0 == 0;
+            let mut c = $k0;
+            while c < $k1 {
+                let width = ($k1 - c).min($lanes * $vmax);
+                let v = width.div_ceil($lanes);
+                let tail = width - (v - 1) * $lanes;
+                let mut i = $m0;
+                while i < $m1 {
+                    let r = ($m1 - i).min($mr);
+                    let (gp, wp, yp) = (g.add(i * $n + n0), w.add(n0 * $k + c), $y.add(i * $k + c));
+                    $tile(r, v, gp, $n, wp, $k, nc, yp, $k, tail, first);
+                    i += r;
+                }
+                c += width;
+            }
+            n0 += nc;
+        }
+    }};
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    const MR: usize = 6;
+    const VMAX: usize = 4;
+
+    /// One `R × 16V` tile over `nc` terms: `y = (first ? 0 : y) + Σ g·w`,
+    /// in term order. The last vector keeps only `tail` lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const R: usize, const V: usize>(
+        g: *const f32,
+        ldg: usize,
+        w: *const f32,
+        ldw: usize,
+        nc: usize,
+        y: *mut f32,
+        ldy: usize,
+        tail: usize,
+        first: bool,
+    ) {
+        let last: __mmask16 = if tail >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << tail) - 1) as __mmask16
+        };
+        let mut acc = [[_mm512_setzero_ps(); V]; R];
+        if !first {
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (v, a) in row.iter_mut().enumerate() {
+                    let mask = if v + 1 == V { last } else { 0xFFFF };
+                    *a = _mm512_maskz_loadu_ps(mask, y.add(r * ldy + v * 16));
+                }
+            }
+        }
+        for j in 0..nc {
+            let wp = w.add(j * ldw);
+            let mut wv = [_mm512_setzero_ps(); V];
+            for (v, x) in wv.iter_mut().enumerate() {
+                let mask = if v + 1 == V { last } else { 0xFFFF };
+                *x = _mm512_maskz_loadu_ps(mask, wp.add(v * 16));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let a = _mm512_set1_ps(*g.add(r * ldg + j));
+                for (x, s) in row.iter_mut().zip(&wv) {
+                    *x = _mm512_fmadd_ps(a, *s, *x);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (v, a) in row.iter().enumerate() {
+                let mask = if v + 1 == V { last } else { 0xFFFF };
+                _mm512_mask_storeu_ps(y.add(r * ldy + v * 16), mask, *a);
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn dispatch(
+        r: usize,
+        v: usize,
+        g: *const f32,
+        ldg: usize,
+        w: *const f32,
+        ldw: usize,
+        nc: usize,
+        y: *mut f32,
+        ldy: usize,
+        tail: usize,
+        first: bool,
+    ) {
+        macro_rules! go {
+            ($($r:literal),*) => {
+                match (r, v) {
+                    $(
+                        ($r, 1) => tile::<$r, 1>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                        ($r, 2) => tile::<$r, 2>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                        ($r, 3) => tile::<$r, 3>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                        ($r, _) => tile::<$r, 4>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                    )*
+                    _ => unreachable!("row tile of {r} rows"),
+                }
+            };
+        }
+        go!(1, 2, 3, 4, 5, 6)
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512F; see [`super::portable::block`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn block(
+        g: &[f32],
+        w: &[f32],
+        n: usize,
+        k: usize,
+        m0: usize,
+        m1: usize,
+        k0: usize,
+        k1: usize,
+        y: *mut f32,
+    ) {
+        tiled_block!(dispatch, MR, 16, VMAX, g, w, n, k, m0, m1, k0, k1, y);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    const MR: usize = 4;
+    const VMAX: usize = 3;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn mask(lanes: usize) -> __m256i {
+        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes as i32), idx)
+    }
+
+    /// One `R × 8V` tile; see the AVX-512 tile.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const R: usize, const V: usize>(
+        g: *const f32,
+        ldg: usize,
+        w: *const f32,
+        ldw: usize,
+        nc: usize,
+        y: *mut f32,
+        ldy: usize,
+        tail: usize,
+        first: bool,
+    ) {
+        let full = mask(8);
+        let last = mask(tail);
+        let mut acc = [[_mm256_setzero_ps(); V]; R];
+        if !first {
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (v, a) in row.iter_mut().enumerate() {
+                    let m = if v + 1 == V { last } else { full };
+                    *a = _mm256_maskload_ps(y.add(r * ldy + v * 8), m);
+                }
+            }
+        }
+        for j in 0..nc {
+            let wp = w.add(j * ldw);
+            let mut wv = [_mm256_setzero_ps(); V];
+            for (v, x) in wv.iter_mut().enumerate() {
+                let m = if v + 1 == V { last } else { full };
+                *x = _mm256_maskload_ps(wp.add(v * 8), m);
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let a = _mm256_set1_ps(*g.add(r * ldg + j));
+                for (x, s) in row.iter_mut().zip(&wv) {
+                    *x = _mm256_fmadd_ps(a, *s, *x);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (v, a) in row.iter().enumerate() {
+                let m = if v + 1 == V { last } else { full };
+                _mm256_maskstore_ps(y.add(r * ldy + v * 8), m, *a);
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn dispatch(
+        r: usize,
+        v: usize,
+        g: *const f32,
+        ldg: usize,
+        w: *const f32,
+        ldw: usize,
+        nc: usize,
+        y: *mut f32,
+        ldy: usize,
+        tail: usize,
+        first: bool,
+    ) {
+        macro_rules! go {
+            ($($r:literal),*) => {
+                match (r, v) {
+                    $(
+                        ($r, 1) => tile::<$r, 1>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                        ($r, 2) => tile::<$r, 2>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                        ($r, _) => tile::<$r, 3>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                    )*
+                    _ => unreachable!("row tile of {r} rows"),
+                }
+            };
+        }
+        go!(1, 2, 3, 4)
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; see [`super::portable::block`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn block(
+        g: &[f32],
+        w: &[f32],
+        n: usize,
+        k: usize,
+        m0: usize,
+        m1: usize,
+        k0: usize,
+        k1: usize,
+        y: *mut f32,
+    ) {
+        tiled_block!(dispatch, MR, 8, VMAX, g, w, n, k, m0, m1, k0, k1, y);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand(len: usize, seed: u64) -> Vec<f32> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    fn reference(g: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+        let mut y = vec![0f64; m * k];
+        for i in 0..m {
+            for j in 0..n {
+                for c in 0..k {
+                    y[i * k + c] += g[i * n + j] as f64 * w[j * k + c] as f64;
+                }
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn matches_an_f64_reference() {
+        // Tails in every dimension: rows past a 6-row tile, columns past a
+        // 16-lane vector and a 128-column block, terms past a 256-term chunk.
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (5, 7, 9),
+            (7, 300, 17),
+            (13, 600, 131),
+            (50, 37, 576),
+            (3, 1536, 200),
+        ] {
+            let (g, w) = (rand(m * n, 1), rand(n * k, 2));
+            let mut y = vec![f32::NAN; m * k];
+            matmul_nn_f32(&g, &w, m, n, k, &mut y);
+            let r = reference(&g, &w, m, n, k);
+            let worst = y
+                .iter()
+                .zip(&r)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max);
+            assert!(
+                worst < 1e-5 * (n as f64).sqrt() * 4.0,
+                "{m}x{n}x{k}: max error {worst}"
+            );
+        }
+    }
+
+    /// A row's bits depend only on that row: alone, at any position, in any
+    /// number of rows, on any number of threads.
+    #[test]
+    fn a_rows_result_does_not_depend_on_the_call() {
+        let (m, n, k) = (100, 700, 150);
+        let (g, w) = (rand(m * n, 3), rand(n * k, 4));
+        let mut full = vec![0f32; m * k];
+        matmul_nn_f32(&g, &w, m, n, k, &mut full);
+        for &(start, len) in &[(0, 1), (7, 1), (99, 1), (3, 2), (10, 13), (1, 97)] {
+            let mut part = vec![0f32; len * k];
+            matmul_nn_f32(&g[start * n..(start + len) * n], &w, len, n, k, &mut part);
+            let want: Vec<u32> = full[start * k..(start + len) * k]
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
+            let got: Vec<u32> = part.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(got, want, "rows {start}..{}", start + len);
+        }
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut y = vec![0f32; m * k];
+            pool.install(|| matmul_nn_f32(&g, &w, m, n, k, &mut y));
+            assert!(
+                y.iter().zip(&full).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{threads} threads"
+            );
+        }
+    }
+
+    #[test]
+    fn no_terms_give_zeros() {
+        let mut y = vec![1f32; 6];
+        matmul_nn_f32(&[], &[], 2, 0, 3, &mut y);
+        assert_eq!(y, vec![0.0; 6]);
+    }
+}

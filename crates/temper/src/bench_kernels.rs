@@ -1,0 +1,156 @@
+//! `temper bench kernels`: GFLOP/s of temper's matmul kernels against
+//! candle's `gemm` on a decoder's linear-layer shapes, forward (`x·Wᵀ`) and
+//! the input gradient (`g·W`), at the row counts of decode, prefill and
+//! training. `scripts/bench_kernels_torch.py` runs the same shapes in
+//! PyTorch and prints the ratio.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use temper_model::candle_core::{Device, Tensor};
+use temper_model::kernels::{matmul_nn, matmul_nn_isa, matmul_nt};
+
+/// Arguments of `temper bench kernels`.
+#[derive(Args)]
+pub struct KernelBenchArgs {
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Hidden size (SmolLM2-135M's by default).
+    #[arg(long, default_value_t = 576)]
+    hidden: usize,
+    /// MLP intermediate size.
+    #[arg(long, default_value_t = 1536)]
+    intermediate: usize,
+    /// Rows per call (tokens): comma-separated.
+    #[arg(long, default_value = "1,32,128,1024", value_delimiter = ',')]
+    rows: Vec<usize>,
+    /// Seconds to spend on each measurement (at least 3 calls).
+    #[arg(long, default_value_t = 0.5)]
+    seconds: f64,
+    /// `wall` time, or the calling thread's `cpu` time: with `--threads 1`,
+    /// CPU time is what a kernel costs even while other processes share the
+    /// cores (a busy machine inflates wall time, not CPU time).
+    #[arg(long, default_value = "wall", value_parser = ["wall", "cpu"])]
+    clock: String,
+}
+
+/// The calling thread's CPU time in seconds.
+fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Median seconds of `f` over enough calls to fill `budget` seconds.
+fn time(budget: f64, cpu: bool, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut v = Vec::new();
+    let start = Instant::now();
+    let now = || {
+        if cpu {
+            thread_cpu_seconds()
+        } else {
+            start.elapsed().as_secs_f64()
+        }
+    };
+    while v.len() < 3 || (start.elapsed().as_secs_f64() < budget && v.len() < 1000) {
+        let t = now();
+        f()?;
+        v.push(now() - t);
+    }
+    v.sort_by(f64::total_cmp);
+    Ok(v[v.len() / 2])
+}
+
+pub fn run(args: KernelBenchArgs) -> Result<()> {
+    let dev = Device::Cpu;
+    let threads = temper_model::candle_core::utils::get_num_threads();
+    let cpu = args.clock == "cpu";
+    if cpu && threads != 1 {
+        anyhow::bail!("--clock cpu measures the calling thread: run with --threads 1");
+    }
+    let (h, i) = (args.hidden, args.intermediate);
+    // (name, out, in) of the linear layers a decoder runs.
+    let shapes = [("qo", h, h), ("gate_up", i, h), ("down", h, i)];
+    let mut rows_out = Vec::new();
+    if !args.json {
+        println!(
+            "temper bench kernels: GFLOP/s ({} time), {threads} threads, matmul_nn on {}",
+            args.clock,
+            matmul_nn_isa()
+        );
+        println!(
+            "{:<8} {:>6} {:>6} {:>5} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6}",
+            "layer",
+            "out",
+            "in",
+            "rows",
+            "fwd nt",
+            "fwd gemm",
+            "ratio",
+            "bwd nn",
+            "bwd gemm",
+            "ratio"
+        );
+    }
+    for &(name, n, k) in &shapes {
+        let w = Tensor::randn(0f32, 0.05, (n, k), &dev)?;
+        for &m in &args.rows {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+            let g = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
+            let wt = w.t()?;
+            let flop = 2.0 * (m * n * k) as f64;
+            let gf = |s: f64| flop / s / 1e9;
+            let fwd_nt = time(args.seconds, cpu, || {
+                std::hint::black_box(matmul_nt(&x, &w)?);
+                Ok(())
+            })
+            .context("matmul_nt")?;
+            let fwd_gemm = time(args.seconds, cpu, || {
+                std::hint::black_box(x.matmul(&wt)?);
+                Ok(())
+            })?;
+            let bwd_nn = time(args.seconds, cpu, || {
+                std::hint::black_box(matmul_nn(&g, &w)?);
+                Ok(())
+            })?;
+            let bwd_gemm = time(args.seconds, cpu, || {
+                std::hint::black_box(g.matmul(&w)?);
+                Ok(())
+            })?;
+            if !args.json {
+                println!(
+                    "{name:<8} {n:>6} {k:>6} {m:>5} | {:>9.1} {:>9.1} {:>5.2}x | {:>9.1} {:>9.1} {:>5.2}x",
+                    gf(fwd_nt),
+                    gf(fwd_gemm),
+                    fwd_gemm / fwd_nt,
+                    gf(bwd_nn),
+                    gf(bwd_gemm),
+                    bwd_gemm / bwd_nn
+                );
+            }
+            rows_out.push(serde_json::json!({
+                "layer": name, "out": n, "in": k, "rows": m,
+                "fwd_nt_gflops": gf(fwd_nt), "fwd_candle_gflops": gf(fwd_gemm),
+                "bwd_nn_gflops": gf(bwd_nn), "bwd_candle_gflops": gf(bwd_gemm),
+            }));
+        }
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "threads": threads, "clock": args.clock,
+                "isa": matmul_nn_isa(),
+                "results": rows_out,
+            })
+        );
+    }
+    Ok(())
+}
