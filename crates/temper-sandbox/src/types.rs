@@ -162,6 +162,12 @@ pub struct SandboxConfig {
     /// Host uid/gid the sandbox user maps to when we run as root (with
     /// `CAP_SETUID`); unprivileged callers always map to themselves.
     pub host_uid_when_root: u32,
+    /// Extra writable directories at absolute paths (a task's `/app`,
+    /// `/logs`, `/tests`): each a size-capped tmpfs of `limits.tmpfs_mb`
+    /// owned by the sandbox user, created in the new root like `/work`.
+    /// They may not be `/` nor lie on or under a system directory,
+    /// `/proc`, `/dev`, `/work`, `/tmp` or `/code`.
+    pub writable_dirs: Vec<PathBuf>,
 }
 
 impl Default for SandboxConfig {
@@ -172,6 +178,7 @@ impl Default for SandboxConfig {
             bash: None,
             extra_ro_binds: Vec::new(),
             host_uid_when_root: 65534,
+            writable_dirs: Vec::new(),
         }
     }
 }
