@@ -61,23 +61,51 @@ impl std::fmt::Debug for TrialEnv {
     }
 }
 
+/// Sandboxes by the settings that shape them: building one looks up the
+/// interpreters (a `python3` process) and compiles seccomp, which costs
+/// more than the session itself, so trials with equal settings share one.
+type SandboxKey = (Vec<PathBuf>, u64, u64, u64);
+static SANDBOXES: std::sync::Mutex<Vec<(SandboxKey, Arc<Sandbox>)>> =
+    std::sync::Mutex::new(Vec::new());
+/// Distinct sandboxes kept (oldest dropped first).
+const MAX_CACHED: usize = 32;
+
+fn sandbox_for(spec: &EnvSpec) -> Result<Arc<Sandbox>, TaskError> {
+    let key: SandboxKey = (
+        spec.writable.clone(),
+        spec.memory_mb,
+        spec.storage_mb,
+        spec.cpu_seconds,
+    );
+    let mut cache = SANDBOXES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, s)) = cache.iter().find(|(k, _)| *k == key) {
+        return Ok(s.clone());
+    }
+    let config = SandboxConfig {
+        limits: Limits {
+            cpu_seconds: spec.cpu_seconds.max(1),
+            memory_mb: spec.memory_mb,
+            max_processes: 512,
+            max_file_size_mb: spec.storage_mb.min(4096),
+            max_open_files: 1024,
+            tmpfs_mb: spec.storage_mb,
+            ..Limits::default()
+        },
+        writable_dirs: spec.writable.clone(),
+        ..SandboxConfig::default()
+    };
+    let sandbox = Arc::new(Sandbox::new(config)?);
+    if cache.len() >= MAX_CACHED {
+        cache.remove(0);
+    }
+    cache.push((key, sandbox.clone()));
+    Ok(sandbox)
+}
+
 impl TrialEnv {
     /// Starts the session.
     pub fn start(spec: &EnvSpec, workdir: &str) -> Result<Self, TaskError> {
-        let config = SandboxConfig {
-            limits: Limits {
-                cpu_seconds: spec.cpu_seconds.max(1),
-                memory_mb: spec.memory_mb,
-                max_processes: 512,
-                max_file_size_mb: spec.storage_mb.min(4096),
-                max_open_files: 1024,
-                tmpfs_mb: spec.storage_mb,
-                ..Limits::default()
-            },
-            writable_dirs: spec.writable.clone(),
-            ..SandboxConfig::default()
-        };
-        let sandbox = Arc::new(Sandbox::new(config)?);
+        let sandbox = sandbox_for(spec)?;
         let session = Session::new(
             sandbox,
             SessionConfig {

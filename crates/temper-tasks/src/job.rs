@@ -381,3 +381,63 @@ pub fn summary_table(config: &JobConfig, results: &[TrialResult]) -> String {
     );
     out
 }
+
+fn html_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// A self-contained HTML report of a job: the summary, then one row per
+/// trial with its reward, exception, timing and links to its files.
+pub fn html_report(config: &JobConfig, results: &[TrialResult]) -> String {
+    let mut rows = String::new();
+    for r in results {
+        let rewards = r
+            .verifier_result
+            .as_ref()
+            .and_then(|v| v.rewards.as_ref())
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .unwrap_or_else(|| "-".into());
+        let err = r
+            .exception_info
+            .as_ref()
+            .map(|e| format!("{}: {}", e.exception_type, e.exception_message))
+            .unwrap_or_default();
+        let turns = r
+            .agent_result
+            .as_ref()
+            .and_then(|a| a.metadata.as_ref())
+            .and_then(|m| m.get("turns"))
+            .map(|t| t.to_string())
+            .unwrap_or_default();
+        let name = html_escape(&r.trial_name);
+        rows += &format!(
+            "<tr><td>{}</td><td>{name}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
+             <td><a href=\"{name}/agent/trajectory.json\">trajectory</a> \
+             <a href=\"{name}/verifier/test-stdout.txt\">test output</a> \
+             <a href=\"{name}/result.json\">result</a></td></tr>\n",
+            html_escape(&r.task_name),
+            r.reward(),
+            html_escape(&rewards),
+            html_escape(&turns),
+            html_escape(&err),
+        );
+    }
+    format!(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>job {name}</title>\
+         <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}\
+         td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}pre{{background:#f6f6f6;padding:1em}}</style>\
+         </head><body><h1>job {name}</h1><pre>{summary}</pre>\
+         <table><tr><th>task</th><th>trial</th><th>reward</th><th>rewards</th><th>turns</th>\
+         <th>exception</th><th>files</th></tr>\n{rows}</table></body></html>\n",
+        name = html_escape(&config.job_name),
+        summary = html_escape(&summary_table(config, results)),
+    )
+}
