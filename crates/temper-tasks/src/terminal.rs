@@ -12,6 +12,7 @@
 //! agent timeout, which also bounds every command and model call.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Map, Value};
@@ -78,7 +79,7 @@ impl TerminalConfig {
 /// The agent.
 pub struct Terminal {
     config: TerminalConfig,
-    model: OpenAiChatModel,
+    model: Arc<dyn ChatModel>,
     runtime: tokio::runtime::Handle,
 }
 
@@ -100,11 +101,21 @@ impl Terminal {
             max_retries: 2,
             ..RetryPolicy::default()
         };
-        Ok(Terminal {
+        Ok(Self::with_model(config, Arc::new(model), runtime))
+    }
+
+    /// An agent on any [`ChatModel`] (an in-process sampler, for RL);
+    /// `config.base_url` and `api_key` are then unused.
+    pub fn with_model(
+        config: TerminalConfig,
+        model: Arc<dyn ChatModel>,
+        runtime: tokio::runtime::Handle,
+    ) -> Self {
+        Terminal {
             config,
             model,
             runtime,
-        })
+        }
     }
 }
 

@@ -7,7 +7,7 @@
 //!   result.json          TrialResult (written last, atomically: its presence
 //!                        marks the trial finished, which resume relies on)
 //!   agent/trajectory.json  ATIF
-//!   agent/...            the agent's logs and the sandbox's /logs/agent
+//!   agent/...            the agent's logs; agent/logs/ = the sandbox's /logs/agent
 //!   verifier/reward.txt|reward.json, test-stdout.txt, test-stderr.txt
 //! ```
 
@@ -366,7 +366,9 @@ fn run_phases(
         // The session is gone (memory limit, sandbox failure): no verifier.
         return;
     }
-    if let Err(e) = env.fetch_dir("/logs/agent", &agent_dir) {
+    // Into a subdirectory: what runs in the sandbox must not overwrite the
+    // trajectory and logs written here.
+    if let Err(e) = env.fetch_dir("/logs/agent", &agent_dir.join("logs")) {
         result
             .temper
             .notes
@@ -546,4 +548,51 @@ fn verify(
     env.fetch_dir("/logs/verifier", verifier_dir)
         .map_err(|e| sandbox_err(&e))?;
     read_rewards(verifier_dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rewards_of(files: &[(&str, &str)]) -> Result<BTreeMap<String, f64>, String> {
+        let d = tempfile::tempdir().expect("tempdir");
+        for (name, text) in files {
+            std::fs::write(d.path().join(name), text).expect("write");
+        }
+        read_rewards(d.path()).map_err(|e| e.exception_type)
+    }
+
+    #[test]
+    fn reward_files_are_read_as_harbor_defines_them() {
+        let one = |v: f64| Ok(BTreeMap::from([("reward".to_string(), v)]));
+        assert_eq!(rewards_of(&[("reward.txt", "1\n")]), one(1.0));
+        assert_eq!(rewards_of(&[("reward.txt", " 0.25 ")]), one(0.25));
+        // reward.txt wins over reward.json.
+        assert_eq!(
+            rewards_of(&[("reward.txt", "0"), ("reward.json", r#"{"reward": 1}"#)]),
+            one(0.0)
+        );
+        assert_eq!(
+            rewards_of(&[("reward.json", r#"{"reward": 0.5, "tests_passed": 3}"#)]),
+            Ok(BTreeMap::from([
+                ("reward".to_string(), 0.5),
+                ("tests_passed".to_string(), 3.0)
+            ]))
+        );
+        for bad in [
+            ("reward.txt", ""),
+            ("reward.txt", "pass"),
+            ("reward.txt", "NaN"),
+            ("reward.json", r#"{"reward": "1"}"#),
+            ("reward.json", r#"{"nested": {"a": 1}}"#),
+            ("reward.json", "[1]"),
+        ] {
+            assert_eq!(
+                rewards_of(&[bad]),
+                Err("RewardFileEmptyError".into()),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(rewards_of(&[]), Err("RewardFileNotFoundError".into()));
+    }
 }
