@@ -17,7 +17,7 @@ use temper_tasks::{
 #[derive(Subcommand)]
 pub enum TasksCommand {
     /// Run tasks (task dirs, or dirs of task dirs) into a new job directory.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Finish a job that was killed: runs only its trials without a result.
     Resume(ResumeArgs),
     /// Run a command in the current trial's sandbox (for `command` agents:
@@ -99,7 +99,7 @@ pub struct ExecArgs {
 /// Run `temper tasks`.
 pub fn run(cmd: TasksCommand) -> Result<()> {
     match cmd {
-        TasksCommand::Run(a) => run_tasks(a),
+        TasksCommand::Run(a) => run_tasks(*a),
         TasksCommand::Resume(a) => resume(a),
         TasksCommand::Exec(a) => exec(a),
     }

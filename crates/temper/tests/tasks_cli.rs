@@ -175,3 +175,39 @@ fn a_job_killed_midway_resumes_without_rerunning_finished_trials() {
     assert!(total.contains("3/3") && total.contains("1.000"), "{out}");
     assert_eq!(std::fs::read_to_string(&finished[0]).expect("read"), before);
 }
+
+#[test]
+fn a_command_agent_acts_through_temper_tasks_exec() {
+    let jobs = tempfile::tempdir().expect("tempdir");
+    let task = examples().join("hello-file");
+    let program = format!(
+        "{} tasks exec -- 'echo Hello, world! > /app/hello.txt && pwd'",
+        env!("CARGO_BIN_EXE_temper")
+    );
+    let o = temper(&[
+        "tasks",
+        "run",
+        &task.to_string_lossy(),
+        "-a",
+        "command",
+        "--agent-command",
+        &program,
+        "--jobs-dir",
+        &jobs.path().to_string_lossy(),
+        "--job-name",
+        "cmd",
+    ]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    let total = out.lines().find(|l| l.starts_with("total")).expect("total");
+    assert!(total.contains("1/1") && total.contains("1.000"), "{out}");
+    let trial = std::fs::read_dir(jobs.path().join("cmd"))
+        .expect("job dir")
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.is_dir())
+        .expect("a trial dir");
+    let stdout =
+        std::fs::read_to_string(trial.join("agent/command-stdout.txt")).expect("program stdout");
+    assert_eq!(stdout.trim(), "/app");
+}
