@@ -533,13 +533,15 @@ impl Sandbox {
             ],
         };
         let mut stack = vec![0u8; STACK_SIZE];
-        let flags = CloneFlags::CLONE_NEWUSER
+        let mut flags = CloneFlags::CLONE_NEWUSER
             | CloneFlags::CLONE_NEWPID
             | CloneFlags::CLONE_NEWNS
-            | CloneFlags::CLONE_NEWNET
             | CloneFlags::CLONE_NEWIPC
             | CloneFlags::CLONE_NEWUTS
             | CloneFlags::CLONE_NEWCGROUP;
+        if !self.config.host_network {
+            flags |= CloneFlags::CLONE_NEWNET;
+        }
         // SAFETY: the callback runs in a copy of this address space and only
         // issues system calls on `plan` (see `child.rs`); it never returns.
         let pid = unsafe {

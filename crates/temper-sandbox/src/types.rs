@@ -168,6 +168,10 @@ pub struct SandboxConfig {
     /// They may not be `/` nor lie on or under a system directory,
     /// `/proc`, `/dev`, `/work`, `/tmp` or `/code`.
     pub writable_dirs: Vec<PathBuf>,
+    /// Share the host's network namespace instead of a private one with
+    /// loopback only (a task that needs the internet, when its operator
+    /// opts in). Every other namespace, limit and filter stays.
+    pub host_network: bool,
 }
 
 impl Default for SandboxConfig {
@@ -179,6 +183,7 @@ impl Default for SandboxConfig {
             extra_ro_binds: Vec::new(),
             host_uid_when_root: 65534,
             writable_dirs: Vec::new(),
+            host_network: false,
         }
     }
 }

@@ -43,6 +43,8 @@ pub struct EnvSpec {
     pub env: BTreeMap<String, String>,
     /// Lifetime of the session.
     pub lifetime: Duration,
+    /// Share the host's network (else loopback only).
+    pub host_network: bool,
 }
 
 /// One trial's live sandbox session.
@@ -64,7 +66,7 @@ impl std::fmt::Debug for TrialEnv {
 /// Sandboxes by the settings that shape them: building one looks up the
 /// interpreters (a `python3` process) and compiles seccomp, which costs
 /// more than the session itself, so trials with equal settings share one.
-type SandboxKey = (Vec<PathBuf>, u64, u64, u64);
+type SandboxKey = (Vec<PathBuf>, u64, u64, u64, bool);
 static SANDBOXES: std::sync::Mutex<Vec<(SandboxKey, Arc<Sandbox>)>> =
     std::sync::Mutex::new(Vec::new());
 /// Distinct sandboxes kept (oldest dropped first).
@@ -76,6 +78,7 @@ fn sandbox_for(spec: &EnvSpec) -> Result<Arc<Sandbox>, TaskError> {
         spec.memory_mb,
         spec.storage_mb,
         spec.cpu_seconds,
+        spec.host_network,
     );
     let mut cache = SANDBOXES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, s)) = cache.iter().find(|(k, _)| *k == key) {
@@ -92,6 +95,7 @@ fn sandbox_for(spec: &EnvSpec) -> Result<Arc<Sandbox>, TaskError> {
             ..Limits::default()
         },
         writable_dirs: spec.writable.clone(),
+        host_network: spec.host_network,
         ..SandboxConfig::default()
     };
     let sandbox = Arc::new(Sandbox::new(config)?);

@@ -90,6 +90,9 @@ pub struct JobConfig {
     /// Multiplies every task's `[agent] timeout_sec`.
     #[serde(default)]
     pub agent_timeout_multiplier: Option<f64>,
+    /// Tasks with `allow_internet = true` share the host's network.
+    #[serde(default)]
+    pub allow_internet: bool,
     /// Every trial, in order.
     pub trials: Vec<PlannedTrial>,
 }
@@ -175,6 +178,7 @@ pub fn plan_job(
         n_attempts,
         n_concurrent,
         agent_timeout_multiplier: None,
+        allow_internet: false,
         trials,
     };
     save_config(&dir, &config)?;
@@ -247,6 +251,7 @@ pub fn run_job(
     let options = TrialOptions {
         agent_timeout_multiplier: config.agent_timeout_multiplier,
         agent_timeout: None,
+        allow_internet: config.allow_internet,
     };
     let next = AtomicUsize::new(0);
     let done = AtomicUsize::new(resumed);

@@ -160,6 +160,9 @@ pub struct TrialOptions {
     pub agent_timeout_multiplier: Option<f64>,
     /// Replaces `[agent] timeout_sec`.
     pub agent_timeout: Option<Duration>,
+    /// Give tasks with `allow_internet = true` the host's network (off:
+    /// every trial has loopback only).
+    pub allow_internet: bool,
 }
 
 fn exception(kind: &str, message: impl Into<String>) -> ExceptionInfo {
@@ -290,8 +293,8 @@ pub fn run_trial(
         task,
         agent,
         trial_dir,
-        agent_timeout,
-        verifier_timeout,
+        (agent_timeout, verifier_timeout),
+        options.allow_internet,
         &mut result,
     );
     result.finished_at = Some(now());
@@ -304,8 +307,8 @@ fn run_phases(
     task: &Task,
     agent: &dyn Agent,
     trial_dir: &Path,
-    agent_timeout: Duration,
-    verifier_timeout: Duration,
+    (agent_timeout, verifier_timeout): (Duration, Duration),
+    allow_internet: bool,
     result: &mut TrialResult,
 ) {
     let agent_dir = trial_dir.join("agent");
@@ -315,7 +318,13 @@ fn run_phases(
         started_at: Some(now()),
         finished_at: None,
     };
-    let env = match start_env(task, agent_timeout, verifier_timeout, result) {
+    let env = match start_env(
+        task,
+        agent_timeout,
+        verifier_timeout,
+        allow_internet,
+        result,
+    ) {
         Ok(env) => env,
         Err(e) => {
             setup.finished_at = Some(now());
@@ -410,6 +419,7 @@ fn start_env(
     task: &Task,
     agent_timeout: Duration,
     verifier_timeout: Duration,
+    allow_internet: bool,
     result: &mut TrialResult,
 ) -> Result<TrialEnv, ExceptionInfo> {
     let cfg = &task.config;
@@ -425,11 +435,18 @@ fn start_env(
             "docker_image {image} ignored: the sandbox runs on the host's system directories"
         ));
     }
-    if cfg.environment.allow_internet {
+    let host_network = cfg.environment.allow_internet && allow_internet;
+    if host_network {
         result
             .temper
             .notes
-            .push("allow_internet = true not honoured: the sandbox has loopback only".into());
+            .push("allow_internet = true: the trial shares the host's network".into());
+    } else if cfg.environment.allow_internet {
+        result.temper.notes.push(
+            "allow_internet = true not honoured: loopback only (run with --allow-internet to \
+             share the host's network)"
+                .into(),
+        );
     }
     let plan = dockerfile::plan(&task.dir).map_err(|e| setup_err(&e))?;
     for i in &plan.ignored {
@@ -453,6 +470,7 @@ fn start_env(
         cpu_seconds: total.as_secs().saturating_add(1),
         env,
         lifetime: total + Duration::from_secs(60),
+        host_network,
     };
     let t0 = Instant::now();
     let env = TrialEnv::start(&spec, &plan.workdir).map_err(|e| setup_err(&e))?;

@@ -203,39 +203,63 @@ fn a_verifier_past_its_timeout_is_recorded() {
 #[test]
 fn a_trial_over_its_memory_is_killed_and_recorded() {
     let root = tempfile::tempdir().expect("tempdir");
-    let task = make_task(
+    // One process over memory_mb: RLIMIT_AS makes the allocation fail.
+    let one = make_task(
         root.path(),
-        "hog",
-        "python3 -c 'x = bytearray(400 << 20); print(len(x))'\necho ok > /app/ok.txt\n",
+        "hog1",
+        "python3 -c 'x = bytearray(400 << 20)'\necho ok > /app/ok.txt\n",
         "[environment]\nmemory_mb = 128",
         OK_TEST,
     );
     let r = run_trial(
-        &task,
+        &one,
         &temper_tasks::Oracle,
-        &root.path().join("t"),
+        &root.path().join("t1"),
         &TrialOptions::default(),
     )
     .expect("trial");
-    // With a cgroup the whole session is killed; with only RLIMIT_AS the
-    // allocation fails inside python. Either way the agent did not get
-    // its 400 MiB and the trial is recorded, not crashed.
-    let oracle_log =
-        std::fs::read_to_string(root.path().join("t/agent/oracle.txt")).unwrap_or_default();
-    match &r.exception_info {
-        Some(e) => {
+    let log = std::fs::read_to_string(root.path().join("t1/agent/oracle.txt")).unwrap_or_default();
+    assert!(log.contains("MemoryError"), "{log}");
+    // Four processes under RLIMIT_AS each, over memory_mb together: the
+    // cgroup kills the whole session, and the trial records it.
+    let many = make_task(
+        root.path(),
+        "hog4",
+        "for i in 1 2 3 4; do python3 -c 'import time; x = b\"1\" * (70 << 20); time.sleep(5)' & done; wait\n",
+        "[environment]\nmemory_mb = 128",
+        OK_TEST,
+    );
+    let t0 = std::time::Instant::now();
+    let r4 = run_trial(
+        &many,
+        &temper_tasks::Oracle,
+        &root.path().join("t4"),
+        &TrialOptions::default(),
+    )
+    .expect("trial");
+    let sandbox =
+        temper_sandbox::Sandbox::new(temper_sandbox::SandboxConfig::default()).expect("sandbox");
+    match sandbox.run_limits() {
+        temper_sandbox::RunLimits::Rlimits(why) => {
+            eprintln!("no writable cgroup ({why}): only the per-process limit is checked");
+        }
+        _ => {
+            let e = r4.exception_info.as_ref().expect("an exception");
             assert_eq!(e.exception_type, "MemoryLimitExceeded", "{e:?}");
             assert!(
-                r.verifier.is_none(),
+                r4.verifier.is_none(),
                 "the session died with the memory kill"
             );
+            assert_eq!(r4.reward(), 0.0);
+            assert!(
+                t0.elapsed().as_secs_f64() < 4.5,
+                "not killed: {:?}",
+                t0.elapsed()
+            );
         }
-        None => assert!(oracle_log.contains("MemoryError"), "{oracle_log}"),
     }
-    assert!(
-        !oracle_log.contains("419430400"),
-        "the allocation succeeded: {oracle_log}"
-    );
+    // The failed allocation was the program's error, not the trial's.
+    assert!(r.exception_info.is_none(), "{:?}", r.exception_info);
 }
 
 #[test]
@@ -478,4 +502,56 @@ print(r["stdout"].strip(), os.environ["OPENAI_API_KEY"], os.environ["OPENAI_MODE
     assert_eq!(meta["exec_calls"], 2);
     assert_eq!(meta["exit_code"], 0);
     validate_atif(&tdir.join("agent/trajectory.json"));
+}
+
+#[test]
+fn allow_internet_shares_the_host_network_only_when_the_operator_opts_in() {
+    // A listener on the host's loopback stands in for "the internet": a
+    // trial reaches it only through the host's network namespace.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let root = tempfile::tempdir().expect("tempdir");
+    let solve = format!(
+        "python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\" \
+         && echo ok > /app/ok.txt\n"
+    );
+    let open = make_task(
+        root.path(),
+        "net",
+        &solve,
+        "[environment]\nallow_internet = true",
+        OK_TEST,
+    );
+    let closed = make_task(
+        root.path(),
+        "nonet",
+        &solve,
+        "[environment]\nallow_internet = false",
+        OK_TEST,
+    );
+    let opted_in = TrialOptions {
+        allow_internet: true,
+        ..TrialOptions::default()
+    };
+    let run = |task: &Task, options: &TrialOptions, name: &str| {
+        run_trial(
+            task,
+            &temper_tasks::Oracle,
+            &root.path().join(name),
+            options,
+        )
+        .expect("trial")
+    };
+    let r = run(&open, &opted_in, "t1");
+    assert_eq!(r.reward(), 1.0, "{:?}", r.temper.notes);
+    assert!(r
+        .temper
+        .notes
+        .iter()
+        .any(|n| n.contains("shares the host's network")));
+    let r = run(&open, &TrialOptions::default(), "t2");
+    assert_eq!(r.reward(), 0.0, "reached the host without --allow-internet");
+    assert!(r.temper.notes.iter().any(|n| n.contains("not honoured")));
+    let r = run(&closed, &opted_in, "t3");
+    assert_eq!(r.reward(), 0.0, "allow_internet = false reached the host");
 }

@@ -73,6 +73,10 @@ pub struct RunArgs {
     /// Multiply every task's [agent] timeout_sec.
     #[arg(long)]
     agent_timeout_multiplier: Option<f64>,
+    /// Let tasks with `allow_internet = true` (Harbor's default) share the
+    /// host's network; without it every trial has loopback only.
+    #[arg(long)]
+    allow_internet: bool,
 }
 
 /// `temper tasks resume` flags.
@@ -151,8 +155,9 @@ fn run_tasks(a: RunArgs) -> Result<()> {
             bail!("--agent-timeout-multiplier must be > 0");
         }
         config.agent_timeout_multiplier = Some(m);
-        temper_tasks::job::save_config(&dir, &config)?;
     }
+    config.allow_internet = a.allow_internet;
+    temper_tasks::job::save_config(&dir, &config)?;
     eprintln!(
         "job {}: {} tasks x {} trials, agent {}, {} at a time",
         dir.display(),
