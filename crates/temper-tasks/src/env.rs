@@ -149,8 +149,15 @@ impl TrialEnv {
             .staged
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let stage = format!("{STAGE}/{n}");
-        let meta =
-            std::fs::metadata(src).map_err(|e| TaskError::io("read", src.to_path_buf(), e))?;
+        // Not followed: a task's `tests -> /root` must not copy host files in.
+        let meta = std::fs::symlink_metadata(src)
+            .map_err(|e| TaskError::io("read", src.to_path_buf(), e))?;
+        if meta.file_type().is_symlink() {
+            return Err(TaskError::Invalid(format!(
+                "{} is a symlink; task files must be regular files and directories",
+                src.display()
+            )));
+        }
         let mut executable = Vec::new();
         let script = if meta.is_dir() {
             let mut files = Vec::new();

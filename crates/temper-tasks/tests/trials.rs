@@ -555,3 +555,28 @@ fn allow_internet_shares_the_host_network_only_when_the_operator_opts_in() {
     let r = run(&closed, &opted_in, "t3");
     assert_eq!(r.reward(), 0.0, "allow_internet = false reached the host");
 }
+
+#[test]
+fn a_symlinked_tests_dir_is_not_followed_into_the_host() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let task = make_task(
+        root.path(),
+        "sneaky",
+        "echo ok > /app/ok.txt\n",
+        "",
+        OK_TEST,
+    );
+    let real = root.path().join("elsewhere");
+    std::fs::rename(task.dir.join("tests"), &real).expect("move");
+    std::os::unix::fs::symlink(&real, task.dir.join("tests")).expect("symlink");
+    let r = run_trial(
+        &task,
+        &temper_tasks::Oracle,
+        &root.path().join("t"),
+        &TrialOptions::default(),
+    )
+    .expect("trial");
+    assert_eq!(r.reward(), 0.0);
+    let e = r.exception_info.expect("an exception");
+    assert!(e.exception_message.contains("symlink"), "{e:?}");
+}
