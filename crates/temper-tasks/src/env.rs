@@ -145,6 +145,12 @@ impl TrialEnv {
     /// or a directory source means into `dest`), keeping executable bits.
     /// Symlinks and special files in a directory are skipped.
     pub fn put(&self, src: &Path, dest: &str) -> Result<(), TaskError> {
+        self.put_after("true", src, dest)
+    }
+
+    /// [`TrialEnv::put`] after running `before` (which must succeed), in
+    /// one round trip with the sandbox.
+    pub fn put_after(&self, before: &str, src: &Path, dest: &str) -> Result<(), TaskError> {
         let n = self
             .staged
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -159,13 +165,14 @@ impl TrialEnv {
             )));
         }
         let mut executable = Vec::new();
+        let mut upload = BTreeMap::new();
         let script = if meta.is_dir() {
             let mut files = Vec::new();
             collect_files(src, Path::new(""), &mut files)?;
             for rel in &files {
                 let host = src.join(rel);
                 let rel_s = rel.to_string_lossy();
-                self.upload(&host, &format!("{stage}/{rel_s}"))?;
+                upload.insert(format!("{stage}/{rel_s}"), read_upload(&host)?);
                 if is_executable(&host) {
                     executable.push(format!("{}/{rel_s}", dest.trim_end_matches('/')));
                 }
@@ -175,7 +182,7 @@ impl TrialEnv {
                 d = shell_quote(dest)
             )
         } else {
-            self.upload(src, &format!("{stage}/file"))?;
+            upload.insert(format!("{stage}/file"), read_upload(src)?);
             let name = src
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
@@ -202,12 +209,14 @@ impl TrialEnv {
             .iter()
             .map(|p| format!(" && chmod +x {}", shell_quote(p)))
             .collect::<String>();
-        let script = format!("{script}{chmod}; rc=$?; rm -rf /work/{stage}; exit $rc");
-        let r = self.exec(
-            &script,
-            Some("/"),
+        let script =
+            format!("( {before} ) && {script}{chmod}; rc=$?; rm -rf /work/{stage}; exit $rc");
+        let r = self.session.exec_with_files(
+            &format!("cd / || exit 1\n{script}"),
+            None,
             &BTreeMap::new(),
             Duration::from_secs(60),
+            upload,
         )?;
         if r.return_code != Some(0) {
             return Err(TaskError::Invalid(format!(
@@ -217,20 +226,6 @@ impl TrialEnv {
             )));
         }
         Ok(())
-    }
-
-    fn upload(&self, host: &Path, rel: &str) -> Result<(), TaskError> {
-        let meta =
-            std::fs::metadata(host).map_err(|e| TaskError::io("read", host.to_path_buf(), e))?;
-        if meta.len() > MAX_UPLOAD {
-            return Err(TaskError::Invalid(format!(
-                "{} is larger than {} MiB",
-                host.display(),
-                MAX_UPLOAD >> 20
-            )));
-        }
-        let data = std::fs::read(host).map_err(|e| TaskError::io("read", host.to_path_buf(), e))?;
-        Ok(self.session.upload(rel, data)?)
     }
 
     /// Copies the sandbox directory `dir` (absolute) into host `dest`:
@@ -267,6 +262,19 @@ impl TrialEnv {
             .map_err(|e| TaskError::Invalid(format!("reading {dir}: bad base64: {e}")))?;
         unpack_safely(&bytes, dest)
     }
+}
+
+/// A host file's bytes, refused above [`MAX_UPLOAD`].
+fn read_upload(host: &Path) -> Result<Vec<u8>, TaskError> {
+    let meta = std::fs::metadata(host).map_err(|e| TaskError::io("read", host.to_path_buf(), e))?;
+    if meta.len() > MAX_UPLOAD {
+        return Err(TaskError::Invalid(format!(
+            "{} is larger than {} MiB",
+            host.display(),
+            MAX_UPLOAD >> 20
+        )));
+    }
+    std::fs::read(host).map_err(|e| TaskError::io("read", host.to_path_buf(), e))
 }
 
 fn is_executable(p: &Path) -> bool {

@@ -522,19 +522,12 @@ fn verify(
 ) -> Result<BTreeMap<String, f64>, ExceptionInfo> {
     let sandbox_err = |e: &dyn std::fmt::Display| exception("VerifierError", e.to_string());
     // A reward or test file the agent planted does not count.
-    let r = env
-        .exec(
-            "rm -rf /logs/verifier && mkdir -p /logs/verifier && find /tests -mindepth 1 -delete",
-            Some("/"),
-            &BTreeMap::new(),
-            Duration::from_secs(10),
-        )
-        .map_err(|e| sandbox_err(&e))?;
-    if r.return_code != Some(0) {
-        return Err(exception("VerifierError", r.stderr));
-    }
-    env.put(&task.dir.join("tests"), "/tests")
-        .map_err(|e| sandbox_err(&e))?;
+    env.put_after(
+        "rm -rf /logs/verifier && mkdir -p /logs/verifier && find /tests -mindepth 1 -delete",
+        &task.dir.join("tests"),
+        "/tests",
+    )
+    .map_err(|e| sandbox_err(&e))?;
     let r = env
         .exec(
             "bash /tests/test.sh",
