@@ -625,3 +625,55 @@ fn a_symlinked_tests_dir_is_not_followed_into_the_host() {
     let e = r.exception_info.expect("an exception");
     assert!(e.exception_message.contains("symlink"), "{e:?}");
 }
+
+#[test]
+fn terminal_agent_stops_at_its_time_budget() {
+    if !sandbox_usable("terminal_agent_stops_at_its_time_budget") {
+        return;
+    }
+    let rt = runtime();
+    let (url, seen) = rt.block_on(scripted(vec!["```bash\nsleep 30\n```"]));
+    let agent = build_agent(
+        &AgentSpec {
+            name: "terminal".into(),
+            model: Some("scripted".into()),
+            base_url: Some(url),
+            ..AgentSpec::default()
+        },
+        None,
+        rt.handle(),
+    )
+    .expect("agent");
+    let root = tempfile::tempdir().expect("tempdir");
+    let task = make_task(
+        root.path(),
+        "slow",
+        "true\n",
+        "[agent]\ntimeout_sec = 1.0",
+        OK_TEST,
+    );
+    let t0 = std::time::Instant::now();
+    let r = run_trial(
+        &task,
+        agent.as_ref(),
+        &root.path().join("t"),
+        &TrialOptions::default(),
+    )
+    .expect("trial");
+    assert!(t0.elapsed().as_secs_f64() < 6.0, "took {:?}", t0.elapsed());
+    assert_eq!(
+        r.exception_info.as_ref().map(|e| e.exception_type.as_str()),
+        Some("AgentTimeoutError")
+    );
+    let meta = r
+        .agent_result
+        .as_ref()
+        .and_then(|a| a.metadata.clone())
+        .expect("metadata");
+    assert_eq!(meta["stop_reason"], "timeout");
+    assert_eq!(seen.lock().expect("lock").len(), 1);
+    assert!(
+        r.verifier.is_some(),
+        "the verifier runs after an agent timeout"
+    );
+}
