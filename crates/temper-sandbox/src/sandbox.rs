@@ -207,6 +207,53 @@ pub(crate) fn check_files<'a>(
     Ok(paths)
 }
 
+/// Paths a writable directory may not be, nor lie under: the read-only
+/// system directories and the sandbox's own mounts.
+const RESERVED: &[&str] = &["/proc", "/dev", "/work", "/tmp", "/code"];
+
+/// Checks `SandboxConfig::writable_dirs`: absolute, no `..`, not `/`, not
+/// on or under a reserved or system path, none nested in another.
+fn checked_writable_dirs(dirs: &[PathBuf]) -> Result<Vec<PathBuf>, SandboxError> {
+    let mut out: Vec<PathBuf> = Vec::new();
+    for dir in dirs {
+        let bad = |why: &str| {
+            Err(SandboxError::InvalidRequest(format!(
+                "writable dir {:?} {why}",
+                dir.display()
+            )))
+        };
+        if !dir.is_absolute() {
+            return bad("must be absolute");
+        }
+        let mut clean = PathBuf::from("/");
+        for c in dir.components() {
+            match c {
+                Component::RootDir | Component::CurDir => {}
+                Component::Normal(name) if name.len() <= MAX_NAME_BYTES => clean.push(name),
+                _ => return bad("must not contain `..` or over-long names"),
+            }
+        }
+        if clean == Path::new("/") {
+            return bad("must not be `/`");
+        }
+        if let Some(r) = SYSTEM_PATHS
+            .iter()
+            .chain(RESERVED)
+            .find(|r| clean.starts_with(r))
+        {
+            return bad(&format!("lies under {r}, which the sandbox owns"));
+        }
+        if let Some(other) = out
+            .iter()
+            .find(|o| clean.starts_with(o.as_path()) || o.starts_with(&clean))
+        {
+            return bad(&format!("overlaps {:?}", other.display()));
+        }
+        out.push(clean);
+    }
+    Ok(out)
+}
+
 impl Sandbox {
     /// Finds the interpreters, compiles the seccomp filter and plans the
     /// read-only root. Fails only when seccomp cannot be built.
@@ -298,6 +345,16 @@ impl Sandbox {
             steps.push(Step::Tmpfs {
                 path: staged(Path::new(dir))?,
                 options: cstring(format!("size={tmpfs_mb}m,mode={mode}"))?,
+            });
+        }
+        for dir in checked_writable_dirs(&config.writable_dirs)? {
+            for parent in ancestors_of(&dir) {
+                steps.push(Step::Mkdir(staged(&parent)?));
+            }
+            steps.push(Step::Mkdir(staged(&dir)?));
+            steps.push(Step::Tmpfs {
+                path: staged(&dir)?,
+                options: cstring(format!("size={}m,mode=0755", tmpfs_mb.max(1)))?,
             });
         }
         steps.push(Step::Proc(staged(Path::new("/proc"))?));
@@ -476,13 +533,15 @@ impl Sandbox {
             ],
         };
         let mut stack = vec![0u8; STACK_SIZE];
-        let flags = CloneFlags::CLONE_NEWUSER
+        let mut flags = CloneFlags::CLONE_NEWUSER
             | CloneFlags::CLONE_NEWPID
             | CloneFlags::CLONE_NEWNS
-            | CloneFlags::CLONE_NEWNET
             | CloneFlags::CLONE_NEWIPC
             | CloneFlags::CLONE_NEWUTS
             | CloneFlags::CLONE_NEWCGROUP;
+        if !self.config.host_network {
+            flags |= CloneFlags::CLONE_NEWNET;
+        }
         // SAFETY: the callback runs in a copy of this address space and only
         // issues system calls on `plan` (see `child.rs`); it never returns.
         let pid = unsafe {
@@ -982,6 +1041,27 @@ mod tests {
         assert!(check_files(&files).is_err());
         let files = ["a/c".to_string(), "a/b".to_string()];
         assert!(check_files(&files).is_ok());
+    }
+
+    #[test]
+    fn writable_dirs_are_checked() {
+        let ok = checked_writable_dirs(&[PathBuf::from("/app"), PathBuf::from("/logs/./x")]);
+        assert_eq!(
+            ok.ok(),
+            Some(vec![PathBuf::from("/app"), PathBuf::from("/logs/x")])
+        );
+        for bad in [
+            vec!["app"],
+            vec!["/"],
+            vec!["/usr/local/app"],
+            vec!["/etc"],
+            vec!["/work/x"],
+            vec!["/a/../etc"],
+            vec!["/app", "/app/sub"],
+        ] {
+            let dirs: Vec<PathBuf> = bad.iter().map(PathBuf::from).collect();
+            assert!(checked_writable_dirs(&dirs).is_err(), "{bad:?} accepted");
+        }
     }
 
     #[test]

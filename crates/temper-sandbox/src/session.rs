@@ -132,6 +132,20 @@ impl Session {
         env: &BTreeMap<String, String>,
         timeout: Duration,
     ) -> Result<ExecResult, SandboxError> {
+        self.exec_with_files(command, cwd, env, timeout, BTreeMap::new())
+    }
+
+    /// [`Session::exec`] after writing `files` (paths relative to `/work`)
+    /// in the same round trip: an upload and the command that uses it cost
+    /// one call.
+    pub fn exec_with_files(
+        &self,
+        command: &str,
+        cwd: Option<&str>,
+        env: &BTreeMap<String, String>,
+        timeout: Duration,
+        files: BTreeMap<String, Vec<u8>>,
+    ) -> Result<ExecResult, SandboxError> {
         let mut script = String::new();
         for (k, v) in self.config.env.iter().chain(env) {
             if !valid_env_name(k) {
@@ -155,6 +169,7 @@ impl Session {
         let mut req = ExecRequest::new(Language::Bash, script);
         req.timeout = timeout;
         req.memory_limit_mb = self.config.memory_mb;
+        req.files = files;
         self.call(&req)
     }
 

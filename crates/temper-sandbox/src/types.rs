@@ -162,6 +162,16 @@ pub struct SandboxConfig {
     /// Host uid/gid the sandbox user maps to when we run as root (with
     /// `CAP_SETUID`); unprivileged callers always map to themselves.
     pub host_uid_when_root: u32,
+    /// Extra writable directories at absolute paths (a task's `/app`,
+    /// `/logs`, `/tests`): each a size-capped tmpfs of `limits.tmpfs_mb`
+    /// owned by the sandbox user, created in the new root like `/work`.
+    /// They may not be `/` nor lie on or under a system directory,
+    /// `/proc`, `/dev`, `/work`, `/tmp` or `/code`.
+    pub writable_dirs: Vec<PathBuf>,
+    /// Share the host's network namespace instead of a private one with
+    /// loopback only (a task that needs the internet, when its operator
+    /// opts in). Every other namespace, limit and filter stays.
+    pub host_network: bool,
 }
 
 impl Default for SandboxConfig {
@@ -172,6 +182,8 @@ impl Default for SandboxConfig {
             bash: None,
             extra_ro_binds: Vec::new(),
             host_uid_when_root: 65534,
+            writable_dirs: Vec::new(),
+            host_network: false,
         }
     }
 }

@@ -142,12 +142,39 @@ while True:
     pidfd = os.pidfd_open(pid)
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
-    if not poller.poll(timeout_ms):
-        timed_out = 1
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    # The host sends nothing during a run: the socket turning readable
+    # means it closed (the host process died, e.g. SIGKILL). Then the run
+    # must not live on until its timeout: kill everything and leave.
+    poller.register(sock.fileno(), select.POLLIN)
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+        left = deadline - time.monotonic()
+        events = poller.poll(max(0, int(left * 1000) + 1)) if left > 0 else []
+        if any(fd == pidfd for fd, _ in events):
+            break
+        if events:
+            try:
+                peek = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                peek = None
+            except OSError:
+                peek = b""
+            if peek == b"":
+                for _ in range(1000):
+                    try:
+                        os.kill(-1, signal.SIGKILL)
+                    except ProcessLookupError:
+                        break
+                os._exit(0)
+            poller.unregister(sock.fileno())
+            continue
+        if time.monotonic() >= deadline:
+            timed_out = 1
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            break
     os.close(pidfd)
     while True:
         try:

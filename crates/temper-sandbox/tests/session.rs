@@ -105,3 +105,41 @@ fn sessions_expire_and_are_reclaimed() {
     assert!(sessions.list().is_empty());
     assert_eq!(children(), 0, "session sandboxes left running");
 }
+
+#[test]
+fn writable_dirs_and_files_sent_with_a_command() {
+    let _serial = serial();
+    let Some(probe) = usable_sandbox("writable_dirs") else {
+        return;
+    };
+    drop(probe);
+    let config = temper_sandbox::SandboxConfig {
+        writable_dirs: vec!["/app".into(), "/logs/verifier".into()],
+        ..temper_sandbox::SandboxConfig::default()
+    };
+    let sb = Arc::new(Sandbox::new(config).expect("sandbox"));
+    let s = Session::new(sb, SessionConfig::default()).expect("session");
+    let none = BTreeMap::new();
+    let files = BTreeMap::from([("in/data.txt".to_string(), b"payload".to_vec())]);
+    let r = s
+        .exec_with_files(
+            "cp in/data.txt /app/ && echo 1 > /logs/verifier/r",
+            None,
+            &none,
+            T,
+            files,
+        )
+        .expect("exec");
+    assert_eq!(r.return_code, Some(0), "{}", r.stderr);
+    // The extra directories keep their files across commands; the rest of
+    // the root stays read-only.
+    let r = s
+        .exec(
+            "cat /app/data.txt /logs/verifier/r; touch /opt-x 2>/dev/null || echo ro",
+            None,
+            &none,
+            T,
+        )
+        .expect("exec");
+    assert_eq!(r.stdout, "payload1\nro\n");
+}

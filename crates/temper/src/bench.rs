@@ -32,6 +32,9 @@ pub enum BenchCommand {
     /// Push and pull latency and throughput of a 10 MB environment through
     /// the hub's HTTP API (an in-process hub on loopback).
     Hub(crate::hub_cmd::BenchHubArgs),
+    /// Harbor-task trial overhead (sandbox session ready -> verifier done)
+    /// and trials/s on a trivial task with the oracle agent.
+    Tasks(crate::tasks_cmd::BenchTasksArgs),
 }
 
 /// Arguments of `temper bench model`.
@@ -74,6 +77,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Serve(a) => crate::bench_serve::run(a),
         BenchCommand::Hub(a) => crate::hub_cmd::bench(a),
         BenchCommand::Kernels(a) => crate::bench_kernels::run(a),
+        BenchCommand::Tasks(a) => crate::tasks_cmd::bench(a),
     }
 }
 

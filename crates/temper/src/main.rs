@@ -14,6 +14,7 @@ mod hub_cmd;
 mod init;
 mod sandbox;
 mod serve;
+mod tasks_cmd;
 mod train;
 mod view;
 
@@ -73,6 +74,9 @@ enum Command {
     GenerateSft(train::GenerateSftArgs),
     /// Export a run or adapter: merged HF directory, PEFT adapter, or GGUF.
     Export(export::ExportArgs),
+    /// Harbor-format agentic tasks in temper's sandbox: run, resume, exec.
+    #[command(subcommand)]
+    Tasks(tasks_cmd::TasksCommand),
 }
 
 fn main() -> ExitCode {
@@ -107,6 +111,7 @@ fn main() -> ExitCode {
         Command::Api(cmd) => api::run(cmd),
         Command::Serve(args) => serve::run(args),
         Command::Export(args) => export::run(args),
+        Command::Tasks(cmd) => tasks_cmd::run(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,2 @@
+#!/bin/bash
+{ echo "$GREETING" | rev; cat /app/data/seed.txt; } > /app/out/reversed.txt
