@@ -70,7 +70,7 @@ struct CausalAttention {
 
 /// `Σ a_i b_i` in a fixed order: 8 lane sums, then the lanes pairwise
 /// (also `matmul_nt`'s portable path).
-#[inline]
+#[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let ca = a.chunks_exact(8);
@@ -87,7 +87,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
-#[inline]
+#[inline(always)]
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
@@ -113,8 +113,51 @@ impl Dims {
     }
 }
 
-/// One query row: output into `o`, returns the log-sum-exp.
-fn row_forward(
+/// Whether to run the AVX2 copies of the row loops below. They are the same
+/// Rust code compiled with 256-bit vectors: Rust never fuses a multiply and
+/// an add on its own, so each copy performs the same f32 operations in the
+/// same order and gives the same bits — only faster.
+fn use_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVX2.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `$name(args)` dispatching to a baseline or an AVX2 compilation of the
+/// same `#[inline(always)]` body `$body`.
+macro_rules! twice_compiled {
+    ($(#[$doc:meta])* fn $name:ident / $body:ident ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
+        $(#[$doc])*
+        #[allow(clippy::too_many_arguments)]
+        fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn wide($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                if use_avx2() {
+                    // SAFETY: the CPU has AVX2 (checked at run time).
+                    return unsafe { wide($($arg),*) };
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+
+twice_compiled! {
+    /// One query row: output into `o`, returns the log-sum-exp.
+    fn row_forward / row_forward_body(d: &Dims, q: &[f32], k: &[f32], v: &[f32], h: usize, i: usize, o: &mut [f32]) -> f32
+}
+
+#[inline(always)]
+fn row_forward_body(
     d: &Dims,
     q: &[f32],
     k: &[f32],
@@ -151,6 +194,70 @@ fn row_forward(
     let inv = 1.0 / l;
     o.iter_mut().for_each(|x| *x *= inv);
     m + l.ln()
+}
+
+/// What the backward's row loops read.
+struct Bwd<'a> {
+    d: &'a Dims,
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    /// Upstream gradient of the output.
+    go: &'a [f32],
+    lse: &'a [f32],
+    /// `D_r = dO_r · O_r`.
+    dsum: &'a [f32],
+}
+
+impl Bwd<'_> {
+    /// For (row r, key j): `(p, p·(dO_r·v_j − D_r))`, `p = exp(s − lse_r)`.
+    #[inline(always)]
+    fn ds(&self, r: usize, j: usize) -> (f32, f32) {
+        let (d, hd) = (self.d, self.d.hd);
+        let h = r / d.lq;
+        let kj = d.kv(h, j);
+        let s = dot(&self.q[r * hd..(r + 1) * hd], &self.k[kj..kj + hd]) * d.scale;
+        let p = (s - self.lse[r]).exp();
+        let dp = dot(&self.go[r * hd..(r + 1) * hd], &self.v[kj..kj + hd]);
+        (p, p * (dp - self.dsum[r]))
+    }
+}
+
+twice_compiled! {
+    /// `dQ` of one query row.
+    fn dq_row / dq_row_body(b: &Bwd<'_>, r: usize, dqr: &mut [f32])
+}
+
+#[inline(always)]
+fn dq_row_body(b: &Bwd<'_>, r: usize, dqr: &mut [f32]) {
+    let (d, hd) = (b.d, b.d.hd);
+    let (h, i) = (r / d.lq, r % d.lq);
+    for j in 0..=d.pos(i) {
+        let (_, g) = b.ds(r, j);
+        let kj = d.kv(h, j);
+        axpy(dqr, g * d.scale, &b.k[kj..kj + hd]);
+    }
+}
+
+twice_compiled! {
+    /// `dK` and `dV` of one key row.
+    fn dkv_row / dkv_row_body(b: &Bwd<'_>, kr: usize, dkr: &mut [f32], dvr: &mut [f32])
+}
+
+#[inline(always)]
+fn dkv_row_body(b: &Bwd<'_>, kr: usize, dkr: &mut [f32], dvr: &mut [f32]) {
+    let (d, hd) = (b.d, b.d.hd);
+    let (g, j) = (kr / d.lk, kr % d.lk);
+    // Queries that see key j: absolute position ≥ j.
+    let first = j.saturating_sub(d.lk - d.lq);
+    for h in g * d.groups..(g + 1) * d.groups {
+        for i in first..d.lq {
+            let r = h * d.lq + i;
+            let (p, gs) = b.ds(r, j);
+            axpy(dvr, p, &b.go[r * hd..(r + 1) * hd]);
+            axpy(dkr, gs * d.scale, &b.q[r * hd..(r + 1) * hd]);
+        }
+    }
 }
 
 impl CustomOp3 for CausalAttention {
@@ -239,46 +346,27 @@ impl CustomOp3 for CausalAttention {
             flat(res)?,
             flat(&grad.contiguous()?)?,
         );
-        let scale = self.scale;
-        // D_r = dO_r · O_r.
-        let dsum: Vec<f32> = (0..nh * lq)
-            .map(|r| dot(&go[r * hd..(r + 1) * hd], &ov[r * hd..(r + 1) * hd]))
-            .collect();
-        // ds for (row r, key j): p (dO_r·v_j − D_r), p = exp(s − lse_r).
-        let ds = |r: usize, j: usize| -> (f32, f32) {
-            let h = r / lq;
-            let qr = &qv[r * hd..(r + 1) * hd];
-            let s = dot(qr, &kv[d.kv(h, j)..d.kv(h, j) + hd]) * scale;
-            let p = (s - lse[r]).exp();
-            let dp = dot(&go[r * hd..(r + 1) * hd], &vv[d.kv(h, j)..d.kv(h, j) + hd]);
-            (p, p * (dp - dsum[r]))
+        let b = Bwd {
+            d: &d,
+            q: &qv,
+            k: &kv,
+            v: &vv,
+            go: &go,
+            lse: &lse,
+            dsum: &(0..nh * lq)
+                .map(|r| dot(&go[r * hd..(r + 1) * hd], &ov[r * hd..(r + 1) * hd]))
+                .collect::<Vec<f32>>(),
         };
         let mut dq = vec![0f32; nh * lq * hd];
-        dq.par_chunks_mut(hd).enumerate().for_each(|(r, dqr)| {
-            let (h, i) = (r / lq, r % lq);
-            for j in 0..=d.pos(i) {
-                let (_, g) = ds(r, j);
-                axpy(dqr, g * scale, &kv[d.kv(h, j)..d.kv(h, j) + hd]);
-            }
-        });
+        dq.par_chunks_mut(hd)
+            .enumerate()
+            .for_each(|(r, dqr)| dq_row(&b, r, dqr));
         let mut dk = vec![0f32; nkv * lk * hd];
         let mut dv = vec![0f32; nkv * lk * hd];
         dk.par_chunks_mut(hd)
             .zip(dv.par_chunks_mut(hd))
             .enumerate()
-            .for_each(|(kr, (dkr, dvr))| {
-                let (g, j) = (kr / lk, kr % lk);
-                // Queries that see key j: absolute position ≥ j.
-                let first = j.saturating_sub(lk - lq);
-                for h in g * d.groups..(g + 1) * d.groups {
-                    for i in first..lq {
-                        let r = h * lq + i;
-                        let (p, gs) = ds(r, j);
-                        axpy(dvr, p, &go[r * hd..(r + 1) * hd]);
-                        axpy(dkr, gs * scale, &qv[r * hd..(r + 1) * hd]);
-                    }
-                }
-            });
+            .for_each(|(kr, (dkr, dvr))| dkv_row(&b, kr, dkr, dvr));
         let dev = q.device();
         Ok((
             Some(Tensor::from_vec(dq, (nh, lq, hd), dev)?),
@@ -498,6 +586,67 @@ mod tests {
         let one = run(1);
         assert_eq!(one, run(2));
         assert_eq!(one, run(3));
+    }
+
+    /// The AVX2 copies of the row loops give the baseline copies' bits.
+    #[test]
+    fn wide_and_baseline_compilations_agree_bit_for_bit() {
+        let (lq, lk) = (40, 70);
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let q = flat(rand((NH, lq, HD), 21));
+        let k = flat(rand((NKV, lk, HD), 22));
+        let v = flat(rand((NKV, lk, HD), 23));
+        let go = flat(rand((NH, lq, HD), 24));
+        let d = Dims {
+            scale: 0.3,
+            lq,
+            hd: HD,
+            lk,
+            groups: NH / NKV,
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let (mut o1, mut o2) = (vec![0f32; HD], vec![0f32; HD]);
+        let mut lse = Vec::new();
+        for r in 0..NH * lq {
+            let (h, i) = (r / lq, r % lq);
+            let qr = &q[r * HD..(r + 1) * HD];
+            // `row_forward` dispatches (AVX2 here when the CPU has it); the
+            // body called directly is this test's baseline compilation.
+            let a = row_forward(&d, qr, &k, &v, h, i, &mut o1);
+            let b = row_forward_body(&d, qr, &k, &v, h, i, &mut o2);
+            assert_eq!(
+                (a.to_bits(), bits(&o1)),
+                (b.to_bits(), bits(&o2)),
+                "row {r}"
+            );
+            lse.push(a);
+        }
+        let b = Bwd {
+            d: &d,
+            q: &q,
+            k: &k,
+            v: &v,
+            go: &go,
+            lse: &lse,
+            dsum: &vec![0.1; NH * lq],
+        };
+        for r in 0..NH * lq {
+            let (mut x, mut y) = (vec![0f32; HD], vec![0f32; HD]);
+            dq_row(&b, r, &mut x);
+            dq_row_body(&b, r, &mut y);
+            assert_eq!(bits(&x), bits(&y), "dq row {r}");
+        }
+        for kr in 0..NKV * lk {
+            let (mut x1, mut x2) = (vec![0f32; HD], vec![0f32; HD]);
+            let (mut y1, mut y2) = (vec![0f32; HD], vec![0f32; HD]);
+            dkv_row(&b, kr, &mut x1, &mut y1);
+            dkv_row_body(&b, kr, &mut x2, &mut y2);
+            assert_eq!(
+                (bits(&x1), bits(&y1)),
+                (bits(&x2), bits(&y2)),
+                "dk/dv row {kr}"
+            );
+        }
     }
 
     #[test]
