@@ -23,6 +23,8 @@ pub(super) struct Prepared {
     pub(super) version: u64,
     pub(super) top_logprobs: usize,
     pub(super) logprobs: bool,
+    /// Set when the request belongs to an episode (token capture).
+    pub(super) capture: Option<super::capture::CaptureCtx>,
 }
 
 impl Prepared {
@@ -126,6 +128,7 @@ pub(super) fn prepare(
         version,
         top_logprobs: 0,
         logprobs: false,
+        capture: None,
     })
 }
 
