@@ -238,4 +238,39 @@ mod tests {
         assert_ne!(Episode::new("http://h/v1", None).expect("e").id, e.id);
         assert!(Episode::new("https://api.example.com/openai", None).is_err());
     }
+
+    #[test]
+    fn steps_are_filled_only_when_calls_and_model_steps_correspond() {
+        use crate::atif::{Agent, Step};
+        let agent = Agent {
+            name: "x".into(),
+            version: "1".into(),
+            model_name: None,
+            tool_definitions: None,
+            extra: None,
+        };
+        let rec = |seq: u64| {
+            json!({"seq": seq, "version": 3, "prompt_token_ids": [1, 2], "completion_token_ids": [7],
+                   "logprobs": [-0.25], "sampling": {"temperature": 0.5}})
+        };
+        let mut t = Trajectory::new("s", agent, "task");
+        for _ in 0..2 {
+            let mut s = Step::new("agent", "answer");
+            s.model_name = Some("m".into());
+            t.push(s);
+        }
+        // An exec step without a model call is not a model-call step.
+        t.push(Step::new("agent", ""));
+        assert!(!fill_steps(&mut t, &[rec(0)]), "2 model steps, 1 call");
+        assert!(t.steps.iter().all(|s| s.metrics.is_none()));
+        assert!(fill_steps(&mut t, &[rec(0), rec(1)]));
+        let m = t.steps[2].metrics.as_ref().expect("filled");
+        assert_eq!(m.prompt_token_ids, Some(vec![1, 2]));
+        assert_eq!(m.completion_token_ids, Some(vec![7]));
+        assert_eq!(m.logprobs, Some(vec![-0.25]));
+        let extra = m.extra.as_ref().expect("extra");
+        assert_eq!(extra["policy_version"], 3);
+        assert_eq!(extra["episode_seq"], 1);
+        assert!(t.steps[3].metrics.is_none());
+    }
 }
