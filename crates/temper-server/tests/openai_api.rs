@@ -1366,3 +1366,50 @@ async fn episode_routes_need_the_api_key() {
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["records"].as_array().map(Vec::len), Some(1));
 }
+
+/// Concurrent calls of several episodes, batched together by the
+/// scheduler: each episode holds exactly its own calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_episodes_do_not_mix() {
+    let (_, s) = server();
+    let r = app(s);
+    let mut calls = Vec::new();
+    for i in 0..12 {
+        let r = r.clone();
+        calls.push(tokio::spawn(async move {
+            let ep = format!("ep-{}", i % 3);
+            let (status, v) = request(
+                &r,
+                "POST",
+                &format!("/episodes/{ep}/v1/chat/completions"),
+                &[],
+                Some(json!({"model": MODEL, "max_tokens": 4, "seed": i,
+                            "messages": [{"role": "user", "content": format!("call {i}")}]})),
+            )
+            .await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+        }));
+    }
+    for c in calls {
+        c.await.expect("call");
+    }
+    for e in 0..3 {
+        let (status, v) = request(&r, "GET", &format!("/v1/episodes/ep-{e}"), &[], None).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let recs = v["records"].as_array().expect("records");
+        let mut seen: Vec<u64> = recs
+            .iter()
+            .map(|rec| {
+                assert_eq!(rec["episode"], format!("ep-{e}"));
+                let content = rec["messages"][0]["content"].as_str().expect("content");
+                let i: u64 = content["call ".len()..].parse().expect("call number");
+                assert_eq!(i % 3, e, "a call of another episode: {content}");
+                i
+            })
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..12).filter(|i| i % 3 == e).collect::<Vec<u64>>());
+        let seqs: Vec<u64> = recs.iter().filter_map(|r| r["seq"].as_u64()).collect();
+        assert_eq!(seqs, vec![0, 1, 2, 3]);
+    }
+}
