@@ -163,9 +163,9 @@ pub(super) async fn chat_completions(
         None,
         "messages",
     )?;
+    p.capture = episode.chat(&req.messages, req.tools.as_ref());
     p.logprobs = logprobs;
     p.top_logprobs = top;
-    p.capture = episode.chat(&req.messages, req.tools.as_ref());
     let stream = req.stream.unwrap_or(false);
     let rx = submit(&s, &p, stream)?;
     let id = s.request_id("chatcmpl");

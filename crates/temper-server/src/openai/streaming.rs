@@ -320,6 +320,7 @@ mod tests {
         let s = state();
         let (_tx, rx) = unbounded_channel();
         let p = Prepared {
+            capture: None,
             prompts: vec![vec![1, 2]],
             sampling: Sampling {
                 params: SamplingParams::default(),
@@ -330,7 +331,6 @@ mod tests {
             version: 0,
             top_logprobs: 0,
             logprobs: false,
-            capture: None,
         };
         let mut st = StreamState {
             s,
