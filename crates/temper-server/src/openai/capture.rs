@@ -326,7 +326,9 @@ impl CaptureStore {
         let st = &mut *st;
         if !st.episodes.contains_key(&rec.episode) {
             while st.episodes.len() >= self.limits.max_episodes.max(1) {
-                evict_oldest(st);
+                if !evict_oldest(st) {
+                    break;
+                }
             }
             st.order.push_back(rec.episode.clone());
         }
@@ -342,7 +344,9 @@ impl CaptureStore {
         // one's oldest records (counted, so the gap is visible).
         while st.bytes > self.limits.max_bytes {
             if st.order.len() > 1 && st.order.front() != Some(&rec.episode) {
-                evict_oldest(st);
+                if !evict_oldest(st) {
+                    break;
+                }
                 continue;
             }
             if st.order.len() > 1 {
@@ -391,14 +395,17 @@ impl CaptureStore {
     }
 }
 
-fn evict_oldest(st: &mut Store) {
-    if let Some(old) = st.order.pop_front() {
-        if let Some(ep) = st.episodes.remove(&old) {
-            st.bytes -= ep.bytes;
-            tracing::warn!(episode = %old, records = ep.records.len(),
-                "capture store full: dropped the oldest episode");
-        }
+/// Drops the oldest episode; false when there is none.
+fn evict_oldest(st: &mut Store) -> bool {
+    let Some(old) = st.order.pop_front() else {
+        return false;
+    };
+    if let Some(ep) = st.episodes.remove(&old) {
+        st.bytes -= ep.bytes;
+        tracing::warn!(episode = %old, records = ep.records.len(),
+            "capture store full: dropped the oldest episode");
     }
+    true
 }
 
 /// 404 in OpenAI's error shape (the generic `NotFound` says
