@@ -11,6 +11,11 @@
 //!   `{"command": "...", "timeout_sec": 30}` runs the command with bash in
 //!   the trial's sandbox (in `$TEMPER_WORKDIR`) and answers
 //!   `{"stdout", "stderr", "exit_code", "status"}`;
+//! - with token capture on (`capture`, `temper tasks run --capture`),
+//!   `OPENAI_BASE_URL` is a fresh episode's base URL on the `temper serve`
+//!   endpoint (`http://host:port/episodes/<id>/v1`, id also in
+//!   `$TEMPER_EPISODE`): its calls are recorded there and land in
+//!   `agent/tokens.jsonl`;
 //! - `TEMPER_TRAJECTORY_FILE`: where it may write its own ATIF trajectory
 //!   (otherwise the trajectory records its exec calls).
 //!
@@ -33,6 +38,7 @@ use temper_sandbox::ExecStatus;
 
 use crate::agent::{failure_of, render_output, Agent, AgentContext, AgentFailure, AgentOutcome};
 use crate::atif::{Observation, ObservationResult, Step, ToolCall, Trajectory};
+use crate::capture::Episode;
 
 /// The agent.
 pub struct CommandAgent {
@@ -44,6 +50,10 @@ pub struct CommandAgent {
     pub model: Option<String>,
     /// Key for `OPENAI_API_KEY`.
     pub api_key: Option<String>,
+    /// Token capture: `OPENAI_BASE_URL` is a fresh episode's base URL on
+    /// the `temper serve` at `base_url`, and its records land in
+    /// `agent/tokens.jsonl`.
+    pub capture: bool,
     /// Runs the exec endpoint.
     pub runtime: tokio::runtime::Handle,
 }
@@ -171,7 +181,28 @@ impl Agent for CommandAgent {
             .stdin(Stdio::piped())
             .stdout(log("command-stdout.txt"))
             .stderr(log("command-stderr.txt"));
-        if let Some(url) = &self.base_url {
+        let episode = match (&self.base_url, self.capture) {
+            (Some(url), true) => match Episode::new(url, self.api_key.clone()) {
+                Ok(e) => Some(e),
+                Err(e) => {
+                    server.abort();
+                    return done(traj, metadata, fail("AgentSetupError", e.to_string()));
+                }
+            },
+            (None, true) => {
+                server.abort();
+                return done(
+                    traj,
+                    metadata,
+                    fail("AgentSetupError", "token capture needs --base-url".into()),
+                );
+            }
+            (_, false) => None,
+        };
+        if let Some(e) = &episode {
+            cmd.env("OPENAI_BASE_URL", e.base_url());
+            cmd.env("TEMPER_EPISODE", &e.id);
+        } else if let Some(url) = &self.base_url {
             cmd.env("OPENAI_BASE_URL", url);
         }
         if let Some(m) = &self.model {
@@ -283,6 +314,9 @@ impl Agent for CommandAgent {
             traj = own;
         } else {
             traj.finish();
+        }
+        if let Some(e) = &episode {
+            crate::capture::finish(e, &self.runtime, ctx.logs_dir, &mut traj, &mut metadata);
         }
         done(traj, metadata, failure)
     }

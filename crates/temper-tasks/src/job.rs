@@ -61,6 +61,10 @@ pub struct AgentSpec {
     /// `terminal`: sampling temperature.
     #[serde(default)]
     pub temperature: Option<f64>,
+    /// `terminal`, `command`: record every model call of each trial at the
+    /// token level (the endpoint must be `temper serve`); see [`crate::capture`].
+    #[serde(default)]
+    pub capture: bool,
 }
 
 /// One planned trial.

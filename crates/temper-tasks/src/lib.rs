@@ -41,6 +41,7 @@
 
 pub mod agent;
 pub mod atif;
+pub mod capture;
 pub mod command;
 pub mod dockerfile;
 pub mod env;
@@ -48,6 +49,7 @@ mod error;
 pub mod job;
 pub mod task;
 pub mod terminal;
+pub mod traces;
 pub mod trial;
 
 pub use agent::{Agent, AgentContext, AgentOutcome, Nop, Oracle};
@@ -83,6 +85,7 @@ pub fn build_agent(
             base_url: spec.base_url.clone(),
             model: spec.model.clone(),
             api_key,
+            capture: spec.capture,
             runtime: runtime.clone(),
         })),
         other => Err(TaskError::Invalid(format!(

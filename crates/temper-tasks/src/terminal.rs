@@ -23,6 +23,7 @@ use crate::agent::{
     failure_of, render_output, sandbox_failure, Agent, AgentContext, AgentFailure, AgentOutcome,
 };
 use crate::atif::{Metrics, Observation, ObservationResult, Step, ToolCall, Trajectory};
+use crate::capture::Episode;
 use crate::job::AgentSpec;
 use crate::TaskError;
 
@@ -50,6 +51,10 @@ pub struct TerminalConfig {
     pub command_timeout: Duration,
     /// Bytes of a command's output shown to the model (head and tail kept).
     pub max_output_bytes: usize,
+    /// Token capture: each trial calls a fresh episode's base URL on the
+    /// `temper serve` at `base_url`; its records land in
+    /// `agent/tokens.jsonl` and fill the steps' token slots.
+    pub capture: bool,
 }
 
 impl TerminalConfig {
@@ -72,6 +77,7 @@ impl TerminalConfig {
             temperature: spec.temperature.unwrap_or(0.7),
             command_timeout: Duration::from_secs(120),
             max_output_bytes: 8192,
+            capture: spec.capture,
         })
     }
 }
@@ -94,14 +100,8 @@ impl std::fmt::Debug for Terminal {
 impl Terminal {
     /// An agent calling `config.base_url`; model calls run on `runtime`.
     pub fn new(config: TerminalConfig, runtime: tokio::runtime::Handle) -> Result<Self, TaskError> {
-        let mut model =
-            OpenAiChatModel::new(&config.base_url, &config.model, config.api_key.clone())
-                .map_err(|e| TaskError::Invalid(format!("endpoint {}: {e}", config.base_url)))?;
-        model.retry = RetryPolicy {
-            max_retries: 2,
-            ..RetryPolicy::default()
-        };
-        Ok(Self::with_model(config, Arc::new(model), runtime))
+        let model = http_model(&config, &config.base_url)?;
+        Ok(Self::with_model(config, model, runtime))
     }
 
     /// An agent on any [`ChatModel`] (an in-process sampler, for RL);
@@ -117,6 +117,17 @@ impl Terminal {
             runtime,
         }
     }
+}
+
+/// The OpenAI client of `config` at `base_url`.
+fn http_model(config: &TerminalConfig, base_url: &str) -> Result<Arc<dyn ChatModel>, TaskError> {
+    let mut model = OpenAiChatModel::new(base_url, &config.model, config.api_key.clone())
+        .map_err(|e| TaskError::Invalid(format!("endpoint {base_url}: {e}")))?;
+    model.retry = RetryPolicy {
+        max_retries: 2,
+        ..RetryPolicy::default()
+    };
+    Ok(Arc::new(model))
 }
 
 /// The system prompt.
@@ -197,6 +208,22 @@ impl Agent for Terminal {
     fn run(&self, ctx: &AgentContext<'_>) -> AgentOutcome {
         let c = &self.config;
         let mut traj = Trajectory::new(ctx.trial_name, self.atif_agent(), &ctx.task.instruction);
+        // Token capture: this trial's calls go to a fresh episode's URL.
+        let episode = match c
+            .capture
+            .then(|| Episode::new(&c.base_url, c.api_key.clone()))
+        {
+            None => None,
+            Some(Ok(e)) => Some(e),
+            Some(Err(e)) => return setup_failure(traj, e),
+        };
+        let model = match &episode {
+            None => self.model.clone(),
+            Some(e) => match http_model(c, &e.base_url()) {
+                Ok(m) => m,
+                Err(e) => return setup_failure(traj, e),
+            },
+        };
         let system = system_prompt(&ctx.env.workdir, c.command_timeout);
         let mut messages = vec![
             Message::system(system),
@@ -236,7 +263,7 @@ impl Agent for Terminal {
             // The timer must be created inside the runtime.
             let call = self
                 .runtime
-                .block_on(async { tokio::time::timeout(left, self.model.chat(req)).await });
+                .block_on(async { tokio::time::timeout(left, model.chat(req)).await });
             let turn = match call {
                 Err(_) => {
                     stop_reason = "timeout";
@@ -327,6 +354,9 @@ impl Agent for Terminal {
         let mut metadata = Map::new();
         metadata.insert("turns".into(), json!(turns));
         metadata.insert("stop_reason".into(), json!(stop_reason));
+        if let Some(e) = &episode {
+            crate::capture::finish(e, &self.runtime, ctx.logs_dir, &mut traj, &mut metadata);
+        }
         let _ = std::fs::write(
             ctx.logs_dir.join("messages.json"),
             serde_json::to_string_pretty(&messages).unwrap_or_default(),
@@ -338,6 +368,21 @@ impl Agent for Terminal {
             metadata,
             failure,
         }
+    }
+}
+
+fn setup_failure(mut traj: Trajectory, e: TaskError) -> AgentOutcome {
+    traj.finish();
+    AgentOutcome {
+        trajectory: traj,
+        n_input_tokens: None,
+        n_output_tokens: None,
+        metadata: Map::new(),
+        failure: Some(AgentFailure {
+            kind: "AgentSetupError".into(),
+            message: e.to_string(),
+            env_alive: true,
+        }),
     }
 }
 

@@ -15,6 +15,7 @@ mod init;
 mod sandbox;
 mod serve;
 mod tasks_cmd;
+mod traces_cmd;
 mod train;
 mod view;
 
@@ -77,6 +78,9 @@ enum Command {
     /// Harbor-format agentic tasks in temper's sandbox: run, resume, exec.
     #[command(subcommand)]
     Tasks(tasks_cmd::TasksCommand),
+    /// Agent traces of task jobs: export successful trials as SFT data.
+    #[command(subcommand)]
+    Traces(traces_cmd::TracesCommand),
 }
 
 fn main() -> ExitCode {
@@ -112,6 +116,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve::run(args),
         Command::Export(args) => export::run(args),
         Command::Tasks(cmd) => tasks_cmd::run(cmd),
+        Command::Traces(cmd) => traces_cmd::run(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -38,6 +38,11 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/*.
     #[arg(long)]
     api_key: Option<String>,
+    /// Memory for token capture (calls under /episodes/ID/v1 or with
+    /// X-Temper-Episode, read back at GET /v1/episodes/ID), in MiB; the
+    /// oldest episodes are dropped beyond it.
+    #[arg(long, default_value_t = 512)]
+    capture_max_mib: usize,
     /// Most sequences decoded at once (default 256).
     #[arg(long)]
     max_running: Option<usize>,
@@ -89,6 +94,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     let mut cfg = ServeConfig::defaults(name.clone(), &model);
     cfg.api_key = args.api_key.clone();
+    cfg.capture.max_bytes = args.capture_max_mib.saturating_mul(1 << 20);
     for root in &args.lora_roots {
         std::fs::create_dir_all(root)
             .with_context(|| format!("creating --lora-root {}", root.display()))?;

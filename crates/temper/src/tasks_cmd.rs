@@ -70,6 +70,11 @@ pub struct RunArgs {
     /// terminal: sampling temperature [default: 0.7].
     #[arg(long)]
     temperature: Option<f64>,
+    /// terminal, command: record every model call at the token level on the
+    /// `temper serve` at --base-url (a fresh episode per trial; records in
+    /// each trial's agent/tokens.jsonl).
+    #[arg(long)]
+    capture: bool,
     /// Multiply every task's [agent] timeout_sec.
     #[arg(long)]
     agent_timeout_multiplier: Option<f64>,
@@ -137,7 +142,11 @@ fn run_tasks(a: RunArgs) -> Result<()> {
         max_total_tokens: a.max_total_tokens,
         max_tokens_per_turn: a.max_tokens,
         temperature: a.temperature,
+        capture: a.capture,
     };
+    if a.capture && !matches!(a.agent.as_str(), "terminal" | "command") {
+        bail!("--capture needs a model-backed agent (-a terminal or -a command)");
+    }
     let key = api_key(a.api_key_var.as_deref())?;
     let rt = runtime()?;
     // Build the agent first: a bad flag fails before a job dir exists.

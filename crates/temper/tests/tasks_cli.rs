@@ -232,3 +232,268 @@ fn a_command_agent_acts_through_temper_tasks_exec() {
         std::fs::read_to_string(trial.join("agent/command-stdout.txt")).expect("program stdout");
     assert_eq!(stdout.trim(), "/app");
 }
+
+/// A fixture whose chat template renders earlier turns as they were
+/// generated (Qwen2.5's). Qwen3's renders the last assistant turn with an
+/// empty think block but earlier ones without, so `temper train sft`'s
+/// loader (which trains every assistant turn) refuses multi-turn
+/// conversations under it: a limitation of the SFT loader, not of the data.
+fn fixture_model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen2")
+}
+
+fn read_jsonl(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+fn trial_dirs(job: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(job)
+        .expect("job dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    v.sort();
+    v
+}
+
+/// What `temper train sft` does with a chat-jsonl file: read it with its
+/// loader and tokenize every conversation with the model's chat template
+/// (assistant turns located for the loss mask).
+fn sft_loader_accepts(path: &Path) -> usize {
+    let m = temper_model::Pretrained::load(&fixture_model(), &Default::default())
+        .expect("fixture model");
+    let tmpl = m.chat_template.as_ref().expect("chat template");
+    let convs = temper_rl::sft::read_conversations(path).expect("the SFT loader reads it");
+    for c in &convs {
+        let ex = temper_rl::sft::tokenize_chat(tmpl, &m.tokenizer, c, 4096)
+            .expect("the SFT tokenizer accepts it");
+        assert!(
+            ex.mask.iter().any(|&b| b),
+            "an assistant token is trained on"
+        );
+    }
+    convs.len()
+}
+
+/// `temper traces export` on oracle and nop jobs: only trials at or above
+/// --min-reward become rows; chat-jsonl is what the SFT loader reads,
+/// ShareGPT has human / gpt / function_call / observation turns.
+#[test]
+fn traces_export_turns_successful_trials_into_sft_data() {
+    if !sandbox_usable("traces_export_turns_successful_trials_into_sft_data") {
+        return;
+    }
+    let jobs = tempfile::tempdir().expect("tempdir");
+    let jobs_dir = jobs.path().to_string_lossy().into_owned();
+    let task = examples().join("hello-file");
+    for (agent, name) in [("oracle", "good"), ("nop", "bad")] {
+        let o = temper(&[
+            "tasks",
+            "run",
+            &task.to_string_lossy(),
+            "-a",
+            agent,
+            "-n",
+            "2",
+            "--jobs-dir",
+            &jobs_dir,
+            "--job-name",
+            name,
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    let export = |job: &str, format: &str| -> (std::process::Output, PathBuf) {
+        let out = jobs.path().join(format!("{job}-{format}.jsonl"));
+        let o = temper(&[
+            "traces",
+            "export",
+            &jobs.path().join(job).to_string_lossy(),
+            "--min-reward",
+            "1",
+            "--format",
+            format,
+            "--out",
+            &out.to_string_lossy(),
+        ]);
+        (o, out)
+    };
+    let (o, path) = export("good", "chat-jsonl");
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("exported 2 of 2 trials"), "{}", text(&o));
+    let rows = read_jsonl(&path);
+    assert_eq!(rows.len(), 2);
+    let instruction = std::fs::read_to_string(task.join("instruction.md")).expect("instruction");
+    for r in &rows {
+        assert_eq!(r["reward"], 1.0);
+        assert_eq!(r["task"], "hello-file");
+        let m = r["messages"].as_array().expect("messages");
+        assert_eq!(m[0]["role"], "user");
+        assert_eq!(m[0]["content"].as_str(), Some(instruction.as_str()));
+        assert_eq!(m[1]["role"], "assistant");
+        assert_eq!(
+            m[1]["tool_calls"][0]["function"]["arguments"],
+            "{\"command\":\"bash /solution/solve.sh\"}"
+        );
+        assert_eq!(m[2]["role"], "tool");
+    }
+    assert_eq!(sft_loader_accepts(&path), 2);
+
+    let (o, path) = export("good", "sharegpt");
+    assert!(o.status.success(), "{}", text(&o));
+    let rows = read_jsonl(&path);
+    let froms: Vec<&str> = rows[0]["conversations"]
+        .as_array()
+        .expect("conversations")
+        .iter()
+        .filter_map(|t| t["from"].as_str())
+        .collect();
+    assert_eq!(froms, ["human", "function_call", "observation"]);
+
+    // Nothing of the failing job passes the bar.
+    let (o, path) = export("bad", "chat-jsonl");
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("exported 0 of 2 trials (2 below"),
+        "{}",
+        text(&o)
+    );
+    assert!(read_jsonl(&path).is_empty());
+    let (o, _) = export("good", "csv");
+    assert!(!o.status.success());
+    assert!(text(&o).contains("unknown format"), "{}", text(&o));
+}
+
+/// `temper serve` on the fixture model, on a free port; its base URL.
+struct Served(std::process::Child, String);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve() -> Served {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_temper"))
+        .args([
+            "serve",
+            "--model",
+            &fixture_model().to_string_lossy(),
+            "--served-model-name",
+            "tiny",
+            "--port",
+            "0",
+            "--max-model-len",
+            "2048",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("temper serve");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(i) = line.find("listening on http://") {
+                let _ = tx.send(line[i + "listening on ".len()..].trim().to_string());
+            }
+        }
+    });
+    let url = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("temper serve prints its address");
+    Served(child, url)
+}
+
+/// The terminal agent with --capture against `temper serve`: each model
+/// call of the trial is in agent/tokens.jsonl, the trajectory's agent steps
+/// carry the same token ids, logprobs and policy version, and the captured
+/// conversation exports to chat-jsonl the SFT loader accepts.
+#[test]
+fn terminal_agent_calls_are_captured_and_exported() {
+    if !sandbox_usable("terminal_agent_calls_are_captured_and_exported") {
+        return;
+    }
+    let server = serve();
+    let jobs = tempfile::tempdir().expect("tempdir");
+    let task = examples().join("hello-file");
+    let o = temper(&[
+        "tasks",
+        "run",
+        &task.to_string_lossy(),
+        "-a",
+        "terminal",
+        "--capture",
+        "-m",
+        "tiny",
+        "-b",
+        &format!("{}/v1", server.1),
+        "--max-turns",
+        "2",
+        "--max-tokens",
+        "5",
+        "--jobs-dir",
+        &jobs.path().to_string_lossy(),
+        "--job-name",
+        "cap",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let job = jobs.path().join("cap");
+    let trial = trial_dirs(&job).pop().expect("a trial");
+    let records = read_jsonl(&trial.join("agent/tokens.jsonl"));
+    assert_eq!(records.len(), 2, "two turns, two calls");
+    let traj: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(trial.join("agent/trajectory.json")).expect("trajectory"),
+    )
+    .expect("json");
+    let steps: Vec<&serde_json::Value> = traj["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .filter(|s| s["source"] == "agent")
+        .collect();
+    assert_eq!(steps.len(), 2);
+    for (i, (s, r)) in steps.iter().zip(&records).enumerate() {
+        assert_eq!(r["seq"], i);
+        assert_eq!(r["endpoint"], "chat.completions");
+        let m = &s["metrics"];
+        assert_eq!(m["prompt_token_ids"], r["prompt_token_ids"]);
+        assert_eq!(m["completion_token_ids"], r["completion_token_ids"]);
+        assert_eq!(m["logprobs"], r["logprobs"]);
+        assert_eq!(m["extra"]["policy_version"], 0);
+        assert_eq!(
+            m["completion_tokens"].as_u64(),
+            r["completion_token_ids"].as_array().map(|a| a.len() as u64)
+        );
+        assert_eq!(s["message"], r["response"]["content"]);
+    }
+    let result: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(trial.join("result.json")).expect("result"))
+            .expect("json");
+    assert_eq!(result["agent_result"]["metadata"]["captured_calls"], 2);
+
+    let out = jobs.path().join("sft.jsonl");
+    let o = temper(&[
+        "traces",
+        "export",
+        &job.to_string_lossy(),
+        "--min-reward",
+        "0",
+        "--out",
+        &out.to_string_lossy(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let rows = read_jsonl(&out);
+    assert_eq!(rows.len(), 1);
+    let last = &records[1];
+    let mut want = last["messages"].as_array().expect("messages").clone();
+    want.push(last["response"].clone());
+    assert_eq!(rows[0]["messages"], serde_json::Value::Array(want));
+    assert_eq!(sft_loader_accepts(&out), 1);
+}

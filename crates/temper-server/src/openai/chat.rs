@@ -12,7 +12,8 @@ use serde_json::{json, Value};
 use super::error::OpenAiError;
 use super::protocol::{max_tokens_field, parse_body, top_logprobs_field, ChatRequest};
 
-use super::jobs::{collect, prepare, score, submit};
+use super::capture::{self, EpisodeTag};
+use super::jobs::{collect, prepare, submit};
 use super::response::{chat_logprobs, usage};
 use super::state::{now_secs, OpenAiState};
 use super::streaming::{sse, StreamKind};
@@ -134,6 +135,7 @@ fn normalize_message(i: usize, m: &Value) -> Result<Value, OpenAiError> {
 
 pub(super) async fn chat_completions(
     State(s): State<OpenAiState>,
+    episode: EpisodeTag,
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
     let started = Instant::now();
@@ -161,6 +163,7 @@ pub(super) async fn chat_completions(
         None,
         "messages",
     )?;
+    p.capture = episode.chat(&req.messages, req.tools.as_ref());
     p.logprobs = logprobs;
     p.top_logprobs = top;
     let stream = req.stream.unwrap_or(false);
@@ -183,22 +186,13 @@ pub(super) async fn chat_completions(
     let mut completion_tokens = 0;
     for f in done {
         completion_tokens += f.tokens.len();
-        let lp = if p.logprobs {
-            let r = score(
-                &s,
-                p.adapter.clone(),
-                p.prompts[0].clone(),
-                f.tokens.clone(),
-                p.sampling.params.temperature,
-                p.top_logprobs,
-                false,
-            )
-            .await?;
-            chat_logprobs(&s, &f.tokens, &r)
-        } else {
-            Value::Null
+        let scores = capture::score_choice(&s, &p, &f, false).await?;
+        let lp = match &scores {
+            Some(r) if p.logprobs => chat_logprobs(&s, &f.tokens, r),
+            _ => Value::Null,
         };
         let (message, finish) = chat_message(&f, tools.parse, &id);
+        capture::record(&s, &p, &id, &f, finish, scores.as_ref(), message.clone())?;
         choices.push(
             json!({"index": f.index, "message": message, "logprobs": lp, "finish_reason": finish}),
         );

@@ -14,13 +14,15 @@ use super::protocol::{
     max_tokens_field, parse_body, top_logprobs_field, CompletionRequest, PromptInput,
 };
 
-use super::jobs::{collect, prepare, score, submit};
+use super::capture::{self, EpisodeTag};
+use super::jobs::{collect, prepare, submit};
 use super::response::{completion_logprobs, usage, TokenEntry};
 use super::state::{now_secs, OpenAiState};
 use super::streaming::{sse, StreamKind};
 
 pub(super) async fn completions(
     State(s): State<OpenAiState>,
+    episode: EpisodeTag,
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
     let started = Instant::now();
@@ -74,6 +76,7 @@ pub(super) async fn completions(
     )?;
     p.logprobs = req.logprobs.is_some();
     p.top_logprobs = top;
+    p.capture = episode.completion();
     let echo = req.echo.unwrap_or(false);
     let stream = req.stream.unwrap_or(false);
     if stream && echo {
@@ -113,17 +116,17 @@ pub(super) async fn completions(
         } else {
             String::new()
         };
-        let lp = if p.logprobs {
-            let r = score(
-                &s,
-                p.adapter.clone(),
-                prompt.clone(),
-                f.tokens.clone(),
-                p.sampling.params.temperature,
-                top,
-                echo,
-            )
-            .await?;
+        let scores = capture::score_choice(&s, &p, &f, echo && p.logprobs).await?;
+        capture::record(
+            &s,
+            &p,
+            &id,
+            &f,
+            f.finish_reason.as_str(),
+            scores.as_ref(),
+            json!({"text": f.text}),
+        )?;
+        let lp = if let (true, Some(r)) = (p.logprobs, scores) {
             let entries: Vec<TokenEntry> = if echo {
                 std::iter::once(None)
                     .chain(r.logprobs.iter().zip(r.top).map(|(&l, t)| Some((l, t))))

@@ -16,6 +16,8 @@ use crate::scheduler::{Event, Finished, Job, LoadedAdapter, SubmitError};
 
 /// A request ready for the scheduler.
 pub(super) struct Prepared {
+    /// Set when the request belongs to an episode (token capture).
+    pub(super) capture: Option<super::capture::CaptureCtx>,
     pub(super) prompts: Vec<Vec<u32>>,
     pub(super) sampling: Sampling,
     pub(super) adapter: Option<Arc<LoadedAdapter>>,
@@ -119,6 +121,7 @@ pub(super) fn prepare(
         None => (s.inner.cfg.model_name.clone(), 0),
     };
     Ok(Prepared {
+        capture: None,
         prompts,
         sampling,
         adapter,

@@ -23,9 +23,10 @@
 //! `chat`, `completions` and `generate` (one endpoint each), `adapters`
 //! (`/v1/models` and LoRA load / unload), `streaming` (server-sent events),
 //! `response` (logprobs and usage), `protocol` (request types), `tools` and
-//! `error`. This file holds the router and its middleware.
+//! `error`, `capture` (token capture per episode, `/v1/episodes`). This file holds the router and its middleware.
 
 mod adapters;
+pub mod capture;
 mod chat;
 mod completions;
 mod error;
@@ -63,6 +64,17 @@ pub fn app(state: OpenAiState) -> Router {
         .route("/v1/generate", post(generate))
         .route("/v1/load_lora_adapter", post(load_lora))
         .route("/v1/unload_lora_adapter", post(unload_lora))
+        .route(
+            "/v1/episodes/{id}",
+            get(capture::get_episode).delete(capture::delete_episode),
+        )
+        // Per-episode base URLs (token capture): the same handlers, tagged.
+        .route("/episodes/{episode}/v1/models", get(list_models))
+        .route(
+            "/episodes/{episode}/v1/chat/completions",
+            post(chat_completions),
+        )
+        .route("/episodes/{episode}/v1/completions", post(completions))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/health", get(health))

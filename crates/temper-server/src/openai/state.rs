@@ -9,6 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use temper_model::{LoraAdapter, Pretrained};
 
+use super::capture::{CaptureLimits, CaptureStore};
 use super::error::OpenAiError;
 use super::protocol::SamplingDefaults;
 
@@ -27,6 +28,8 @@ pub struct ServeConfig {
     /// Directories `POST /v1/load_lora_adapter` may load adapters from
     /// (canonical paths); empty: loading at run time is off.
     pub lora_roots: Vec<PathBuf>,
+    /// Bounds of the token-capture store (`/v1/episodes`).
+    pub capture: CaptureLimits,
 }
 
 impl ServeConfig {
@@ -46,6 +49,7 @@ impl ServeConfig {
             model_name: model_name.into(),
             api_key: None,
             lora_roots: Vec::new(),
+            capture: CaptureLimits::default(),
             scheduler: SchedulerConfig {
                 max_running: 256,
                 kv_budget_tokens,
@@ -71,6 +75,7 @@ pub(super) struct Inner {
     /// Load counts per name; kept across unloads so versions never repeat.
     versions: Mutex<HashMap<String, u64>>,
     pub(super) metrics: Arc<Metrics>,
+    pub(super) captures: CaptureStore,
     pub(super) defaults: SamplingDefaults,
     pub(super) created: u64,
     next_id: AtomicU64,
@@ -110,6 +115,7 @@ impl OpenAiState {
                 adapters: RwLock::new(HashMap::new()),
                 versions: Mutex::new(HashMap::new()),
                 metrics,
+                captures: CaptureStore::new(cfg.capture),
                 defaults,
                 created: now_secs(),
                 next_id: AtomicU64::new(start & 0xffff_ffff_ffff),

@@ -13,8 +13,9 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::error::OpenAiError;
 
+use super::capture;
 use super::chat::chat_message;
-use super::jobs::{score, Prepared};
+use super::jobs::Prepared;
 use super::response::{chat_logprobs, completion_logprobs, usage};
 use super::state::{now_secs, OpenAiState};
 use super::tools;
@@ -131,17 +132,25 @@ impl StreamState {
                 }
                 self.left -= 1;
                 self.completion_tokens += f.tokens.len();
-                let lp = if self.p.logprobs {
-                    let r = score(
+                let scores = capture::score_choice(&self.s, &self.p, &f, false).await?;
+                if self.p.capture.is_some() {
+                    let (response, finish) = match self.kind {
+                        StreamKind::Chat { tools } => chat_message(&f, tools, &self.id),
+                        StreamKind::Completion => {
+                            (json!({"text": f.text}), f.finish_reason.as_str())
+                        }
+                    };
+                    capture::record(
                         &self.s,
-                        self.p.adapter.clone(),
-                        self.p.prompts[i / self.p.sampling.n].clone(),
-                        f.tokens.clone(),
-                        self.p.sampling.params.temperature,
-                        self.p.top_logprobs,
-                        false,
-                    )
-                    .await?;
+                        &self.p,
+                        &self.id,
+                        &f,
+                        finish,
+                        scores.as_ref(),
+                        response,
+                    )?;
+                }
+                let lp = if let (true, Some(r)) = (self.p.logprobs, scores) {
                     match self.kind {
                         StreamKind::Chat { .. } => chat_logprobs(&self.s, &f.tokens, &r),
                         StreamKind::Completion => {
@@ -311,6 +320,7 @@ mod tests {
         let s = state();
         let (_tx, rx) = unbounded_channel();
         let p = Prepared {
+            capture: None,
             prompts: vec![vec![1, 2]],
             sampling: Sampling {
                 params: SamplingParams::default(),
