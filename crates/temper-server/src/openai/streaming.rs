@@ -321,6 +321,7 @@ mod tests {
             version: 0,
             top_logprobs: 0,
             logprobs: false,
+            grammar: None,
         };
         let mut st = StreamState {
             s,
