@@ -301,6 +301,40 @@ mod tests {
         assert!(!m.allows(995), "EOS inside an object");
     }
 
+    /// The GGUF path: SmolLM2's tokenizer as built from GGUF metadata backs
+    /// a mask over its 49,152 tokens (CI sets `TEMPER_SMOLLM2_GGUF`).
+    #[test]
+    fn smollm2_gguf_tokenizer_backs_a_mask() {
+        let Some(path) = std::env::var_os("TEMPER_SMOLLM2_GGUF") else {
+            eprintln!("SKIPPED: set TEMPER_SMOLLM2_GGUF (scripts/fetch_smollm2.sh)");
+            return;
+        };
+        let tok = temper_model::GgufFile::open(std::path::Path::new(&path))
+            .and_then(|f| f.tokenizer())
+            .expect("GGUF tokenizer");
+        let eos = tok.token_id("<|im_end|>").expect("<|im_end|>");
+        let started = std::time::Instant::now();
+        let c = GrammarCompiler::new(&tok, 49152, &[eos]).expect("compiler");
+        let built = started.elapsed();
+        let schema = json!({"type": "object", "additionalProperties": false,
+            "required": ["category", "urgent"],
+            "properties": {"category": {"enum": ["billing", "bug"]}, "urgent": {"type": "boolean"}}});
+        let mut g = c.compile(&Constraint::JsonSchema(schema)).expect("compile");
+        let doc = tok
+            .encode("{\"category\": \"billing\", \"urgent\": false}", false)
+            .expect("encode");
+        let started = std::time::Instant::now();
+        for &t in &doc {
+            assert!(g.mask().expect("mask").allows(t as usize), "token {t}");
+            g.advance(t).expect("advance");
+        }
+        let per_mask = started.elapsed() / doc.len() as u32;
+        let m = g.mask().expect("mask");
+        assert_eq!((0..49152).filter(|&i| m.allows(i)).count(), 1);
+        assert!(m.allows(eos as usize));
+        eprintln!("SmolLM2: token env built in {built:?}; {per_mask:?} per mask + advance");
+    }
+
     #[test]
     fn unsupported_keywords_and_bad_schemas_are_compile_errors() {
         let (_, c) = compiler();
