@@ -600,7 +600,10 @@ mod tests {
         }
         assert_eq!(counts[0], 0, "{counts:?}");
         // 4 : 2 : 2 over what is left.
-        assert!((counts[1] as f64 / 20_000.0 - 0.5).abs() < 0.02, "{counts:?}");
+        assert!(
+            (counts[1] as f64 / 20_000.0 - 0.5).abs() < 0.02,
+            "{counts:?}"
+        );
         let greedy = SamplingParams {
             temperature: 0.0,
             ..Default::default()

@@ -160,7 +160,11 @@ impl GrammarCompiler {
             let id = bytes.len();
             bytes.push(special_name(id));
         }
-        let eos: Vec<TokenId> = eos.iter().copied().filter(|&t| (t as usize) < size).collect();
+        let eos: Vec<TokenId> = eos
+            .iter()
+            .copied()
+            .filter(|&t| (t as usize) < size)
+            .collect();
         let Some(&first) = eos.first() else {
             return Err(unavailable(
                 "the model has no EOS token to end a constrained sample".into(),

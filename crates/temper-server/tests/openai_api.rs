@@ -1189,14 +1189,20 @@ async fn constrained_logprobs_are_the_unmasked_models() {
     let (a0, b0) = (first(&a), first(&b));
     assert_eq!(a0["top_logprobs"], b0["top_logprobs"]);
     let b_token = b0["token"].as_str().expect("token");
-    assert!(b_token.starts_with('{'), "the schema's first token: {b_token:?}");
+    assert!(
+        b_token.starts_with('{'),
+        "the schema's first token: {b_token:?}"
+    );
     let forbidden = b0["top_logprobs"]
         .as_array()
         .expect("top")
         .iter()
         .filter(|e| !e["token"].as_str().unwrap_or("").starts_with('{'))
         .count();
-    assert!(forbidden > 0, "the unmasked top-20 has tokens the mask forbids");
+    assert!(
+        forbidden > 0,
+        "the unmasked top-20 has tokens the mask forbids"
+    );
     // The chosen token's logprob is below 0 even where the mask left one
     // choice: it is the model's, not the mask's.
     assert!(b0["logprob"].as_f64().expect("logprob") < 0.0);
@@ -1223,7 +1229,10 @@ async fn forced_tool_calls_are_valid_calls() {
         {"type": "function", "function": {"name": "add", "parameters": add}},
     ]);
     let validators: HashMap<&str, jsonschema::Validator> = [
-        ("get_weather", jsonschema::validator_for(&weather).expect("schema")),
+        (
+            "get_weather",
+            jsonschema::validator_for(&weather).expect("schema"),
+        ),
         ("add", jsonschema::validator_for(&add).expect("schema")),
     ]
     .into_iter()
@@ -1291,7 +1300,11 @@ async fn constrained_streaming_matches_and_length_cuts() {
         let c = &whole["choices"][i];
         assert_eq!(text[i], c["message"]["content"].as_str().expect("content"));
         assert_eq!(finish[i], "stop");
-        assert!(serde_json::from_str::<Value>(&text[i]).is_ok(), "{}", text[i]);
+        assert!(
+            serde_json::from_str::<Value>(&text[i]).is_ok(),
+            "{}",
+            text[i]
+        );
     }
     let mut short = body;
     short["max_tokens"] = json!(5);
@@ -1310,8 +1323,10 @@ async fn constrained_streaming_matches_and_length_cuts() {
 async fn structured_output_errors_name_the_problem() {
     let (_, s) = server();
     let r = app(s);
-    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
-    let schema = |s: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": s}});
+    let tools =
+        json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let schema =
+        |s: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": s}});
     let cases = [
         (
             json!({"response_format": schema(json!({"type": "array", "uniqueItems": true}))}),
@@ -1333,10 +1348,7 @@ async fn structured_output_errors_name_the_problem() {
             json!({"response_format": schema(json!({"type": "object", "x-guidance": {}}))}),
             "x-guidance",
         ),
-        (
-            json!({"tool_choice": "required"}),
-            "needs `tools`",
-        ),
+        (json!({"tool_choice": "required"}), "needs `tools`"),
         (
             json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}}),
             "not in `tools`",
@@ -1357,7 +1369,12 @@ async fn structured_output_errors_name_the_problem() {
         assert!(msg.contains(needle), "{extra}: {msg:?} lacks {needle:?}");
     }
     // The server still answers after every refusal.
-    let (st, _) = post(&r, "/v1/chat/completions", chat_body(json!({"max_tokens": 2}))).await;
+    let (st, _) = post(
+        &r,
+        "/v1/chat/completions",
+        chat_body(json!({"max_tokens": 2})),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK);
 }
 

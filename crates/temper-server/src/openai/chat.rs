@@ -32,7 +32,9 @@ struct ToolMode {
 fn unknown_key(obj: &Map<String, Value>, known: &[&str], what: &str) -> Result<(), OpenAiError> {
     match obj.keys().find(|k| !known.contains(&k.as_str())) {
         Some(k) => Err(OpenAiError::BadRequest {
-            message: format!("unsupported field `{k}` in {what}: this server does not implement it"),
+            message: format!(
+                "unsupported field `{k}` in {what}: this server does not implement it"
+            ),
             param: Some(what.to_string()),
             code: Some("unsupported_field"),
         }),
@@ -97,7 +99,11 @@ fn tool_call_schema(i: usize, tool: &Value) -> Result<(String, Value), OpenAiErr
         .get("function")
         .filter(|_| tool.get("type").and_then(Value::as_str) == Some("function"))
         .and_then(Value::as_object)
-        .ok_or_else(|| bad(format!("tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")))?;
+        .ok_or_else(|| {
+            bad(format!(
+                "tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}"
+            ))
+        })?;
     let name = f
         .get("name")
         .and_then(Value::as_str)
@@ -156,7 +162,9 @@ fn tool_choice_mode(
         return Ok((true, None));
     };
     let Some(tools) = tools.filter(|t| !t.is_empty()) else {
-        return Err(bad("tool_choice \"required\" or a named function needs `tools`".into()));
+        return Err(bad(
+            "tool_choice \"required\" or a named function needs `tools`".into(),
+        ));
     };
     let mut schemas = Vec::new();
     for (i, t) in tools.iter().enumerate() {
@@ -167,7 +175,9 @@ fn tool_choice_mode(
     }
     let schema = match (forced, schemas.len()) {
         (Some(name), 0) => {
-            return Err(bad(format!("tool_choice names {name:?}, which is not in `tools`")))
+            return Err(bad(format!(
+                "tool_choice names {name:?}, which is not in `tools`"
+            )))
         }
         (_, 1) => schemas.remove(0),
         _ => json!({"anyOf": schemas}),

@@ -118,12 +118,19 @@ mod tests {
     #[test]
     fn arguments_are_passed_on_as_written() {
         let one = |body: &str| parse(&format!("<tool_call>{body}</tool_call>")).1;
-        let calls = one("{\"name\": \"add\", \"arguments\": {\"a\": -0, \"b\": 12345678901234567890123}}");
-        assert_eq!(calls[0].arguments, "{\"a\": -0, \"b\": 12345678901234567890123}");
+        let calls =
+            one("{\"name\": \"add\", \"arguments\": {\"a\": -0, \"b\": 12345678901234567890123}}");
+        assert_eq!(
+            calls[0].arguments,
+            "{\"a\": -0, \"b\": 12345678901234567890123}"
+        );
         // A JSON-string encoding, `parameters`, and none at all.
         let calls = one("{\"name\": \"f\", \"arguments\": \"{\\\"x\\\": 1}\"}");
         assert_eq!(calls[0].arguments, "{\"x\": 1}");
-        assert_eq!(one("{\"name\": \"f\", \"parameters\": [1]}")[0].arguments, "[1]");
+        assert_eq!(
+            one("{\"name\": \"f\", \"parameters\": [1]}")[0].arguments,
+            "[1]"
+        );
         assert_eq!(one("{\"name\": \"f\"}")[0].arguments, "{}");
         assert!(one("{\"name\": 3}").is_empty());
     }
