@@ -339,6 +339,44 @@ mod tests {
         eprintln!("SmolLM2: token env built in {built:?}; {per_mask:?} per mask + advance");
     }
 
+    /// Hostile schemas compile or fail with an error — none panics, aborts
+    /// or runs away (the server compiles what any client sends). 60 levels
+    /// is about the deepest a request body can carry (serde_json stops
+    /// parsing at 128).
+    #[test]
+    fn hostile_schemas_fail_cleanly() {
+        let (_, c) = compiler();
+        let deep = (0..60).fold(
+            json!({"type": "integer"}),
+            |v, _| json!({"type": "array", "items": v, "maxItems": 1}),
+        );
+        let many: Vec<String> = (0..5000).map(|i| format!("v{i}")).collect();
+        let cases = [
+            deep,
+            json!({"type": "object", "properties": {"next": {"$ref": "#"}}}),
+            json!({"type": "string", "pattern": "^(a+)+$"}),
+            json!({"type": "string", "minLength": 1_000_000_000u64}),
+            json!({"type": "string", "minLength": 5, "maxLength": 2}),
+            json!({"type": "string", "maxLength": -1}),
+            json!({"type": "nonsense"}),
+            json!({"type": "integer", "minimum": 1e308, "maximum": -1e308}),
+            json!({"enum": many}),
+            json!({"anyOf": []}),
+            json!({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
+        ];
+        for schema in cases {
+            let shown = schema.to_string();
+            let started = std::time::Instant::now();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                c.compile(&Constraint::JsonSchema(schema))
+                    .map(|mut g| g.mask().map(|_| ()))
+            }));
+            let took = started.elapsed();
+            assert!(r.is_ok(), "panicked on {:.80}", shown);
+            assert!(took.as_secs() < 10, "{took:?} on {:.80}", shown);
+        }
+    }
+
     #[test]
     fn unsupported_keywords_and_bad_schemas_are_compile_errors() {
         let (_, c) = compiler();
