@@ -1210,7 +1210,8 @@ async fn constrained_logprobs_are_the_unmasked_models() {
 
 /// tool_choice "required" (two tools) and a named function: every sample
 /// at temperature 1 is one tool call to an offered (or the named) function
-/// with arguments valid under its parameters schema.
+/// with arguments valid under its parameters schema; streamed, the same
+/// calls arrive in the last chunks and no content leaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn forced_tool_calls_are_valid_calls() {
     // The tiny vocabulary spells the tool schemas in ~480 prompt tokens.
@@ -1260,6 +1261,39 @@ async fn forced_tool_calls_are_valid_calls() {
             let validator = validators.get(name).expect("an offered function");
             assert!(validator.is_valid(&args), "{name}({args}) is invalid");
         }
+    }
+    // Streamed: no content leaks, and the last chunk carries the same call.
+    let body = chat_body(json!({"tools": tools, "tool_choice": "required", "n": 2}));
+    let (_, whole) = post(&r, "/v1/chat/completions", body.clone()).await;
+    let mut sbody = body;
+    sbody["stream"] = json!(true);
+    let req = Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(sbody.to_string()))
+        .expect("req");
+    let (status, bytes) = send(&r, req).await;
+    assert_eq!(status, StatusCode::OK);
+    let mut calls = [Value::Null, Value::Null];
+    for e in sse_payloads(&bytes)
+        .iter()
+        .filter(|e| e.as_str() != "[DONE]")
+    {
+        let v: Value = serde_json::from_str(e).expect("chunk json");
+        for c in v["choices"].as_array().expect("choices") {
+            let i = c["index"].as_u64().expect("index") as usize;
+            let content = c["delta"]["content"].as_str().unwrap_or("");
+            assert!(content.is_empty(), "content leaked: {content:?}");
+            if !c["finish_reason"].is_null() {
+                assert_eq!(c["finish_reason"], "tool_calls");
+                calls[i] = c["delta"]["tool_calls"][0]["function"].clone();
+            }
+        }
+    }
+    for (i, call) in calls.iter().enumerate() {
+        assert_eq!(
+            call,
+            &whole["choices"][i]["message"]["tool_calls"][0]["function"]
+        );
     }
 }
 
