@@ -5,8 +5,9 @@ Run: python tests/python/test_openai_gguf.py --gguf PATH [--temper target/debug/
 
 Greedy chat answers must equal transformers' greedy continuations recorded in
 fixtures/smollm2/refs.json (scripts/make_smollm2_refs.py), streamed and not;
-structured outputs on a real model: a Pydantic schema at temperature 1 (every
-sample finishes and validates) and greedy json_object; prints `openai-gguf: N passed, M failed` and exits non-zero on any failure.
+structured outputs on a real model: a Pydantic schema at temperature 1 (both
+samples finish and validate; the many-sample checks run on the fixture model
+in test_openai_server.py, a debug build decodes SmolLM2 slowly) and greedy json_object; prints `openai-gguf: N passed, M failed` and exits non-zero on any failure.
 """
 
 import argparse
@@ -59,12 +60,12 @@ def structured(client):
     class Ticket(pydantic.BaseModel):
         category: Literal["billing", "bug", "account", "other"]
         urgent: bool
-        summary: str = pydantic.Field(max_length=60)
+        summary: str = pydantic.Field(max_length=30)
 
     email = [{"role": "user", "content": "Classify this support email: 'I was charged twice "
               "for my subscription this month, please refund me today!'"}]
     r = client.chat.completions.parse(model=MODEL, messages=email, response_format=Ticket,
-                                      temperature=1.0, n=4, seed=0, max_tokens=60)
+                                      temperature=1.0, n=2, seed=0, max_tokens=48)
     for c in r.choices:
         assert c.finish_reason == "stop", c
         Ticket.model_validate_json(c.message.content, strict=True)
