@@ -1402,6 +1402,17 @@ async fn structured_output_errors_name_the_problem() {
         let msg = v["error"]["message"].as_str().expect("message");
         assert!(msg.contains(needle), "{extra}: {msg:?} lacks {needle:?}");
     }
+    // RL's route never samples under a grammar (its logprobs must be
+    // on-policy): a response_format there is refused, not ignored.
+    let (st, v) = post(
+        &r,
+        "/v1/generate",
+        json!({"model": MODEL, "prompt_token_ids": [1, 2], "response_format": {"type": "json_object"}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    let msg = v["error"]["message"].as_str().expect("message");
+    assert!(msg.contains("unsupported field `response_format`"), "{msg}");
     // The server still answers after every refusal.
     let (st, _) = post(
         &r,
