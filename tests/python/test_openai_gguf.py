@@ -5,7 +5,9 @@ Run: python tests/python/test_openai_gguf.py --gguf PATH [--temper target/debug/
 
 Greedy chat answers must equal transformers' greedy continuations recorded in
 fixtures/smollm2/refs.json (scripts/make_smollm2_refs.py), streamed and not;
-prints `openai-gguf: N passed, M failed` and exits non-zero on any failure.
+structured outputs on a real model: a Pydantic schema at temperature 1 (both
+samples finish and validate; the many-sample checks run on the fixture model
+in test_openai_server.py, a debug build decodes SmolLM2 slowly) and greedy json_object; prints `openai-gguf: N passed, M failed` and exits non-zero on any failure.
 """
 
 import argparse
@@ -17,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Literal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REFS = os.path.join(ROOT, "fixtures", "smollm2", "refs.json")
@@ -48,6 +51,34 @@ def start_server(binary, gguf):
         proc.kill()
         raise RuntimeError("server did not print its address:\n" + "".join(lines))
     return proc, box["url"]
+
+
+def structured(client):
+    """Structured outputs on SmolLM2; returns the number of checks passed."""
+    import pydantic
+
+    class Ticket(pydantic.BaseModel):
+        category: Literal["billing", "bug", "account", "other"]
+        urgent: bool
+        summary: str = pydantic.Field(max_length=30)
+
+    email = [{"role": "user", "content": "Classify this support email: 'I was charged twice "
+              "for my subscription this month, please refund me today!'"}]
+    r = client.chat.completions.parse(model=MODEL, messages=email, response_format=Ticket,
+                                      temperature=1.0, n=2, seed=0, max_tokens=48)
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        Ticket.model_validate_json(c.message.content, strict=True)
+    print(f"structured: {r.choices[0].message.content}")
+    r = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=48, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Reply with a JSON object whose only key is "
+                   "\"city\", set to the capital of France."}])
+    c = r.choices[0]
+    assert c.finish_reason == "stop", c
+    assert isinstance(json.loads(c.message.content), dict), c.message.content
+    print(f"json_object: {c.message.content}")
+    return 2
 
 
 def main():
@@ -88,6 +119,7 @@ def main():
                 failed += 1
                 print(f"FAIL streamed chat: {text!r} != {want!r}")
         print(f"answer: {refs['chats'][0]['messages'][-1]['content']!r} -> {refs['chats'][0]['greedy_text']!r}")
+        passed += structured(client)
     except Exception:
         traceback.print_exc()
         failed += 1

@@ -4,8 +4,10 @@ Run: python tests/python/test_openai_server.py [--temper target/debug/temper]
 Needs `pip install -r tests/python/requirements-openai.txt` (see .ci/run).
 Starts `temper serve --port 0` (waiting for the address it prints), drives it
 through the client — chat, completions, streaming, n > 1, logprobs /
-top_logprobs, seeds, tools, LoRA hot-swap, the token-in/token-out route and
-every error class — and prints `openai-client: N passed, M failed`; exits
+top_logprobs, seeds, tools, LoRA hot-swap, the token-in/token-out route,
+structured outputs (response_format json_object / json_schema through
+Pydantic models, tool_choice "required" / named, each validated over many
+samples at temperature 1) and every error class — and prints `openai-client: N passed, M failed`; exits
 non-zero on any failure.
 """
 
@@ -20,6 +22,7 @@ import time
 import traceback
 import urllib.error
 import urllib.request
+from typing import List, Literal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_DIR = os.path.join(ROOT, "fixtures", "models", "tiny-qwen3")
@@ -28,11 +31,11 @@ API_KEY = "sk-temper-test"
 MODEL = "tiny"
 
 
-def start_server(binary, *extra):
+def start_server(binary, *extra, max_model_len=512):
     """Start `temper serve` on a free port; return (process, base URL)."""
     proc = subprocess.Popen(
         [binary, "serve", "--model", MODEL_DIR, "--served-model-name", MODEL,
-         "--host", "127.0.0.1", "--port", "0", "--max-model-len", "512",
+         "--host", "127.0.0.1", "--port", "0", "--max-model-len", str(max_model_len),
          "--lora-root", os.path.dirname(ADAPTER_DIR), *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines = []
@@ -71,10 +74,13 @@ def main():
     ap.add_argument("--temper", default=os.path.join(ROOT, "target", "debug", "temper"))
     args = ap.parse_args()
     import openai
+    import pydantic  # installed with openai
 
     server, url = start_server(args.temper, "--api-key", API_KEY,
                                "--lora", f"pol={ADAPTER_DIR}")
     busy, busy_url = start_server(args.temper, "--max-queue", "0")
+    # The tiny vocabulary spells two tool schemas in ~590 prompt tokens.
+    wide, wide_url = start_server(args.temper, max_model_len=2048)
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
     results = []
 
@@ -208,6 +214,115 @@ def main():
         assert r.choices[0].message.role == "assistant"
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
+    def expect(exc, fn, needle):
+        try:
+            fn()
+        except exc as e:
+            assert needle in str(e), (needle, str(e))
+            return e
+        raise AssertionError(f"expected {exc.__name__}")
+
+    # Structured outputs: the fixture model is random, so only the mask makes
+    # these outputs valid. Every field is bounded, so a valid answer is finite.
+    class Ticket(pydantic.BaseModel):
+        category: Literal["billing", "bug", "other"]
+        urgent: bool
+        summary: str = pydantic.Field(max_length=12)
+        priority: int = pydantic.Field(ge=1, le=5)
+        tags: List[Literal["a", "b"]] = pydantic.Field(max_length=2)
+
+    class GetWeather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=10)
+        unit: Literal["celsius", "fahrenheit"]
+
+    class Add(pydantic.BaseModel):
+        a: int = pydantic.Field(ge=-99, le=99)
+        b: int = pydantic.Field(ge=-99, le=99)
+
+    ticket = [{"role": "user", "content": "Support email: 'I was charged twice!' Classify it."}]
+
+    @check("structured: json_schema via parse(Pydantic, strict): 32 samples at T=1 all validate")
+    def _():
+        for seed in range(4):
+            r = client.chat.completions.parse(model=MODEL, messages=ticket, response_format=Ticket,
+                                              n=8, temperature=1.0, seed=seed, max_tokens=160)
+            assert len(r.choices) == 8
+            for c in r.choices:
+                # parse() raises on finish_reason "length"; "stop" = a complete document.
+                assert c.finish_reason == "stop", c
+                assert isinstance(c.message.parsed, Ticket), c.message
+                Ticket.model_validate_json(c.message.content, strict=True)
+        greedy = client.chat.completions.parse(model=MODEL, messages=ticket,
+                                               response_format=Ticket, temperature=0,
+                                               max_tokens=160)
+        assert isinstance(greedy.choices[0].message.parsed, Ticket)
+
+    @check("structured: json_object: of 16 samples at T=1, each that stops is a JSON object")
+    def _():
+        # Free-form keys and strings: a random model may not close them within
+        # max_tokens (SmolLM2 must: test_openai_gguf.py).
+        r = client.chat.completions.create(model=MODEL, messages=ticket, n=16, temperature=1.0,
+                                           seed=5, max_tokens=256,
+                                           response_format={"type": "json_object"})
+        stopped = 0
+        for c in r.choices:
+            assert c.message.content.startswith("{"), c
+            assert c.finish_reason in ("stop", "length"), c
+            if c.finish_reason == "stop":
+                stopped += 1
+                assert isinstance(json.loads(c.message.content), dict), c.message.content
+        assert stopped > 0, r
+
+    @check("structured: streaming a schema gives the non-streamed documents; length cuts")
+    def _():
+        fmt = openai.lib._pydantic.to_strict_json_schema(Ticket)
+        kw = dict(model=MODEL, messages=ticket, n=2, temperature=1.0, seed=9, max_tokens=160,
+                  response_format={"type": "json_schema",
+                                   "json_schema": {"name": "Ticket", "schema": fmt,
+                                                   "strict": True}})
+        whole = client.chat.completions.create(**kw)
+        text, finish = ["", ""], [None, None]
+        for ch in client.chat.completions.create(**kw, stream=True):
+            for c in ch.choices:
+                text[c.index] += c.delta.content or ""
+                if c.finish_reason:
+                    finish[c.index] = c.finish_reason
+        assert text == [c.message.content for c in whole.choices], (text, whole)
+        assert finish == ["stop", "stop"], finish
+        for t in text:
+            Ticket.model_validate_json(t, strict=True)
+        kw["max_tokens"] = 4
+        cut = client.chat.completions.create(**kw)
+        assert [c.finish_reason for c in cut.choices] == ["length", "length"]
+
+    @check("structured: tool_choice required / named: 16 calls at T=1 all validate")
+    def _():
+        tools = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(Add)]
+        classes = {"GetWeather": GetWeather, "Add": Add}
+        wide_client = openai.OpenAI(base_url=wide_url + "/v1", api_key="any", max_retries=0)
+        for choice, only in (("required", None),
+                             ({"type": "function", "function": {"name": "Add"}}, "Add")):
+            r = wide_client.chat.completions.create(model=MODEL, messages=ticket, tools=tools,
+                                               tool_choice=choice, n=8, temperature=1.0,
+                                               seed=2, max_tokens=160)
+            for c in r.choices:
+                assert c.finish_reason == "tool_calls", c
+                (call,) = c.message.tool_calls
+                name = call.function.name
+                assert name in classes and (only is None or name == only), name
+                classes[name].model_validate_json(call.function.arguments, strict=True)
+
+    @check("structured: unsupported schema keywords and bad tool_choice are 400s naming them")
+    def _():
+        expect(openai.BadRequestError, lambda: client.chat.completions.create(
+            model=MODEL, messages=user, max_tokens=8, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "type": "array", "uniqueItems": True}}}), "uniqueItems")
+        expect(openai.BadRequestError, lambda: client.chat.completions.create(
+            model=MODEL, messages=user, max_tokens=8,
+            tools=[openai.pydantic_function_tool(Add)],
+            tool_choice={"type": "function", "function": {"name": "Nope"}}), "not in `tools`")
+
     @check("RL: /v1/generate token-in/token-out with logprobs and version")
     def _():
         r = post_json(url, "/v1/generate", {
@@ -234,14 +349,6 @@ def main():
             raise AssertionError("unloaded adapter still served")
         except openai.NotFoundError:
             pass
-
-    def expect(exc, fn, needle):
-        try:
-            fn()
-        except exc as e:
-            assert needle in str(e), (needle, str(e))
-            return e
-        raise AssertionError(f"expected {exc.__name__}")
 
     @check("errors: 400 invalid parameter")
     def _():
@@ -323,7 +430,7 @@ def main():
         assert "temper_generation_tokens_total" in text
         assert "temper_kv_cache_usage_ratio" in text
 
-    for p in (server, busy):
+    for p in (server, busy, wide):
         p.terminate()
         try:
             p.wait(timeout=10)

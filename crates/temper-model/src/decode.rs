@@ -236,6 +236,35 @@ pub fn next_token(
     }
 }
 
+/// [`next_token`] restricted to the tokens `allowed` accepts (a grammar's
+/// mask, see the server's structured outputs): bias and penalties, then the
+/// mask (other tokens get probability 0), then temperature and truncation
+/// over what is left, so greedy takes the most likely allowed token and
+/// `T > 0` samples the model's distribution renormalised over the allowed
+/// set. `None` when no token of `logits` is allowed.
+pub fn next_token_masked(
+    logits: &[f32],
+    p: &SamplingParams,
+    prompt: &[u32],
+    generated: &[u32],
+    allowed: impl Fn(usize) -> bool,
+    rng: &mut impl Rng,
+) -> Option<u32> {
+    let mut l = logits.to_vec();
+    if p.reshapes_distribution() {
+        process_logits(&mut l, p, prompt, generated);
+    }
+    let mut any = false;
+    for (i, x) in l.iter_mut().enumerate() {
+        if allowed(i) && !x.is_nan() {
+            any = true;
+        } else {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    any.then(|| sample_token(&l, p, rng))
+}
+
 /// What the last token did to a sequence.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StopCheck {
@@ -555,6 +584,46 @@ mod tests {
         assert!((f[0] - 2.0 / 3.0).abs() < 0.02, "{f:?}");
         let off = freqs(&logits, &SamplingParams::default(), &[], 20_000);
         assert!(off[2] + off[3] > 0.1, "{off:?}");
+    }
+
+    #[test]
+    fn a_mask_confines_sampling_and_renormalises() {
+        // Probabilities ∝ 8, 4, 2, 2; token 0 masked out.
+        let logits = [8f32.ln(), 4f32.ln(), 2f32.ln(), 2f32.ln()];
+        let allowed = |i: usize| i != 0;
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let p = SamplingParams::default();
+        let mut counts = [0usize; 4];
+        for _ in 0..20_000 {
+            let t = next_token_masked(&logits, &p, &[], &[], allowed, &mut rng).expect("token");
+            counts[t as usize] += 1;
+        }
+        assert_eq!(counts[0], 0, "{counts:?}");
+        // 4 : 2 : 2 over what is left.
+        assert!(
+            (counts[1] as f64 / 20_000.0 - 0.5).abs() < 0.02,
+            "{counts:?}"
+        );
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            next_token_masked(&logits, &greedy, &[], &[], allowed, &mut rng),
+            Some(1)
+        );
+        let top_k = SamplingParams {
+            top_k: 1,
+            ..Default::default()
+        };
+        assert_eq!(
+            next_token_masked(&logits, &top_k, &[], &[], |i| i >= 2, &mut rng),
+            Some(2)
+        );
+        assert_eq!(
+            next_token_masked(&logits, &p, &[], &[], |_| false, &mut rng),
+            None
+        );
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod scheduler;
+pub mod structured;
 pub mod training_api;
 
 pub use error::ApiError;

@@ -23,7 +23,9 @@
 //! So requests join and leave the batch at every step. A job whose client
 //! went away (its event receiver dropped) is retired at the next step.
 //! Tokens are drawn and sequences ended by [`temper_model::decode`], the
-//! rules [`temper_model::Sampler`] uses too, with a ChaCha8 stream per
+//! rules [`temper_model::Sampler`] uses too (a structured-output job also
+//! masks each step's logits with its sample's [`Grammar`], see
+//! [`crate::structured`]), with a ChaCha8 stream per
 //! sample seeded as the sampler seeds it: same seed, same prompt, same weights ⇒
 //! same tokens, whatever else is running. Logprobs are not computed here:
 //! callers score finished sequences with [`temper_model::Model::score_with_top`], the
@@ -36,11 +38,14 @@ use std::sync::{mpsc, Arc};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use temper_model::candle_core::{DType, Tensor};
-use temper_model::decode::{check_stop, next_token, streamable_len, visible_text};
+use temper_model::decode::{
+    check_stop, next_token, next_token_masked, streamable_len, visible_text,
+};
 use temper_model::{FinishReason, KvCache, LoraAdapter, Pretrained, SamplingParams, Segment};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
+use crate::structured::Grammar;
 
 /// A LoRA adapter as served: a name, the version (1 for the first load of
 /// that name, +1 per reload) and the weights (an inference view).
@@ -87,6 +92,9 @@ pub struct Job {
     pub stream: bool,
     /// Where events go; dropping the receiver cancels the job.
     pub events: UnboundedSender<Event>,
+    /// Structured output: each sample draws only tokens this grammar allows
+    /// (each gets its own copy of this fresh state).
+    pub grammar: Option<Grammar>,
 }
 
 /// What a job hears back.
@@ -276,6 +284,20 @@ struct Seq {
     tokens: Vec<u32>,
     rng: ChaCha8Rng,
     sent: String,
+    /// The grammar state after `tokens` (kept through preemption: the
+    /// tokens are kept too).
+    grammar: Option<Grammar>,
+}
+
+/// Why a sampling step failed.
+#[derive(Debug, thiserror::Error)]
+enum StepError {
+    #[error(transparent)]
+    Model(#[from] temper_model::ModelError),
+    #[error(transparent)]
+    Grammar(#[from] crate::structured::StructuredError),
+    #[error("the grammar allows no token of the model's vocabulary")]
+    EmptyMask,
 }
 
 /// The loop on the engine thread: it owns the model and the waiting, running,
@@ -630,6 +652,7 @@ impl BatchLoop {
                 tokens: Vec::new(),
                 rng,
                 sent: String::new(),
+                grammar: job.grammar.as_ref().map(Grammar::fork),
             });
         }
     }
@@ -663,13 +686,32 @@ impl BatchLoop {
         self.running = keep;
     }
 
-    fn sample_one(&self, seq: &mut Seq, eos: &[u32]) -> temper_model::Result<Option<Finished>> {
+    fn sample_one(&self, seq: &mut Seq, eos: &[u32]) -> Result<Option<Finished>, StepError> {
         let tokenizer = &self.model.tokenizer;
         let p = &seq.job.params;
-        let tok = next_token(&seq.logits, p, &seq.job.prompt, &seq.tokens, &mut seq.rng);
+        let tok = match &mut seq.grammar {
+            None => next_token(&seq.logits, p, &seq.job.prompt, &seq.tokens, &mut seq.rng),
+            Some(g) => {
+                let mask = g.mask()?;
+                next_token_masked(
+                    &seq.logits,
+                    p,
+                    &seq.job.prompt,
+                    &seq.tokens,
+                    |i| mask.allows(i),
+                    &mut seq.rng,
+                )
+                .ok_or(StepError::EmptyMask)?
+            }
+        };
         seq.tokens.push(tok);
         let full = seq.cache.len() + 1 >= self.cfg.max_model_len;
         let check = check_stop(&seq.tokens, p, eos, tokenizer, full, seq.job.stream)?;
+        if check.finish.is_none() {
+            if let Some(g) = &mut seq.grammar {
+                g.advance(tok)?;
+            }
+        }
         if let (Some(text), true) = (&check.text, seq.job.stream) {
             let end = streamable_len(text, &p.stop);
             if end > seq.sent.len() && text.starts_with(seq.sent.as_str()) {

@@ -100,6 +100,8 @@ fn mutate(rng: &mut ChaCha8Rng, mut body: Value) -> Value {
                     "logprobs",
                     "stop",
                     "tools",
+                    "response_format",
+                    "tool_choice",
                 ],
             )
             .to_string()
@@ -186,6 +188,19 @@ async fn fuzzing_every_openai_route_gets_no_5xx_and_the_server_still_answers() {
             "POST",
             "/v1/chat/completions",
             json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "t",
+                       "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                   "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
         ),
         (
             "POST",

@@ -40,6 +40,7 @@ fn job(prompt: Vec<u32>, index: usize, max_tokens: usize, events: &UnboundedSend
         adapter: None,
         stream: false,
         events: events.clone(),
+        grammar: None,
     }
 }
 

@@ -1,5 +1,6 @@
-//! `/v1/chat/completions`: the chat template, message normalisation and
-//! tool calls.
+//! `/v1/chat/completions`: the chat template, message normalisation, tool
+//! calls, and structured outputs (`response_format` JSON modes, `tool_choice`
+//! `"required"` or a named function: see [`crate::structured`]).
 
 use std::time::Instant;
 
@@ -7,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use super::error::OpenAiError;
 use super::protocol::{max_tokens_field, parse_body, top_logprobs_field, ChatRequest};
@@ -19,10 +20,170 @@ use super::state::{now_secs, OpenAiState};
 use super::streaming::{sse, StreamKind};
 use super::tools;
 use crate::scheduler::Finished;
+use crate::structured::Constraint;
 
-/// Tool settings of a chat request.
+/// Tool settings of a chat request, and its output constraint (with the
+/// field it came from, for error messages).
 struct ToolMode {
     parse: bool,
+    constraint: Option<(Constraint, &'static str)>,
+}
+
+/// 400 naming the first key of `obj` outside `known` (`what` says where).
+fn unknown_key(obj: &Map<String, Value>, known: &[&str], what: &str) -> Result<(), OpenAiError> {
+    match obj.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(k) => Err(OpenAiError::BadRequest {
+            message: format!(
+                "unsupported field `{k}` in {what}: this server does not implement it"
+            ),
+            param: Some(what.to_string()),
+            code: Some("unsupported_field"),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The constraint of `response_format`: `None` for text.
+fn response_format_constraint(f: &Value) -> Result<Option<Constraint>, OpenAiError> {
+    let bad = |m: String| OpenAiError::invalid("response_format", m);
+    let Some(obj) = f.as_object() else {
+        return Err(bad(format!("response_format must be an object, got {f}")));
+    };
+    match obj.get("type").and_then(Value::as_str) {
+        Some("text") => {
+            unknown_key(obj, &["type"], "response_format")?;
+            Ok(None)
+        }
+        Some("json_object") => {
+            unknown_key(obj, &["type"], "response_format")?;
+            Ok(Some(Constraint::JsonSchema(json!({"type": "object"}))))
+        }
+        Some("json_schema") => {
+            unknown_key(obj, &["type", "json_schema"], "response_format")?;
+            let Some(js) = obj.get("json_schema").and_then(Value::as_object) else {
+                return Err(bad(
+                    "response_format of type json_schema needs a `json_schema` object".into(),
+                ));
+            };
+            // `strict` is accepted either way: the schema is always enforced.
+            unknown_key(
+                js,
+                &["name", "description", "schema", "strict"],
+                "response_format.json_schema",
+            )?;
+            if !js.get("name").is_some_and(Value::is_string) {
+                return Err(bad("response_format.json_schema needs a string `name`".into()));
+            }
+            if js.get("strict").is_some_and(|s| !s.is_boolean() && !s.is_null()) {
+                return Err(bad("response_format.json_schema.strict must be a boolean".into()));
+            }
+            match js.get("schema") {
+                Some(s @ Value::Object(_)) => Ok(Some(Constraint::JsonSchema(s.clone()))),
+                Some(other) => Err(bad(format!(
+                    "response_format.json_schema.schema must be a JSON schema object, got {other}"
+                ))),
+                None => Err(bad("response_format.json_schema needs a `schema`".into())),
+            }
+        }
+        Some(t) => Err(bad(format!(
+            "response_format type {t:?} is not supported; use \"text\", \"json_object\" or \"json_schema\""
+        ))),
+        None => Err(bad("response_format needs a string `type`".into())),
+    }
+}
+
+/// The schema of one Hermes tool call (`{"name": ..., "arguments": ...}`)
+/// to `tool`, an OpenAI `{"type": "function", "function": {...}}` entry.
+fn tool_call_schema(i: usize, tool: &Value) -> Result<(String, Value), OpenAiError> {
+    let bad = |m: String| OpenAiError::invalid("tools", m);
+    let f = tool
+        .get("function")
+        .filter(|_| tool.get("type").and_then(Value::as_str) == Some("function"))
+        .and_then(Value::as_object)
+        .ok_or_else(|| {
+            bad(format!(
+                "tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}"
+            ))
+        })?;
+    let name = f
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad(format!("tools[{i}].function needs a string `name`")))?;
+    // OpenAI: omitted parameters mean a function that takes none.
+    let params = match f.get("parameters") {
+        None | Some(Value::Null) => {
+            json!({"type": "object", "properties": {}, "additionalProperties": false})
+        }
+        Some(p @ Value::Object(_)) => p.clone(),
+        Some(other) => {
+            return Err(bad(format!(
+                "tools[{i}].function.parameters must be a JSON schema object, got {other}"
+            )))
+        }
+    };
+    let schema = json!({
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": false,
+    });
+    Ok((name.to_string(), schema))
+}
+
+/// `tool_choice`: whether to parse tool calls, and the call the output is
+/// constrained to (`"required"`: one call to any of `tools`; a named
+/// function: one call to it).
+fn tool_choice_mode(
+    choice: Option<&Value>,
+    tools: Option<&Vec<Value>>,
+) -> Result<(bool, Option<Constraint>), OpenAiError> {
+    let bad = |m: String| OpenAiError::invalid("tool_choice", m);
+    let forced: Option<Option<&str>> = match choice {
+        None => return Ok((true, None)),
+        Some(Value::String(c)) if c == "auto" => return Ok((true, None)),
+        Some(Value::String(c)) if c == "none" => return Ok((false, None)),
+        Some(Value::String(c)) if c == "required" => Some(None),
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    bad("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}".into())
+                })?;
+            Some(Some(name))
+        }
+        Some(other) => {
+            return Err(bad(format!(
+                "tool_choice {other} is not supported; use \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+            )))
+        }
+    };
+    let Some(forced) = forced else {
+        return Ok((true, None));
+    };
+    let Some(tools) = tools.filter(|t| !t.is_empty()) else {
+        return Err(bad(
+            "tool_choice \"required\" or a named function needs `tools`".into(),
+        ));
+    };
+    let mut schemas = Vec::new();
+    for (i, t) in tools.iter().enumerate() {
+        let (name, schema) = tool_call_schema(i, t)?;
+        if forced.is_none_or(|want| want == name) {
+            schemas.push(schema);
+        }
+    }
+    let schema = match (forced, schemas.len()) {
+        (Some(name), 0) => {
+            return Err(bad(format!(
+                "tool_choice names {name:?}, which is not in `tools`"
+            )))
+        }
+        (_, 1) => schemas.remove(0),
+        _ => json!({"anyOf": schemas}),
+    };
+    Ok((true, Some(Constraint::ToolCall(schema))))
 }
 
 /// Render the chat prompt.
@@ -42,29 +203,27 @@ fn chat_prompt(s: &OpenAiState, req: &ChatRequest) -> Result<(Vec<u32>, ToolMode
         messages.push(normalize_message(i, m)?);
     }
     let tools = req.tools.clone().filter(|t| !t.is_empty());
-    let parse = match &req.tool_choice {
-        None => true,
-        Some(Value::String(c)) if c == "auto" => true,
-        Some(Value::String(c)) if c == "none" => false,
-        Some(other) => {
-            return Err(OpenAiError::invalid(
-                "tool_choice",
-                format!("tool_choice {other} is not supported; use \"auto\" or \"none\""),
-            ))
-        }
+    let (parse, tool_constraint) = tool_choice_mode(req.tool_choice.as_ref(), tools.as_ref())?;
+    let format_constraint = match &req.response_format {
+        None => None,
+        Some(f) => response_format_constraint(f)?,
     };
-    match &req.response_format {
-        None => {}
-        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
-        Some(f) => {
+    let constraint = match (tool_constraint, format_constraint) {
+        (Some(_), Some(_)) => {
             return Err(OpenAiError::invalid(
                 "response_format",
-                format!(
-                "response_format {f} is not supported: this server has no constrained decoding; \
-                     ask for JSON in the prompt and validate it"
-            ),
+                "response_format JSON modes cannot be combined with tool_choice \"required\" or a named function (the output is the tool call)",
             ))
         }
+        (Some(t), None) => Some((t, "tool_choice")),
+        (None, Some(f)) => Some((f, "response_format")),
+        (None, None) => None,
+    };
+    if constraint.is_some() && req.sampling.ignore_eos == Some(true) {
+        return Err(OpenAiError::invalid(
+            "ignore_eos",
+            "ignore_eos cannot be combined with structured outputs: a complete document ends with EOS",
+        ));
     }
     let use_tools = tools.is_some() && parse;
     let tools_json = if use_tools {
@@ -82,7 +241,13 @@ fn chat_prompt(s: &OpenAiState, req: &ChatRequest) -> Result<(Vec<u32>, ToolMode
         .tokenizer
         .encode(&text, false)
         .map_err(|e| OpenAiError::invalid("messages", format!("tokenizing: {e}")))?;
-    Ok((ids, ToolMode { parse: use_tools }))
+    Ok((
+        ids,
+        ToolMode {
+            parse: use_tools,
+            constraint,
+        },
+    ))
 }
 
 /// Content parts joined to text; tool-call arguments parsed to objects (what
@@ -166,6 +331,13 @@ pub(super) async fn chat_completions(
     p.capture = episode.chat(&req.messages, req.tools.as_ref());
     p.logprobs = logprobs;
     p.top_logprobs = top;
+    if let Some((c, param)) = tools.constraint.clone() {
+        let st = s.clone();
+        let grammar = tokio::task::spawn_blocking(move || st.compile_constraint(&c, param))
+            .await
+            .map_err(|e| OpenAiError::Internal(format!("grammar task: {e}")))??;
+        p.grammar = Some(grammar);
+    }
     let stream = req.stream.unwrap_or(false);
     let rx = submit(&s, &p, stream)?;
     let id = s.request_id("chatcmpl");

@@ -13,6 +13,7 @@ use super::protocol::Sampling;
 
 use super::state::OpenAiState;
 use crate::scheduler::{Event, Finished, Job, LoadedAdapter, SubmitError};
+use crate::structured::Grammar;
 
 /// A request ready for the scheduler.
 pub(super) struct Prepared {
@@ -25,6 +26,8 @@ pub(super) struct Prepared {
     pub(super) version: u64,
     pub(super) top_logprobs: usize,
     pub(super) logprobs: bool,
+    /// Structured output: the fresh grammar state every sample starts from.
+    pub(super) grammar: Option<Grammar>,
 }
 
 impl Prepared {
@@ -129,6 +132,7 @@ pub(super) fn prepare(
         version,
         top_logprobs: 0,
         logprobs: false,
+        grammar: None,
     })
 }
 
@@ -163,6 +167,7 @@ pub(super) fn submit(
             adapter: p.adapter.clone(),
             stream,
             events: tx.clone(),
+            grammar: p.grammar.as_ref().map(Grammar::fork),
         };
         s.inner.scheduler.submit(job).map_err(|e| match e {
             SubmitError::Overloaded { .. } => OpenAiError::Overloaded(e.to_string()),

@@ -15,8 +15,9 @@
 //! [`temper_model::Model::score_with_top`] — the trainer's forward — so they
 //! equal what training computes for the same tokens bit for bit. They are
 //! of the sampling distribution `log softmax(logits / T)` (T = 1 for greedy),
-//! before top-k / top-p. When streaming, a choice's logprobs arrive with its
-//! last chunk.
+//! before top-k / top-p and before a structured-output mask (the unmasked
+//! model's, see [`crate::structured`]). When streaming, a choice's logprobs
+//! arrive with its last chunk.
 //!
 //! One module per concern: `state` (settings, the shared state, adapter
 //! loading), `jobs` (request → scheduler jobs → finished samples, scoring),

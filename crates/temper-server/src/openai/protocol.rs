@@ -170,7 +170,8 @@ pub struct ChatRequest {
     pub messages: Vec<Value>,
     /// Tool schemas.
     pub tools: Option<Vec<Value>>,
-    /// `"auto"` / `"none"`.
+    /// `"auto"` / `"none"` / `"required"` / `{"type": "function",
+    /// "function": {"name": ...}}` (the last two constrain the output).
     pub tool_choice: Option<Value>,
     /// Legacy completion-length cap.
     pub max_tokens: Option<i64>,
@@ -186,7 +187,9 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     /// Extra variables for the chat template (e.g. `enable_thinking`).
     pub chat_template_kwargs: Option<Map<String, Value>>,
-    /// Only `{"type": "text"}` (the default); JSON modes are refused.
+    /// `{"type": "text"}` (the default), `{"type": "json_object"}` or
+    /// `{"type": "json_schema", "json_schema": {"name", "schema", ...}}`
+    /// (constrained decoding, see [`crate::structured`]).
     pub response_format: Option<Value>,
     /// Sampling.
     #[serde(flatten)]

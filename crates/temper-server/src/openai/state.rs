@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use temper_model::{LoraAdapter, Pretrained};
@@ -15,6 +15,7 @@ use super::protocol::SamplingDefaults;
 
 use crate::metrics::Metrics;
 use crate::scheduler::{LoadedAdapter, Scheduler, SchedulerConfig};
+use crate::structured::{Constraint, Grammar, GrammarCompiler, StructuredError};
 
 /// Server settings.
 #[derive(Debug, Clone)]
@@ -79,6 +80,9 @@ pub(super) struct Inner {
     pub(super) defaults: SamplingDefaults,
     pub(super) created: u64,
     next_id: AtomicU64,
+    /// Built on the first structured-output request (a server that never
+    /// gets one never pays for the vocabulary trie).
+    grammars: OnceLock<Result<GrammarCompiler, String>>,
 }
 
 pub(super) fn now_secs() -> u64 {
@@ -119,6 +123,7 @@ impl OpenAiState {
                 defaults,
                 created: now_secs(),
                 next_id: AtomicU64::new(start & 0xffff_ffff_ffff),
+                grammars: OnceLock::new(),
             }),
         }
     }
@@ -219,6 +224,33 @@ impl OpenAiState {
                     .join(", ")
             ))),
         }
+    }
+
+    /// Compile a structured-output constraint for this model (blocking: the
+    /// first call builds the vocabulary trie). A schema that does not
+    /// compile is a 400 about `param` with llguidance's message.
+    pub(super) fn compile_constraint(
+        &self,
+        c: &Constraint,
+        param: &'static str,
+    ) -> Result<Grammar, OpenAiError> {
+        let compiler = self.inner.grammars.get_or_init(|| {
+            let m = &self.inner.model;
+            let vocab = m.config.vocab_size;
+            GrammarCompiler::new(&m.tokenizer, vocab, &m.generation.eos_token_ids).map_err(|e| {
+                tracing::warn!("structured outputs unavailable: {e}");
+                e.to_string()
+            })
+        });
+        let compiler = compiler
+            .as_ref()
+            .map_err(|e| OpenAiError::invalid(param, e.clone()))?;
+        compiler.compile(c).map_err(|e| match e {
+            StructuredError::Compile(m) => {
+                OpenAiError::invalid(param, format!("{param}: the schema does not compile: {m}"))
+            }
+            other => OpenAiError::invalid(param, other.to_string()),
+        })
     }
 
     pub(super) fn request_id(&self, prefix: &str) -> String {

@@ -331,6 +331,7 @@ mod tests {
             version: 0,
             top_logprobs: 0,
             logprobs: false,
+            grammar: None,
         };
         let mut st = StreamState {
             s,
@@ -393,7 +394,7 @@ mod tests {
         assert_eq!(tc["index"], 0);
         assert_eq!(tc["type"], "function");
         assert_eq!(tc["function"]["name"], "get_weather");
-        assert_eq!(tc["function"]["arguments"], "{\"city\":\"Paris\"}");
+        assert_eq!(tc["function"]["arguments"], "{\"city\": \"Paris\"}");
         assert_eq!(tc["id"], message["tool_calls"][0]["id"]);
         assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     }

@@ -2,6 +2,7 @@
 //! model writes `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`
 //! (the format the Qwen2/Qwen3 chat templates teach it and render back).
 
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 /// Opening tag of a tool call.
@@ -43,14 +44,27 @@ pub fn parse(text: &str) -> (Option<String>, Vec<ToolCall>) {
 }
 
 fn parse_one(body: &str) -> Option<ToolCall> {
-    let v: Value = serde_json::from_str(body.trim()).ok()?;
-    let name = v.get("name")?.as_str()?.to_string();
-    let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
-        None | Some(Value::Null) => "{}".to_string(),
-        Some(Value::String(s)) => s.clone(),
-        Some(other) => other.to_string(),
+    // Arguments are kept as the model wrote them: re-serialising a parsed
+    // value would rewrite numbers (`-0` became `-0.0`, which a schema's
+    // "integer" refuses; big integers lost digits).
+    #[derive(serde::Deserialize)]
+    struct Call<'a> {
+        name: String,
+        #[serde(borrow, default)]
+        arguments: Option<&'a RawValue>,
+        #[serde(borrow, default)]
+        parameters: Option<&'a RawValue>,
+    }
+    let call: Call<'_> = serde_json::from_str(body.trim()).ok()?;
+    let arguments = match call.arguments.or(call.parameters) {
+        None => "{}".to_string(),
+        Some(raw) if raw.get().starts_with('"') => serde_json::from_str(raw.get()).ok()?,
+        Some(raw) => raw.get().to_string(),
     };
-    Some(ToolCall { name, arguments })
+    Some(ToolCall {
+        name: call.name,
+        arguments,
+    })
 }
 
 /// How much of streamed `text` may be sent as content when tools are on:
@@ -96,9 +110,29 @@ mod tests {
             calls,
             vec![ToolCall {
                 name: "get_weather".into(),
-                arguments: "{\"city\":\"Paris\"}".into()
+                arguments: "{\"city\": \"Paris\"}".into()
             }]
         );
+    }
+
+    #[test]
+    fn arguments_are_passed_on_as_written() {
+        let one = |body: &str| parse(&format!("<tool_call>{body}</tool_call>")).1;
+        let calls =
+            one("{\"name\": \"add\", \"arguments\": {\"a\": -0, \"b\": 12345678901234567890123}}");
+        assert_eq!(
+            calls[0].arguments,
+            "{\"a\": -0, \"b\": 12345678901234567890123}"
+        );
+        // A JSON-string encoding, `parameters`, and none at all.
+        let calls = one("{\"name\": \"f\", \"arguments\": \"{\\\"x\\\": 1}\"}");
+        assert_eq!(calls[0].arguments, "{\"x\": 1}");
+        assert_eq!(
+            one("{\"name\": \"f\", \"parameters\": [1]}")[0].arguments,
+            "[1]"
+        );
+        assert_eq!(one("{\"name\": \"f\"}")[0].arguments, "{}");
+        assert!(one("{\"name\": 3}").is_empty());
     }
 
     #[test]
