@@ -6,10 +6,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 use temper_sandbox::{ExecResult, ExecStatus};
 
-use crate::atif::{self, Observation, ObservationResult, Step, ToolCall, Trajectory};
+use crate::atif::{self, Step, Trajectory};
 use crate::env::TrialEnv;
 use crate::task::Task;
 
@@ -211,21 +211,7 @@ impl Agent for Oracle {
         let shown = render_output(&r);
         let _ = std::fs::write(ctx.logs_dir.join("oracle.txt"), &shown);
         let mut step = Step::new("agent", "");
-        let id = "call_1".to_string();
-        step.tool_calls = Some(vec![ToolCall {
-            tool_call_id: id.clone(),
-            function_name: "bash".into(),
-            arguments: json!({ "command": command })
-                .as_object()
-                .cloned()
-                .unwrap_or_default(),
-        }]);
-        step.observation = Some(Observation {
-            results: vec![ObservationResult {
-                source_call_id: id,
-                content: shown,
-            }],
-        });
+        step.bash_call("call_1".into(), command, shown);
         t.push(step);
         let failure = failure_of(&r, true);
         outcome(t, failure)

@@ -205,4 +205,22 @@ impl Step {
             extra: None,
         }
     }
+
+    /// Record that this step ran `command` with the `bash` tool (call `id`)
+    /// and saw `output`.
+    pub fn bash_call(&mut self, id: String, command: &str, output: String) {
+        let mut arguments = Map::new();
+        arguments.insert("command".into(), Value::String(command.into()));
+        self.tool_calls = Some(vec![ToolCall {
+            tool_call_id: id.clone(),
+            function_name: "bash".into(),
+            arguments,
+        }]);
+        self.observation = Some(Observation {
+            results: vec![ObservationResult {
+                source_call_id: id,
+                content: output,
+            }],
+        });
+    }
 }

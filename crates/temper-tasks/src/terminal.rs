@@ -22,7 +22,7 @@ use temper_env::{ChatModel, ChatRequest, Message, SamplingArgs};
 use crate::agent::{
     failure_of, render_output, sandbox_failure, Agent, AgentContext, AgentFailure, AgentOutcome,
 };
-use crate::atif::{Metrics, Observation, ObservationResult, Step, ToolCall, Trajectory};
+use crate::atif::{Metrics, Step, Trajectory};
 use crate::capture::Episode;
 use crate::job::AgentSpec;
 use crate::TaskError;
@@ -323,21 +323,7 @@ impl Agent for Terminal {
                 }
             };
             let shown = clip(&render_output(&r), c.max_output_bytes);
-            let id = format!("call_{turns}");
-            step.tool_calls = Some(vec![ToolCall {
-                tool_call_id: id.clone(),
-                function_name: "bash".into(),
-                arguments: json!({ "command": command })
-                    .as_object()
-                    .cloned()
-                    .unwrap_or_default(),
-            }]);
-            step.observation = Some(Observation {
-                results: vec![ObservationResult {
-                    source_call_id: id,
-                    content: shown.clone(),
-                }],
-            });
+            step.bash_call(format!("call_{turns}"), &command, shown.clone());
             traj.push(step);
             if let Some(f) = failure_of(&r, at_deadline) {
                 stop_reason = if f.env_alive {
