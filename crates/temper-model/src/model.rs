@@ -14,7 +14,8 @@ use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, V
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kernels::{
-    causal_attention, fused_attention_supported, linear_nt, matmul_nt, use_matmul_nt,
+    causal_attention, fused_attention_supported, fused_rms_norm_supported, fused_swiglu_supported,
+    linear_nt, matmul_nt, use_matmul_nt,
 };
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::rope::Rope;
@@ -127,6 +128,10 @@ impl CustomOp1 for FrozenMatmul {
 /// backward). Normalises over the last dimension.
 /// Like transformers, half-precision inputs are normalised in f32.
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    if fused_rms_norm_supported(x, weight) {
+        // One pass per row, rows across threads, its own backward.
+        return crate::kernels::rms_norm(x, weight, eps);
+    }
     let dtype = x.dtype();
     let x = match dtype {
         DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?,
@@ -520,7 +525,11 @@ impl Model {
     fn mlp(&self, li: usize, m: &Mlp, x: &Tensor, lora: Option<&LoraAdapter>) -> Result<Tensor> {
         let gate = m.gate.forward(x, Self::lora_of(lora, li, Target::Gate))?;
         let up = m.up.forward(x, Self::lora_of(lora, li, Target::Up))?;
-        let act = (gate.silu()? * up)?;
+        let act = if fused_swiglu_supported(&gate, &up) {
+            crate::kernels::swiglu(&gate, &up)?
+        } else {
+            (gate.silu()? * up)?
+        };
         m.down.forward(&act, Self::lora_of(lora, li, Target::Down))
     }
 

@@ -7,6 +7,8 @@ mod attention;
 mod lm_head;
 mod matmul;
 mod matmul_nn;
+mod rms_norm;
+mod swiglu;
 
 pub use attention::{causal_attention, fused_attention_supported, KEY_BLOCK};
 
@@ -15,6 +17,10 @@ pub use lm_head::{
 };
 
 pub use matmul_nn::{matmul_nn, matmul_nn_isa};
+
+pub use rms_norm::{fused_rms_norm_supported, rms_norm};
+
+pub use swiglu::{fused_swiglu_supported, swiglu};
 
 pub use matmul::{
     forward_matmul, linear_nt, matmul_nt, matmul_nt_supported, set_forward_matmul, use_matmul_nt,
