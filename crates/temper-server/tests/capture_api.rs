@@ -5,71 +5,15 @@
 //! `openai` client and `temper tasks run` is
 //! `tests/python/test_capture_agent.py`.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
-use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use temper_model::{LoadOptions, Pretrained};
-use temper_server::openai::{app, OpenAiState, ServeConfig};
-use tower::ServiceExt;
+use temper_model::Pretrained;
+use temper_server::openai::app;
 
-const MODEL: &str = "tiny";
-
-fn load() -> Arc<Pretrained> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
-    Arc::new(Pretrained::load(&dir, &LoadOptions::default()).expect("fixture model"))
-}
-
-fn server_with(model: Arc<Pretrained>, edit: impl FnOnce(&mut ServeConfig)) -> OpenAiState {
-    let mut cfg = ServeConfig::defaults(MODEL, &model);
-    cfg.scheduler.max_model_len = 512;
-    edit(&mut cfg);
-    OpenAiState::new(model, cfg)
-}
-
-fn server() -> (Arc<Pretrained>, OpenAiState) {
-    let m = load();
-    (m.clone(), server_with(m, |_| {}))
-}
-
-async fn send(router: &Router, req: Request<Body>) -> (StatusCode, Vec<u8>) {
-    let resp = router.clone().oneshot(req).await.expect("response");
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-    (status, bytes.to_vec())
-}
-
-async fn post(router: &Router, path: &str, body: Value) -> (StatusCode, Value) {
-    request(router, "POST", path, &[], Some(body)).await
-}
-
-fn f32s(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_f64().expect("number") as f32)
-        .collect()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("int") as u32)
-        .collect()
-}
-
-fn sse_payloads(bytes: &[u8]) -> Vec<String> {
-    String::from_utf8_lossy(bytes)
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .map(str::to_string)
-        .collect()
-}
+mod common;
+use common::*;
 
 async fn request(
     router: &Router,

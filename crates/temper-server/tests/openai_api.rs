@@ -3,8 +3,7 @@
 //! `tests/python/test_openai_server.py`.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -13,88 +12,16 @@ use axum::Router;
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use temper_model::candle_core::{Device, Tensor};
-use temper_model::{LoadOptions, LoraAdapter, Pretrained};
-use temper_server::openai::{app, OpenAiState, ServeConfig};
+use temper_model::LoraAdapter;
+use temper_server::openai::app;
 use tower::ServiceExt;
 
-const MODEL: &str = "tiny";
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
-}
-
-fn adapter_dir() -> PathBuf {
-    fixtures().join("adapters/tiny-qwen3-lora")
-}
-
-fn load() -> Arc<Pretrained> {
-    Arc::new(
-        Pretrained::load(
-            &fixtures().join("models/tiny-qwen3"),
-            &LoadOptions::default(),
-        )
-        .expect("fixture model"),
-    )
-}
-
-fn server_with(model: Arc<Pretrained>, edit: impl FnOnce(&mut ServeConfig)) -> OpenAiState {
-    let mut cfg = ServeConfig::defaults(MODEL, &model);
-    cfg.scheduler.max_model_len = 512;
-    // Adapters at run time: the fixtures' and the tests' temp directories.
-    cfg.lora_roots = vec![
-        fixtures()
-            .join("adapters")
-            .canonicalize()
-            .expect("fixtures"),
-        std::env::temp_dir().canonicalize().expect("temp dir"),
-    ];
-    edit(&mut cfg);
-    OpenAiState::new(model, cfg)
-}
-
-fn server() -> (Arc<Pretrained>, OpenAiState) {
-    let m = load();
-    (m.clone(), server_with(m, |_| {}))
-}
-
-async fn send(router: &Router, req: Request<Body>) -> (StatusCode, Vec<u8>) {
-    let resp = router.clone().oneshot(req).await.expect("response");
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-    (status, bytes.to_vec())
-}
-
-async fn post(router: &Router, path: &str, body: Value) -> (StatusCode, Value) {
-    let req = Request::post(path)
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
-        .expect("request");
-    let (status, bytes) = send(router, req).await;
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
+mod common;
+use common::*;
 
 async fn get_text(router: &Router, path: &str) -> String {
     let (_, bytes) = send(router, Request::get(path).body(Body::empty()).expect("req")).await;
     String::from_utf8(bytes).expect("utf8")
-}
-
-fn f32s(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_f64().expect("number") as f32)
-        .collect()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("int") as u32)
-        .collect()
 }
 
 fn metric(text: &str, name: &str) -> f64 {
@@ -461,14 +388,6 @@ async fn hot_swap_under_load() {
     )
     .await;
     assert_eq!(v["version"], 3);
-}
-
-fn sse_payloads(bytes: &[u8]) -> Vec<String> {
-    String::from_utf8(bytes.to_vec())
-        .expect("utf8")
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: ").map(str::to_string))
-        .collect()
 }
 
 /// Streaming sends the same text as a non-streamed request with the same
