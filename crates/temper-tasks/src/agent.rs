@@ -154,15 +154,20 @@ impl Agent for Nop {
         "nop"
     }
     fn run(&self, ctx: &AgentContext<'_>) -> AgentOutcome {
-        let mut t = Trajectory::new(ctx.trial_name, self.atif_agent(), &ctx.task.instruction);
-        t.finish();
-        AgentOutcome {
-            trajectory: t,
-            n_input_tokens: None,
-            n_output_tokens: None,
-            metadata: Map::new(),
-            failure: None,
-        }
+        let t = Trajectory::new(ctx.trial_name, self.atif_agent(), &ctx.task.instruction);
+        finished(t, None)
+    }
+}
+
+/// The outcome of an agent that counts no tokens: its trajectory closed.
+fn finished(mut t: Trajectory, failure: Option<AgentFailure>) -> AgentOutcome {
+    t.finish();
+    AgentOutcome {
+        trajectory: t,
+        n_input_tokens: None,
+        n_output_tokens: None,
+        metadata: Map::new(),
+        failure,
     }
 }
 
@@ -177,19 +182,8 @@ impl Agent for Oracle {
     }
     fn run(&self, ctx: &AgentContext<'_>) -> AgentOutcome {
         let mut t = Trajectory::new(ctx.trial_name, self.atif_agent(), &ctx.task.instruction);
-        let outcome = |t: Trajectory, failure: Option<AgentFailure>| {
-            let mut t = t;
-            t.finish();
-            AgentOutcome {
-                trajectory: t,
-                n_input_tokens: None,
-                n_output_tokens: None,
-                metadata: Map::new(),
-                failure,
-            }
-        };
         let Some(solution) = ctx.task.solution() else {
-            return outcome(
+            return finished(
                 t,
                 Some(AgentFailure {
                     kind: "NoSolution".into(),
@@ -200,13 +194,13 @@ impl Agent for Oracle {
         };
         let dir = solution.parent().unwrap_or(Path::new("."));
         if let Err(e) = ctx.env.put(dir, "/solution") {
-            return outcome(t, Some(sandbox_failure(&e)));
+            return finished(t, Some(sandbox_failure(&e)));
         }
         let command = "bash /solution/solve.sh";
         let env: BTreeMap<String, String> = ctx.task.config.solution.env.clone();
         let r = match ctx.env.exec(command, None, &env, ctx.remaining()) {
             Ok(r) => r,
-            Err(e) => return outcome(t, Some(sandbox_failure(&e))),
+            Err(e) => return finished(t, Some(sandbox_failure(&e))),
         };
         let shown = render_output(&r);
         let _ = std::fs::write(ctx.logs_dir.join("oracle.txt"), &shown);
@@ -214,6 +208,6 @@ impl Agent for Oracle {
         step.bash_call("call_1".into(), command, shown);
         t.push(step);
         let failure = failure_of(&r, true);
-        outcome(t, failure)
+        finished(t, failure)
     }
 }
