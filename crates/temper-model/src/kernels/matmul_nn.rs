@@ -106,36 +106,33 @@ pub(crate) fn matmul_nn_f32(g: &[f32], w: &[f32], m: usize, n: usize, k: usize, 
 type Kernel = unsafe fn(&[f32], &[f32], usize, usize, usize, usize, usize, usize, *mut f32);
 
 fn kernel() -> Kernel {
-    static K: OnceLock<Kernel> = OnceLock::new();
-    *K.get_or_init(|| {
+    match matmul_nn_isa() {
+        #[cfg(target_arch = "x86_64")]
+        "avx512" => avx512::block,
+        #[cfg(target_arch = "x86_64")]
+        "avx2+fma" => avx2::block,
+        _ => portable::block,
+    }
+}
+
+/// The kernel this CPU runs (detected once): `avx512`, `avx2+fma` or
+/// `portable`.
+pub fn matmul_nn_isa() -> &'static str {
+    static ISA: OnceLock<&'static str> = OnceLock::new();
+    ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx512f") {
-                return avx512::block;
+                return "avx512";
             }
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
             {
-                return avx2::block;
+                return "avx2+fma";
             }
         }
-        portable::block
+        "portable"
     })
-}
-
-/// The kernel this CPU runs, for benchmark output.
-pub fn matmul_nn_isa() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return "avx512";
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            return "avx2+fma";
-        }
-    }
-    "portable"
 }
 
 mod portable {

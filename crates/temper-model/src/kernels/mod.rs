@@ -9,6 +9,8 @@ mod matmul;
 mod matmul_nn;
 mod rms_norm;
 mod swiglu;
+#[cfg(test)]
+mod test_util;
 
 pub use attention::{causal_attention, fused_attention_supported, KEY_BLOCK};
 

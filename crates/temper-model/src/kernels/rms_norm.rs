@@ -95,12 +95,12 @@ impl CustomOp2 for RmsNorm {
         let xv: Vec<f32> = x.flatten_all()?.to_vec1()?;
         let wv: Vec<f32> = w.flatten_all()?.to_vec1()?;
         let gv: Vec<f32> = grad.contiguous()?.flatten_all()?.to_vec1()?;
-        let eps = self.eps;
+        // Each row's 1/rms once, for dx and dw both.
+        let r: Vec<f32> = xv.chunks(h).map(|row| inv_rms(row, self.eps)).collect();
         // dx = r·(g·w) − x·r³·Σ(g·w·x)/h, per row.
         let mut dx = vec![0f32; xv.len()];
         for_rows(&mut dx, h, |i, out| {
-            let (row, g) = (&xv[i * h..(i + 1) * h], &gv[i * h..(i + 1) * h]);
-            let r = inv_rms(row, eps);
+            let (row, g, r) = (&xv[i * h..(i + 1) * h], &gv[i * h..(i + 1) * h], r[i]);
             let dot: f32 = row
                 .iter()
                 .zip(g)
@@ -116,8 +116,7 @@ impl CustomOp2 for RmsNorm {
         let dw = if w.track_op() {
             // dw = Σ_rows g·x·r, rows summed in order.
             let mut dw = vec![0f32; h];
-            for (row, g) in xv.chunks(h).zip(gv.chunks(h)) {
-                let r = inv_rms(row, eps);
+            for ((row, g), r) in xv.chunks(h).zip(gv.chunks(h)).zip(&r) {
                 for ((d, a), b) in dw.iter_mut().zip(row).zip(g) {
                     *d += b * a * r;
                 }
@@ -133,6 +132,7 @@ impl CustomOp2 for RmsNorm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_util::max_diff;
     use candle_core::{Device, Var, D};
 
     fn rand(shape: &[usize], seed: u64) -> Tensor {
@@ -147,19 +147,6 @@ mod tests {
         let var = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
         let denom = (var + eps).unwrap().sqrt().unwrap();
         x.broadcast_div(&denom).unwrap().broadcast_mul(w).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
     }
 
     #[test]

@@ -95,6 +95,7 @@ impl CustomOp2 for SwiGlu {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_util::max_diff;
     use candle_core::{Device, Var};
 
     fn rand(n: usize, seed: u64) -> Tensor {
@@ -102,19 +103,6 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let v: Vec<f32> = (0..n).map(|_| rng.random_range(-4.0f32..4.0)).collect();
         Tensor::from_vec(v, (n / 40, 40), &Device::Cpu).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
     }
 
     #[test]
