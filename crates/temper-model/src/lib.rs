@@ -10,21 +10,23 @@
 //! - [`Model::forward_hidden`] is the only forward. Training
 //!   ([`Model::score`]: per-token logprobs and entropy of target tokens),
 //!   prefill and KV-cached decode ([`Sampler`]) all go through it, and it is
-//!   built from differentiable candle primitives only.
+//!   built from differentiable ops only (candle's, and [`kernels`] with their
+//!   own backward).
 //! - [`Model::forward_decode`] is the server's batched decode step (one token
-//!   per sequence, attention batched over padded caches); inference only, it
-//!   equals `forward_hidden`'s decode to float rounding, and logprobs are
-//!   still reported by [`Model::score`].
+//!   per sequence, attention batched over the caches); inference only, and
+//!   on the CPU in f32 bit-identical per token to `forward_hidden`.
 //! - [`LoraAdapter`] holds trainable low-rank updates for a frozen base and
 //!   saves/loads the PEFT layout; [`Model::make_trainable`] switches to
 //!   full-parameter training instead.
 //! - [`ChatTemplate`] renders the model's Jinja chat template exactly as
 //!   transformers' `apply_chat_template` does.
 //!
-//! **Zero train–inference mismatch.** The logprobs a [`Sampler`] reports are
-//! computed by [`Model::score`] on the finished sequence — the trainer's own
-//! function, on the same shapes — so they are bit-identical to what the
-//! trainer computes for the same tokens and weights. See [`scoring`].
+//! **Zero train–inference mismatch.** On the CPU in f32 every kernel is
+//! batch-invariant, so a decode step's logits are bit-identical to the
+//! trainer's for the same token and the [`Sampler`] (and the server) take
+//! logprobs straight from them; elsewhere they re-score each finished
+//! sequence with [`Model::score`], the trainer's own function. Either way the
+//! reported logprobs equal what the trainer computes. See [`scoring`].
 //!
 //! ```no_run
 //! use temper_model::{GenerationRequest, LoadOptions, Pretrained, Sampler, SamplingParams};
@@ -70,7 +72,7 @@ pub use rope::{inv_freq, Rope};
 pub use sampling::{Completion, GenerationRequest, Sampler};
 pub use scoring::{ScoreInput, TokenScores};
 pub use tokenizer::{chat_template_source, load_chat_template, Tokenizer};
-pub use top_logprobs::TopLogprobs;
+pub use top_logprobs::{top_k, TopLogprobs};
 pub use weights::Checkpoint;
 
 /// Re-exported so callers can name devices, dtypes and tensors.

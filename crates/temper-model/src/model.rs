@@ -617,9 +617,10 @@ impl Model {
     /// hidden states `[ids.len(), hidden]`. Linear layers run over all
     /// sequences at once; on the CPU in f32, attention runs the same
     /// [`causal_attention`] kernel per sequence as [`Model::forward_hidden`]
-    /// (bit-identical attention per token); elsewhere the caches are padded
-    /// to the longest and masked. Inference only (no autograd use intended);
-    /// reported logprobs still come from [`Model::score`].
+    /// (bit-identical attention per token, and with the batch-invariant
+    /// matmul bit-identical logits: see [`Model::decode_logits_are_exact`]);
+    /// elsewhere the caches are padded to the longest and masked. Inference
+    /// only (no autograd use intended).
     pub fn forward_decode(
         &self,
         ids: &[u32],

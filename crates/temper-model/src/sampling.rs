@@ -29,9 +29,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::decode::{check_stop, next_token, visible_text};
 pub use crate::decode::{sample_token, FinishReason, SamplingParams};
 use crate::error::{ModelError, Result};
-use crate::kernels::{
-    fused_attention_supported, fused_lm_head_supported, row_logprob, use_matmul_nt,
-};
+use crate::kernels::row_logprob;
 use crate::lora::LoraAdapter;
 use crate::model::{KvCache, Model, Segment};
 use crate::tokenizer::Tokenizer;
@@ -120,7 +118,7 @@ impl<'a> Sampler<'a> {
             }
         }
         let num_layers = self.model.config().num_layers;
-        let decode_logprobs = self.decode_logprobs_are_exact()?;
+        let decode_logprobs = self.model.decode_logits_are_exact()?;
 
         // Prefill every prompt once, in one packed forward.
         let mut caches: Vec<KvCache> = requests.iter().map(|_| KvCache::new(num_layers)).collect();
@@ -247,16 +245,6 @@ impl<'a> Sampler<'a> {
             });
         }
         Ok(out)
-    }
-
-    /// Whether a decode step's logits are bit-identical to the training
-    /// forward's for the same token (see the module docs).
-    fn decode_logprobs_are_exact(&self) -> Result<bool> {
-        let probe = Tensor::zeros((1, 1), self.model.dtype(), self.model.device())?;
-        let head = self.model.head_weight();
-        Ok(fused_lm_head_supported(&probe, head)
-            && fused_attention_supported(&probe)
-            && use_matmul_nt(&probe, head))
     }
 
     /// Logprobs of `completion` after `prompt`, by the training forward.

@@ -2,20 +2,24 @@
 //! for a batch of sequences, differentiable w.r.t. LoRA or all weights.
 //!
 //! # Why sampler and trainer agree exactly
-//! CPU matmul kernels give results that depend (by ~1e-6) on how many rows a
-//! call has and where a row sits in it, so a token scored inside a batch of 8
-//! differs from the same token scored alone. We therefore make one
-//! computation canonical: a sequence is always scored on its own, as one
-//! segment of [`Model::forward_hidden`] with input `tokens[..n-1]` and targets
-//! `tokens[1..]`, whatever else is in the batch. The trainer calls
-//! [`Model::score`] for every datum and the sampler calls the same function on
-//! each finished sequence to report its logprobs, so both see bit-identical
-//! numbers (same code, same shapes, same kernels, deterministic reductions).
+//! A sequence is scored as one segment of [`Model::forward_hidden`] with
+//! input `tokens[..n-1]` and targets `tokens[1..]`. On the CPU in f32 every
+//! kernel on that path is batch-invariant (`docs/kernels.md`): a token's bits
+//! do not depend on the other rows of the call, its row's place, the thread
+//! count, or whether it came from a full pass, a prefill chunk or a decode
+//! step. So the sampler and the server take logprobs straight from their
+//! decode logits ([`Model::decode_logits_are_exact`]) and they equal this
+//! function's bit for bit. Where the forward is not invariant (a GPU, bf16,
+//! `TEMPER_MATMUL=candle`, a trainable LM head) results move by ~1e-6 with the
+//! shapes, so the canonical computation is this function on one sequence, and
+//! the sampler and server re-score each finished sequence with it.
 
 use candle_core::{DType, Tensor, D};
 
 use crate::error::{ModelError, Result};
-use crate::kernels::{fused_lm_head_supported, lm_head_logprobs};
+use crate::kernels::{
+    fused_attention_supported, fused_lm_head_supported, lm_head_logprobs, use_matmul_nt,
+};
 use crate::lora::LoraAdapter;
 use crate::model::{log_softmax_last, Model, Segment};
 
@@ -41,6 +45,21 @@ pub struct ScoreInput<'a> {
 }
 
 impl Model {
+    /// Whether a decode step's logits ([`Model::forward_hidden`] or
+    /// [`Model::forward_decode`], then [`Model::logits`]) are bit-identical
+    /// to the training forward's for the same token: every kernel on the
+    /// path is batch-invariant (the CPU in f32 with the batch-invariant
+    /// matmul). Then logprobs taken from decode logits with
+    /// [`crate::kernels::row_logprob`] / [`crate::kernels::row_log_softmax`]
+    /// equal [`Model::score`]'s, and no re-scoring pass is needed.
+    pub fn decode_logits_are_exact(&self) -> Result<bool> {
+        let probe = Tensor::zeros((1, 1), self.dtype(), self.device())?;
+        let head = self.head_weight();
+        Ok(fused_lm_head_supported(&probe, head)
+            && fused_attention_supported(&probe)
+            && use_matmul_nt(&probe, head))
+    }
+
     /// Logprobs and entropy of `targets` after each prefix of `input`
     /// (temperature-scaled: logits are divided by `temperature` first; pass
     /// 1.0 for the plain model distribution).

@@ -15,7 +15,7 @@ use crate::model::{log_softmax_last, Model, Segment};
 use crate::scoring::SCORE_CHUNK;
 
 /// Target logprobs and, per position, the top alternatives.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct TopLogprobs {
     /// `log softmax(logits / temperature)[target]` per position (equal to
     /// [`Model::score`]'s `logprobs`).
@@ -101,8 +101,9 @@ impl Model {
 }
 
 /// The `k` largest entries of `row` as `(id, value)`, largest first (ties:
-/// lower id first).
-fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+/// lower id first): [`TopLogprobs::top`]'s order, for a row of logprobs
+/// taken elsewhere (a decode step's, with [`crate::kernels::row_log_softmax`]).
+pub fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
     let mut ids: Vec<u32> = (0..row.len() as u32).collect();
     let kk = k.min(ids.len());
     let by_prob = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));

@@ -27,9 +27,12 @@
 //! masks each step's logits with its sample's [`Grammar`], see
 //! [`crate::structured`]), with a ChaCha8 stream per
 //! sample seeded as the sampler seeds it: same seed, same prompt, same weights ⇒
-//! same tokens, whatever else is running. Logprobs are not computed here:
-//! callers score finished sequences with [`temper_model::Model::score_with_top`], the
-//! trainer's own forward, so reported logprobs match training bit for bit.
+//! same tokens, whatever else is running. Logprobs (when a job asks) are taken
+//! from each step's logits where those are bit-identical to the trainer's
+//! ([`temper_model::Model::decode_logits_are_exact`]: the CPU in f32); elsewhere
+//! callers score finished sequences with
+//! [`temper_model::Model::score_with_top`], the trainer's own forward. Either
+//! way reported logprobs match training bit for bit.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -41,7 +44,10 @@ use temper_model::candle_core::{DType, Tensor};
 use temper_model::decode::{
     check_stop, next_token, next_token_masked, streamable_len, visible_text,
 };
-use temper_model::{FinishReason, KvCache, LoraAdapter, Pretrained, SamplingParams, Segment};
+use temper_model::kernels::{row_log_softmax, row_logprob};
+use temper_model::{
+    top_k, FinishReason, KvCache, LoraAdapter, Pretrained, SamplingParams, Segment, TopLogprobs,
+};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
@@ -84,8 +90,12 @@ pub struct Job {
     /// Events of sample `j` carry index `first_index + j` (several jobs
     /// may share one event channel).
     pub first_index: usize,
-    /// How to sample; `logprobs` is ignored (callers score).
+    /// How to sample; `logprobs` is ignored (see `scores`).
     pub params: SamplingParams,
+    /// `Some(k)`: report each sampled token's logprob and its `k` most
+    /// likely alternatives in [`Finished::scores`], taken from the decode
+    /// logits when they are exact (see [`Finished::scores`]).
+    pub scores: Option<usize>,
     /// `None`: the base model.
     pub adapter: Option<Arc<LoadedAdapter>>,
     /// Send [`Event::Delta`]s as text is generated.
@@ -127,6 +137,13 @@ pub struct Finished {
     pub text: String,
     /// Why it ended.
     pub finish_reason: FinishReason,
+    /// Each token's `log softmax(logits / T)` (`T = 1` when greedy) and top
+    /// alternatives, when the job asked for `scores` and the decode logits
+    /// are bit-identical to the trainer's
+    /// ([`temper_model::Model::decode_logits_are_exact`]): then they equal
+    /// [`temper_model::Model::score_with_top`]'s without a second forward.
+    /// `None` otherwise: the caller scores the finished sequence.
+    pub scores: Option<TopLogprobs>,
 }
 
 /// Why a job was not queued.
@@ -173,6 +190,12 @@ impl Scheduler {
     pub fn start(model: Arc<Pretrained>, cfg: SchedulerConfig, metrics: Arc<Metrics>) -> Self {
         let (tx, rx) = mpsc::channel();
         let waiting = Arc::new(AtomicUsize::new(0));
+        // Not exact (or not known): callers re-score finished sequences,
+        // which is slower but equally right.
+        let exact_scores = model.model.decode_logits_are_exact().unwrap_or_else(|e| {
+            tracing::warn!("cannot tell whether decode logits are exact ({e}); re-scoring instead");
+            false
+        });
         metrics
             .kv_budget
             .store(cfg.kv_budget_tokens as u64, Ordering::Relaxed);
@@ -186,6 +209,7 @@ impl Scheduler {
             running: Vec::new(),
             preempted: VecDeque::new(),
             prefilling: Vec::new(),
+            exact_scores,
         };
         let spawned = std::thread::Builder::new()
             .name("temper-engine".into())
@@ -251,6 +275,7 @@ struct JobCtx {
     adapter: Option<Arc<LoadedAdapter>>,
     stream: bool,
     events: UnboundedSender<Event>,
+    scores: Option<usize>,
 }
 
 impl Job {
@@ -287,6 +312,8 @@ struct Seq {
     /// The grammar state after `tokens` (kept through preemption: the
     /// tokens are kept too).
     grammar: Option<Grammar>,
+    /// Scores of `tokens` so far (when the job asked and they are exact).
+    scores: TopLogprobs,
 }
 
 /// Why a sampling step failed.
@@ -315,6 +342,9 @@ struct BatchLoop {
     preempted: VecDeque<Seq>,
     /// Admitted prompts whose prefill is not finished.
     prefilling: Vec<Prefill>,
+    /// Whether decode logits equal the trainer's bit for bit, so scores are
+    /// taken from them.
+    exact_scores: bool,
 }
 
 /// What a finished prefill turns into.
@@ -640,6 +670,7 @@ impl BatchLoop {
             adapter: job.adapter,
             stream: job.stream,
             events: job.events,
+            scores: job.scores,
         });
         for index in 0..job.n {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -653,6 +684,7 @@ impl BatchLoop {
                 rng,
                 sent: String::new(),
                 grammar: job.grammar.as_ref().map(Grammar::fork),
+                scores: TopLogprobs::default(),
             });
         }
     }
@@ -704,6 +736,25 @@ impl BatchLoop {
                 .ok_or(StepError::EmptyMask)?
             }
         };
+        if let (Some(k), true) = (seq.job.scores, self.exact_scores) {
+            // The unmasked, unprocessed model's distribution (what training
+            // scores), reduced as the trainer's LM head reduces it.
+            let t = if p.temperature > 0.0 {
+                p.temperature
+            } else {
+                1.0
+            };
+            if k == 0 {
+                seq.scores
+                    .logprobs
+                    .push(row_logprob(&seq.logits, tok as usize, t));
+                seq.scores.top.push(Vec::new());
+            } else {
+                let row = row_log_softmax(&seq.logits, t);
+                seq.scores.logprobs.push(row[tok as usize]);
+                seq.scores.top.push(top_k(&row, k));
+            }
+        }
         seq.tokens.push(tok);
         let full = seq.cache.len() + 1 >= self.cfg.max_model_len;
         let check = check_stop(&seq.tokens, p, eos, tokenizer, full, seq.job.stream)?;
@@ -732,6 +783,8 @@ impl BatchLoop {
             tokens: std::mem::take(&mut seq.tokens),
             text,
             finish_reason,
+            scores: (seq.job.scores.is_some() && self.exact_scores)
+                .then(|| std::mem::take(&mut seq.scores)),
         }))
     }
 

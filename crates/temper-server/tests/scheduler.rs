@@ -2,6 +2,7 @@
 //! prefill (issue 13 item 2: a long prompt stalled every other request).
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use temper_model::{FinishReason, LoadOptions, Pretrained, SamplingParams};
@@ -16,10 +17,27 @@ fn load() -> Arc<Pretrained> {
 }
 
 fn scheduler(model: &Arc<Pretrained>, max_prefill_tokens: usize) -> Scheduler {
+    scheduler_with(
+        model,
+        max_prefill_tokens,
+        None,
+        Arc::new(Metrics::default()),
+    )
+}
+
+fn scheduler_with(
+    model: &Arc<Pretrained>,
+    max_prefill_tokens: usize,
+    kv_budget_tokens: Option<usize>,
+    metrics: Arc<Metrics>,
+) -> Scheduler {
     let mut cfg = ServeConfig::defaults("tiny", model).scheduler;
     cfg.max_model_len = 512;
     cfg.max_prefill_tokens = max_prefill_tokens;
-    Scheduler::start(model.clone(), cfg, Arc::new(Metrics::default()))
+    if let Some(b) = kv_budget_tokens {
+        cfg.kv_budget_tokens = b;
+    }
+    Scheduler::start(model.clone(), cfg, metrics)
 }
 
 fn greedy(max_tokens: usize) -> SamplingParams {
@@ -41,6 +59,7 @@ fn job(prompt: Vec<u32>, index: usize, max_tokens: usize, events: &UnboundedSend
         stream: false,
         events: events.clone(),
         grammar: None,
+        scores: None,
     }
 }
 
@@ -105,4 +124,61 @@ fn chunked_prefill_gives_the_same_tokens_as_a_one_shot_prefill() {
             "chunks of {chunk} tokens changed the continuation"
         );
     }
+}
+
+/// Issue 11: logprobs and top alternatives come straight from the decode
+/// steps (no second forward), and they are the trainer's bits: equal to
+/// `Model::score_with_top` on the finished sequence, for sequences decoded
+/// in a changing batch, prefilled in odd-sized chunks, several samples per
+/// prompt, and evicted and recomputed under a small KV budget.
+#[test]
+fn decode_scores_are_the_trainers_bit_for_bit() {
+    let model = load();
+    assert!(
+        model.model.decode_logits_are_exact().expect("probe"),
+        "the fixture runs on the CPU in f32"
+    );
+    let metrics = Arc::new(Metrics::default());
+    let s = scheduler_with(&model, 7, Some(160), metrics.clone());
+    let (tx, mut rx) = unbounded_channel();
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|i| long_prompt(&model, 3 + 9 * i)[i..].to_vec())
+        .collect();
+    let (n, k, temperature) = (2, 3, 0.7);
+    for (i, prompt) in prompts.iter().enumerate() {
+        let mut j = job(prompt.clone(), i * n, 40, &tx);
+        j.n = n;
+        j.params.temperature = temperature;
+        j.params.seed = Some(i as u64);
+        j.scores = Some(k);
+        s.submit(j).expect("submit");
+    }
+    let done = collect(&mut rx, prompts.len() * n);
+    assert!(
+        metrics.preemptions.load(Ordering::Relaxed) > 0,
+        "the budget must force preemption"
+    );
+    for f in &done {
+        let got = f.scores.as_ref().expect("scores were asked for");
+        let prompt = &prompts[f.index / n];
+        let full: Vec<u32> = prompt.iter().chain(&f.tokens).copied().collect();
+        let mut want = model
+            .model
+            .score_with_top(&full[..full.len() - 1], &full[1..], None, temperature, k)
+            .expect("score");
+        let skip = want.logprobs.len() - f.tokens.len();
+        want.logprobs.drain(..skip);
+        want.top.drain(..skip);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&got.logprobs),
+            bits(&want.logprobs),
+            "choice {}",
+            f.index
+        );
+        assert_eq!(got.top, want.top, "choice {}", f.index);
+    }
+    // Not asked for: not computed.
+    s.submit(job(vec![5, 6, 7], 0, 3, &tx)).expect("submit");
+    assert!(collect(&mut rx, 1)[0].scores.is_none());
 }

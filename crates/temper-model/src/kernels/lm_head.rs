@@ -95,12 +95,8 @@ pub fn for_each_logprob_row(
     for start in (0..n).step_by(ROW_BLOCK) {
         let rows = ROW_BLOCK.min(n - start);
         let mut s = block_logits(&x[start * h..(start + rows) * h], rows, h, &weight)?;
-        s.par_chunks_mut(vocab).for_each(|row| {
-            let (_, _, log_sum) = reduce_row(row, 0, inv_temp);
-            for z in row.iter_mut() {
-                *z = (*z as f64 - log_sum) as f32;
-            }
-        });
+        s.par_chunks_mut(vocab)
+            .for_each(|row| log_softmax_in_place(row, inv_temp));
         for (i, row) in s.chunks(vocab).enumerate() {
             f(start + i, row)?;
         }
@@ -131,6 +127,23 @@ struct LmHeadLogprobs {
 pub fn row_logprob(logits: &[f32], target: usize, temperature: f64) -> f32 {
     let mut row = logits.to_vec();
     reduce_row(&mut row, target, (1.0 / temperature) as f32).0
+}
+
+/// The whole `log softmax(logits / T)` of one row of logits, computed
+/// exactly as [`for_each_logprob_row`] computes its rows: given the same
+/// logits bits, a decode step's `top_logprobs` equal the trainer's.
+pub fn row_log_softmax(logits: &[f32], temperature: f64) -> Vec<f32> {
+    let mut row = logits.to_vec();
+    log_softmax_in_place(&mut row, (1.0 / temperature) as f32);
+    row
+}
+
+/// `row` ← `log softmax(row · inv_temp)`, reduced as [`reduce_row`] does.
+fn log_softmax_in_place(row: &mut [f32], inv_temp: f32) {
+    let (_, _, log_sum) = reduce_row(row, 0, inv_temp);
+    for z in row.iter_mut() {
+        *z = (*z as f64 - log_sum) as f32;
+    }
 }
 
 /// Per-row `(logprob of target, entropy, log Σ exp(s − max))` of scaled

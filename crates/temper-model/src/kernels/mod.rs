@@ -15,7 +15,8 @@ mod test_util;
 pub use attention::{causal_attention, fused_attention_supported, KEY_BLOCK};
 
 pub use lm_head::{
-    for_each_logprob_row, fused_lm_head_supported, lm_head_logprobs, row_logprob, ROW_BLOCK,
+    for_each_logprob_row, fused_lm_head_supported, lm_head_logprobs, row_log_softmax, row_logprob,
+    ROW_BLOCK,
 };
 
 pub use matmul_nn::{matmul_nn, matmul_nn_isa};

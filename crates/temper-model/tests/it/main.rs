@@ -5,6 +5,7 @@ mod decode;
 mod export;
 mod gguf_tokenizers;
 mod golden;
+mod invariance;
 mod loading;
 mod sampling;
 mod smollm2;

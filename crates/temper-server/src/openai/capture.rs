@@ -221,8 +221,8 @@ pub(super) async fn score_choice(
     score(
         s,
         p.adapter.clone(),
-        prompt.clone(),
-        f.tokens.clone(),
+        prompt,
+        f,
         p.sampling.params.temperature,
         k,
         prompt_too,

@@ -23,7 +23,7 @@ pub(super) async fn generate(
     let req: GenerateRequest = parse_body(&body)?;
     let sampling = req.sampling.clone().check(&s.inner.defaults)?;
     let max_tokens = max_tokens_field("max_tokens", req.max_tokens)?;
-    let p = prepare(
+    let mut p = prepare(
         &s,
         &req.model,
         vec![req.prompt_token_ids],
@@ -32,6 +32,8 @@ pub(super) async fn generate(
         Some(16),
         "prompt",
     )?;
+    // Every choice carries its logprobs (RL trains on them).
+    p.logprobs = true;
     let rx = submit(&s, &p, false)?;
     let done = collect(&s, rx, p.total_choices(), started).await?;
     let mut choices = Vec::with_capacity(done.len());
@@ -41,8 +43,8 @@ pub(super) async fn generate(
         let r = score(
             &s,
             p.adapter.clone(),
-            p.prompts[0].clone(),
-            f.tokens.clone(),
+            &p.prompts[0],
+            &f,
             p.sampling.params.temperature,
             0,
             false,

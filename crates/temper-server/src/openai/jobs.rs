@@ -42,6 +42,17 @@ impl Prepared {
     pub(super) fn total_choices(&self) -> usize {
         self.prompts.len() * self.sampling.n
     }
+
+    /// What the scheduler should record per token: logprobs and top
+    /// alternatives when the client asked, logprobs alone when the call is
+    /// captured, nothing otherwise.
+    fn scores(&self) -> Option<usize> {
+        if self.logprobs {
+            Some(self.top_logprobs)
+        } else {
+            self.capture.as_ref().map(|_| 0)
+        }
+    }
 }
 
 /// Resolve the model, check lengths, settle `max_tokens`.
@@ -164,6 +175,7 @@ pub(super) fn submit(
             n: p.sampling.n,
             first_index: i * p.sampling.n,
             params: p.sampling.params.clone(),
+            scores: p.scores(),
             adapter: p.adapter.clone(),
             stream,
             events: tx.clone(),
@@ -220,27 +232,38 @@ pub(super) async fn collect(
     Ok(out.into_iter().flatten().collect())
 }
 
-/// Canonical logprobs of `tokens` after `prompt` (see the module docs);
-/// `prompt_too`: also of the prompt's tokens 1.. (for `echo`).
+/// Canonical logprobs of choice `f`'s tokens after `prompt` with the `k`
+/// most likely alternatives (see the module docs): the scheduler's, taken
+/// from the decode logits, when it has them; otherwise (or with
+/// `prompt_too`: also of the prompt's tokens 1.., for `echo`) by
+/// [`temper_model::Model::score_with_top`] on the finished sequence.
 pub(super) async fn score(
     s: &OpenAiState,
     adapter: Option<Arc<LoadedAdapter>>,
-    prompt: Vec<u32>,
-    tokens: Vec<u32>,
+    prompt: &[u32],
+    f: &Finished,
     temperature: f64,
     k: usize,
     prompt_too: bool,
 ) -> Result<TopLogprobs, OpenAiError> {
+    if let (Some(d), false) = (&f.scores, prompt_too) {
+        let vocab = s.inner.model.config.vocab_size;
+        if d.logprobs.len() == f.tokens.len() && d.top.iter().all(|t| t.len() == k.min(vocab)) {
+            return Ok(d.clone());
+        }
+        tracing::warn!("decode scores do not cover the choice; re-scoring it");
+    }
     let model = s.inner.model.clone();
     let t = if temperature > 0.0 { temperature } else { 1.0 };
+    let full: Vec<u32> = prompt.iter().chain(&f.tokens).copied().collect();
+    let completion = f.tokens.len();
     tokio::task::spawn_blocking(move || {
-        let full: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
         let lora = adapter.as_ref().map(|a| &a.lora);
         let mut r = model
             .model
             .score_with_top(&full[..full.len() - 1], &full[1..], lora, t, k)?;
         if !prompt_too {
-            let skip = r.logprobs.len() - tokens.len();
+            let skip = r.logprobs.len() - completion;
             r.logprobs.drain(..skip);
             r.top.drain(..skip);
         }

@@ -11,9 +11,12 @@
 //! it: `"version"` (0 = base model, else the adapter's load count) and
 //! `"system_fingerprint": "<model>@v<version>"`.
 //!
-//! Logprobs are computed after a sample finishes, by
-//! [`temper_model::Model::score_with_top`] — the trainer's forward — so they
-//! equal what training computes for the same tokens bit for bit. They are
+//! Logprobs are taken from each decode step's logits where those are
+//! bit-identical to the trainer's (the CPU in f32: batch-invariant kernels),
+//! and otherwise computed after a sample finishes by
+//! [`temper_model::Model::score_with_top`] — the trainer's forward; either
+//! way they equal what training computes for the same tokens bit for bit
+//! (`echo`'s prompt logprobs always take the second route). They are
 //! of the sampling distribution `log softmax(logits / T)` (T = 1 for greedy),
 //! before top-k / top-p and before a structured-output mask (the unmasked
 //! model's, see [`crate::structured`]). When streaming, a choice's logprobs
