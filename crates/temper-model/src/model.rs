@@ -210,11 +210,41 @@ impl Layer {
     }
 }
 
-/// Keys and values of one sequence, per layer: `[kv_heads, len, head_dim]`.
-#[derive(Debug, Clone)]
+/// Keys and values of one sequence, per layer, in buffers
+/// `[kv_heads, capacity, head_dim]` whose first `len` positions are filled.
+/// New positions are written in place (the capacity doubles when full), so
+/// a decode step costs O(1) per cached token instead of copying the whole
+/// cache; attention reads the filled prefix in place. (Keys and values that
+/// carry gradients are concatenated instead, so gradients still flow.)
+#[derive(Debug)]
 pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
     len: usize,
+}
+
+/// Smallest buffer a layer starts with, in positions.
+const MIN_KV_CAPACITY: usize = 32;
+
+impl Clone for KvCache {
+    /// A deep copy of the filled positions: buffers are written in place,
+    /// so clones (the `n` samples of one prompt) must not share storage.
+    fn clone(&self) -> Self {
+        let copy = |t: &Tensor| -> Tensor {
+            // A narrow + copy of a CPU tensor cannot fail for in-range
+            // bounds; fall back to a full copy rather than panic.
+            t.narrow(1, 0, self.len)
+                .and_then(|v| v.copy())
+                .unwrap_or_else(|_| t.clone())
+        };
+        Self {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| l.as_ref().map(|(k, v)| (copy(k), copy(v))))
+                .collect(),
+            len: self.len,
+        }
+    }
 }
 
 impl KvCache {
@@ -224,6 +254,57 @@ impl KvCache {
             layers: vec![None; num_layers],
             len: 0,
         }
+    }
+
+    /// Write `k`, `v` (`[kv_heads, t, head_dim]`, the keys and values of
+    /// positions `len..len+t`) into layer `li`, growing its buffers when
+    /// full; returns views of every filled position, `[kv_heads, len+t,
+    /// head_dim]`. `len` itself moves on once the whole forward is done.
+    fn append(&mut self, li: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (_, t, _) = k.dims3()?;
+        let (pos, filled) = (self.len, self.len + t);
+        let layer = self
+            .layers
+            .get_mut(li)
+            .ok_or_else(|| ModelError::InvalidInput(format!("KV cache has no layer {li}")))?;
+        if k.track_op() || v.track_op() {
+            // Part of an autograd graph (a trainable adapter used without an
+            // inference view): concatenate so gradients reach the new
+            // positions. The full result is the buffer; the next append
+            // finds it full and moves to a fresh one.
+            let (kc, vc) = match layer.as_ref() {
+                Some((kb, vb)) if pos > 0 => (
+                    Tensor::cat(&[&kb.narrow(1, 0, pos)?, k], 1)?,
+                    Tensor::cat(&[&vb.narrow(1, 0, pos)?, v], 1)?,
+                ),
+                _ => (k.clone(), v.clone()),
+            };
+            *layer = Some((kc.clone(), vc.clone()));
+            return Ok((kc, vc));
+        }
+        let capacity = layer.as_ref().map_or(0, |(kb, _)| kb.dim(1).unwrap_or(0));
+        if filled > capacity {
+            let cap = filled.max(2 * capacity).max(MIN_KV_CAPACITY);
+            let grow = |old: Option<&Tensor>, like: &Tensor| -> Result<Tensor> {
+                let (heads, _, hd) = like.dims3()?;
+                let buf = Tensor::zeros((heads, cap, hd), like.dtype(), like.device())?;
+                if let (Some(old), true) = (old, pos > 0) {
+                    buf.slice_set(&old.narrow(1, 0, pos)?.contiguous()?, 1, 0)?;
+                }
+                Ok(buf)
+            };
+            let (kb, vb) = match layer.as_ref() {
+                Some((kb, vb)) => (grow(Some(kb), k)?, grow(Some(vb), v)?),
+                None => (grow(None, k)?, grow(None, v)?),
+            };
+            *layer = Some((kb, vb));
+        }
+        let (kb, vb) = layer
+            .as_ref()
+            .ok_or_else(|| ModelError::InvalidInput("KV cache layer missing".into()))?;
+        kb.slice_set(&k.contiguous()?, 1, pos)?;
+        vb.slice_set(&v.contiguous()?, 1, pos)?;
+        Ok((kb.narrow(1, 0, filled)?, vb.narrow(1, 0, filled)?))
     }
 
     /// Tokens cached so far (= the position of the next token).
@@ -565,11 +646,7 @@ impl Model {
             let mut ks = self.rope.apply(&ks.transpose(0, 1)?.contiguous()?, pos)?;
             let mut vs = vs.transpose(0, 1)?.contiguous()?;
             if let Some(cache) = seg.cache.as_deref_mut() {
-                if let Some((pk, pv)) = &cache.layers[li] {
-                    ks = Tensor::cat(&[pk, &ks], 1)?;
-                    vs = Tensor::cat(&[pv, &vs], 1)?;
-                }
-                cache.layers[li] = Some((ks.clone(), vs.clone()));
+                (ks, vs) = cache.append(li, &ks, &vs)?;
             }
             let o = if fused_attention_supported(&qs) {
                 // Online softmax over fixed key blocks: linear memory, and
@@ -578,6 +655,7 @@ impl Model {
                     .transpose(0, 1)?
                     .reshape((len, nh * hd))?
             } else {
+                let (ks, vs) = (ks.contiguous()?, vs.contiguous()?);
                 let kv_len = pos + len;
                 // Query head h uses kv head h / groups (transformers' repeat_kv),
                 // so [nh, len, hd] regroups as [nkv, groups·len, hd] without copying K/V.
@@ -680,13 +758,9 @@ impl Model {
             let mut vs = Vec::with_capacity(b);
             let mut fused_out = Vec::with_capacity(b);
             for (i, c) in caches.iter_mut().enumerate() {
-                let ki = k.get(i)?.unsqueeze(1)?.contiguous()?;
-                let vi = v.get(i)?.unsqueeze(1)?.contiguous()?;
-                let (kc, vc) = match &c.layers[li] {
-                    Some((pk, pv)) => (Tensor::cat(&[pk, &ki], 1)?, Tensor::cat(&[pv, &vi], 1)?),
-                    None => (ki, vi),
-                };
-                c.layers[li] = Some((kc.clone(), vc.clone()));
+                let ki = k.get(i)?.unsqueeze(1)?;
+                let vi = v.get(i)?.unsqueeze(1)?;
+                let (kc, vc) = c.append(li, &ki, &vi)?;
                 if fused {
                     // The same kernel as `forward_hidden`: this token's
                     // attention is bit-identical to a full forward's.

@@ -1,16 +1,22 @@
 //! `temper bench serve`: generated tokens/s of `temper serve` at several
 //! client concurrencies, against HF transformers `generate` on the same model
-//! and the same work (`scripts/bench_serve.py`).
+//! and the same work (`scripts/bench_serve.py`), and optionally llama.cpp's
+//! `llama-batched-bench` on the same weights.
 //!
-//! The model is a fixed random-weight f32 Llama (hidden 256, intermediate
-//! 768, 4 layers, 4 heads, 2 KV heads, vocab 1000 with the tiny-llama
-//! fixture's tokenizer), written as a Hugging Face directory and loaded by
-//! both sides through their real loaders. At concurrency C, C clients each
+//! The model is `--model` (an HF directory or a GGUF file, served in f32) or
+//! else a fixed random-weight f32 Llama (hidden 256, intermediate 768, 4
+//! layers, 4 heads, 2 KV heads, vocab 1000 with the tiny-llama fixture's
+//! tokenizer). The peers get the very weights temper serves: an f32 HF
+//! directory for transformers and an f32 GGUF for llama.cpp, both written by
+//! temper's exporters (or `--llama-gguf` for another precision). At
+//! concurrency C, C clients each
 //! send `rounds` `/v1/completions` requests over loopback HTTP (prompt of
 //! `prompt_len` token ids, exactly `max_tokens` new tokens, temperature 1,
 //! no truncation); transformers runs `rounds` batches of C same-length
-//! prompts (no padding: its best case). Each side reports the best of
-//! `repeats` measurements per level.
+//! prompts (no padding: its best case); llama.cpp prefills C prompts and
+//! decodes them in lockstep without sampling (`llama-batched-bench`, its
+//! generated tokens over its prefill + decode time). Each side reports the
+//! best of `repeats` measurements per level.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -20,7 +26,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use temper_model::{LoadOptions, Pretrained, RandomInit};
+use temper_model::candle_core::DType;
+use temper_model::{GgufQuant, LoadOptions, Pretrained, RandomInit};
 use temper_server::openai::{app, OpenAiState, ServeConfig};
 
 /// Arguments of `temper bench serve`.
@@ -48,6 +55,18 @@ pub struct ServeBenchArgs {
     /// Skip the transformers half.
     #[arg(long)]
     no_peer: bool,
+    /// Model to serve: a Hugging Face directory or a GGUF file (default: a
+    /// random tiny Llama).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// llama.cpp's `llama-batched-bench` binary (`scripts/build_llama_cpp.sh`
+    /// builds it): adds a llama.cpp column.
+    #[arg(long)]
+    llama_batched_bench: Option<PathBuf>,
+    /// GGUF file llama.cpp runs (default: the served weights exported as
+    /// f32 GGUF).
+    #[arg(long, requires = "llama_batched_bench")]
+    llama_gguf: Option<PathBuf>,
 }
 
 const HIDDEN: usize = 256;
@@ -81,11 +100,12 @@ fn write_model(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Tokens/s of the server at concurrency `c`.
+/// Tokens/s of the server at concurrency `c`; prompts draw ids below `vocab`.
 async fn measure(
     url: &str,
     c: usize,
     args: &ServeBenchArgs,
+    vocab: usize,
     http: &reqwest::Client,
 ) -> Result<f64> {
     let t0 = Instant::now();
@@ -98,7 +118,7 @@ async fn measure(
             let mut tokens = 0u64;
             for r in 0..rounds {
                 let prompt: Vec<u32> = (0..plen)
-                    .map(|i| ((client * 131 + r * 17 + i * 7) % (VOCAB - 8)) as u32)
+                    .map(|i| ((client * 131 + r * 17 + i * 7) % (vocab - 8)) as u32)
                     .collect();
                 let body = serde_json::json!({
                     "model": "bench", "prompt": prompt, "max_tokens": max_tokens,
@@ -140,7 +160,8 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         bail!("concurrency levels, --rounds and --max-tokens must be >= 1");
     }
     let dir = std::env::temp_dir().join(format!("temper-bench-serve-{}", std::process::id()));
-    write_model(&dir)?;
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    // `temper --threads` (or the core count) is in RAYON_NUM_THREADS by now.
     let threads = std::env::var("RAYON_NUM_THREADS")
         .ok()
         .and_then(|s| s.parse::<usize>().ok())
@@ -150,8 +171,123 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
     result
 }
 
-fn bench(dir: &Path, levels: &[usize], args: &ServeBenchArgs, threads: usize) -> Result<()> {
-    let model = Pretrained::load(dir, &LoadOptions::default())?;
+/// The served model, and an HF directory of the same weights for
+/// transformers (written under `work` unless the model is one already).
+fn served_model(work: &Path, args: &ServeBenchArgs) -> Result<(Pretrained, PathBuf, String)> {
+    let Some(path) = &args.model else {
+        let dir = work.join("model");
+        write_model(&dir)?;
+        let model = Pretrained::load(&dir, &LoadOptions::default())?;
+        let what = format!("random f32 Llama (hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB})");
+        return Ok((model, dir, what));
+    };
+    let opts = LoadOptions {
+        dtype: DType::F32,
+        ..LoadOptions::default()
+    };
+    let model =
+        Pretrained::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
+    let what = format!(
+        "{} in f32 ({} layers, hidden {}, vocab {})",
+        path.display(),
+        model.config.num_layers,
+        model.config.hidden_size,
+        model.config.vocab_size
+    );
+    if path.is_dir() {
+        return Ok((model, path.clone(), what));
+    }
+    let dir = work.join("hf");
+    if !args.no_peer {
+        temper_model::save_hf(&model, &model.model, &dir)
+            .with_context(|| format!("writing {} for transformers", dir.display()))?;
+    }
+    Ok((model, dir, what))
+}
+
+/// llama.cpp's tokens/s per concurrency: generated tokens over prefill +
+/// decode time, best of `repeats` runs of `llama-batched-bench`.
+fn llama_cpp(
+    bin: &Path,
+    gguf: &Path,
+    levels: &[usize],
+    args: &ServeBenchArgs,
+    threads: usize,
+) -> Result<HashMap<usize, f64>> {
+    let most = levels.iter().copied().max().unwrap_or(1);
+    let ctx = most * (args.prompt_len + args.max_tokens) + 16;
+    let npl = levels
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut best: HashMap<usize, f64> = HashMap::new();
+    for _ in 0..args.repeats.max(1) {
+        let out = Command::new(bin)
+            .arg("-m")
+            .arg(gguf)
+            .args(["-c", &ctx.to_string(), "-b", "2048", "-ub", "512"])
+            .args(["-npp", &args.prompt_len.to_string()])
+            .args(["-ntg", &args.max_tokens.to_string()])
+            .args(["-npl", &npl, "-t", &threads.to_string()])
+            .args(["--output-format", "jsonl"])
+            .output()
+            .with_context(|| format!("running {}", bin.display()))?;
+        if !out.status.success() {
+            bail!(
+                "{} failed:\n{}",
+                bin.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        // jsonl goes to the log stream; take every line that parses.
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut seen = 0;
+        for line in text.lines().filter(|l| l.trim_start().starts_with('{')) {
+            let v: serde_json::Value =
+                serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?;
+            let field = |k: &str| {
+                v[k].as_f64()
+                    .with_context(|| format!("llama-batched-bench line without {k}: {line}"))
+            };
+            let (pl, tg, t) = (field("pl")?, field("tg")?, field("t")?);
+            let rate = pl * tg / t;
+            let e = best.entry(pl as usize).or_insert(0.0);
+            *e = e.max(rate);
+            seen += 1;
+        }
+        if seen == 0 {
+            bail!("{} printed no results:\n{text}", bin.display());
+        }
+    }
+    Ok(best)
+}
+
+fn bench(work: &Path, levels: &[usize], args: &ServeBenchArgs, threads: usize) -> Result<()> {
+    let (model, hf_dir, what) = served_model(work, args)?;
+    let vocab = model.config.vocab_size;
+    if vocab <= 8 {
+        bail!("the model's vocabulary ({vocab}) is too small to draw prompts from");
+    }
+    let llama = match &args.llama_batched_bench {
+        None => None,
+        Some(bin) => {
+            let gguf = match &args.llama_gguf {
+                Some(g) => g.clone(),
+                None => {
+                    let g = work.join("model-f32.gguf");
+                    temper_model::save_gguf(&model, &model.model, &g, GgufQuant::F32)
+                        .context("exporting the f32 GGUF for llama.cpp")?;
+                    g
+                }
+            };
+            Some((bin.clone(), gguf))
+        }
+    };
     let cfg = ServeConfig::defaults("bench", &model);
     let state = OpenAiState::new(Arc::new(model), cfg);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -169,14 +305,17 @@ fn bench(dir: &Path, levels: &[usize], args: &ServeBenchArgs, threads: usize) ->
             max_tokens: 8,
             concurrency: String::new(),
             python: String::new(),
+            model: None,
+            llama_batched_bench: None,
+            llama_gguf: None,
             ..*args
         };
-        measure(&url, 1, &warm, &http).await?;
+        measure(&url, 1, &warm, vocab, &http).await?;
         let mut out = Vec::new();
         for &c in levels {
             let mut best = 0f64;
             for _ in 0..args.repeats.max(1) {
-                best = best.max(measure(&url, c, args, &http).await?);
+                best = best.max(measure(&url, c, args, vocab, &http).await?);
             }
             out.push(best);
         }
@@ -190,7 +329,7 @@ fn bench(dir: &Path, levels: &[usize], args: &ServeBenchArgs, threads: usize) ->
         let script = repo_root().join("scripts/bench_serve.py");
         let out = Command::new(&args.python)
             .arg(&script)
-            .args(["--model", &dir.display().to_string()])
+            .args(["--model", &hf_dir.display().to_string()])
             .args(["--concurrency", &args.concurrency])
             .args(["--prompt-len", &args.prompt_len.to_string()])
             .args(["--max-tokens", &args.max_tokens.to_string()])
@@ -210,22 +349,32 @@ fn bench(dir: &Path, levels: &[usize], args: &ServeBenchArgs, threads: usize) ->
         let line = text.lines().last().unwrap_or("");
         Some(serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?)
     };
+    let llama = match &llama {
+        Some((bin, gguf)) => Some((gguf, llama_cpp(bin, gguf, levels, args, threads)?)),
+        None => None,
+    };
     println!(
-        "temper bench serve: random f32 Llama (hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB}), prompt {} tokens, {} new tokens per request, {} request(s) per client, {threads} threads, CPU, best of {}",
+        "temper bench serve: {what}, prompt {} tokens, {} new tokens per request, {} request(s) per client, {threads} threads, CPU, best of {}",
         args.prompt_len, args.max_tokens, args.rounds, args.repeats.max(1)
     );
+    if let Some((gguf, _)) = &llama {
+        println!("llama.cpp: {} (no sampling)", gguf.display());
+    }
     println!(
-        "{:>11}  {:>15}  {:>22}  {:>6}",
-        "concurrency", "temper tok/s", "transformers tok/s", "ratio"
+        "{:>11}  {:>13}  {:>18}  {:>6}  {:>15}  {:>6}",
+        "concurrency", "temper tok/s", "transformers tok/s", "ratio", "llama.cpp tok/s", "ratio"
     );
-    for (&c, ours) in levels.iter().zip(&ours) {
-        match peer.as_ref().and_then(|p| p.get(&c.to_string())) {
-            Some(theirs) => println!(
-                "{c:>11}  {ours:>15.1}  {theirs:>22.1}  {:>5.2}x",
-                ours / theirs
-            ),
-            None => println!("{c:>11}  {ours:>15.1}  {:>22}  {:>6}", "-", "-"),
-        }
+    let cell = |ours: f64, theirs: Option<f64>| match theirs {
+        Some(t) => (format!("{t:.1}"), format!("{:.2}x", ours / t)),
+        None => ("-".to_string(), "-".to_string()),
+    };
+    for (&c, &ours) in levels.iter().zip(&ours) {
+        let (hf, hf_ratio) = cell(
+            ours,
+            peer.as_ref().and_then(|p| p.get(&c.to_string()).copied()),
+        );
+        let (lc, lc_ratio) = cell(ours, llama.as_ref().and_then(|(_, l)| l.get(&c).copied()));
+        println!("{c:>11}  {ours:>13.1}  {hf:>18}  {hf_ratio:>6}  {lc:>15}  {lc_ratio:>6}");
     }
     Ok(())
 }

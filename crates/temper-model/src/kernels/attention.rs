@@ -37,6 +37,9 @@ const SEQUENTIAL_WORK: usize = 1 << 18;
 /// `[kv_heads, kv_len, hd]` with `kv_len ≥ q_len` (the queries are the last
 /// `q_len` positions); query head `h` uses kv head `h / (heads / kv_heads)`.
 /// Returns `[heads, q_len, hd]`, differentiable w.r.t. `q`, `k` and `v`.
+/// `k` and `v` may be the first `kv_len` positions of larger buffers
+/// (`narrow(1, 0, kv_len)` of `[kv_heads, capacity, hd]`: a KV cache): they
+/// are read in place, not copied.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     let (nh, lq, hd) = q.dims3()?;
     let (nkv, lk, khd) = k.dims3()?;
@@ -52,8 +55,51 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
         scale: scale as f32,
         lse: Arc::new(Mutex::new(None)),
     };
+    let in_place = |t: &Tensor| -> Result<Tensor> {
+        Ok(if head_strided(t.layout()).is_some() {
+            t.clone()
+        } else {
+            t.contiguous()?
+        })
+    };
     Ok(q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
+        .apply_op3(&in_place(k)?, &in_place(v)?, op)?)
+}
+
+/// For a `[heads, len, hd]` layout whose rows are contiguous within each
+/// head (a contiguous tensor, or a prefix of a longer buffer along `len`):
+/// the distance between heads, in elements.
+fn head_strided(l: &Layout) -> Option<usize> {
+    let (_, len, hd) = l.shape().dims3().ok()?;
+    // A stride along a dimension of size 1 is never used (candle leaves
+    // whatever the tensor came from there).
+    match l.stride() {
+        [hs, row, unit] if (*row == hd || len <= 1) && (*unit == 1 || hd <= 1) => Some(*hs),
+        _ => None,
+    }
+}
+
+/// The elements of a [`head_strided`] f32 input, from its first element to
+/// its last, and its head stride.
+fn strided_slice<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<(&'a [f32], usize)> {
+    let msg = |m: &str| candle_core::Error::Msg(format!("attention: {what} {m}"));
+    let hs = head_strided(l).ok_or_else(|| msg("rows must be contiguous within a head"))?;
+    let (heads, len, hd) = l.shape().dims3()?;
+    let start = l.start_offset();
+    let end = if heads == 0 || len == 0 {
+        start
+    } else {
+        start + (heads - 1) * hs + len * hd
+    };
+    match s {
+        CpuStorage::F32(v) if end <= v.len() => Ok((&v[start..end], hs)),
+        CpuStorage::F32(_) => Err(msg("is out of its storage's bounds")),
+        _ => Err(msg("must be f32")),
+    }
 }
 
 /// Whether [`causal_attention`] handles these inputs (f32 on the CPU).
@@ -100,12 +146,20 @@ struct Dims {
     hd: usize,
     lk: usize,
     groups: usize,
+    /// Elements between kv heads in `k` and in `v` (`lk·hd` when
+    /// contiguous; a KV cache buffer's capacity·hd).
+    k_stride: usize,
+    v_stride: usize,
 }
 
 impl Dims {
-    /// Offset of key row `j` of the kv head serving query head `h`.
-    fn kv(&self, h: usize, j: usize) -> usize {
-        ((h / self.groups) * self.lk + j) * self.hd
+    /// Offset in `k` of key row `j` of the kv head serving query head `h`.
+    fn k_at(&self, h: usize, j: usize) -> usize {
+        (h / self.groups) * self.k_stride + j * self.hd
+    }
+    /// Offset in `v` of value row `j` of the kv head serving query head `h`.
+    fn v_at(&self, h: usize, j: usize) -> usize {
+        (h / self.groups) * self.v_stride + j * self.hd
     }
     /// Absolute position of query `i`.
     fn pos(&self, i: usize) -> usize {
@@ -175,7 +229,7 @@ fn row_forward_body(
         let b1 = (b0 + KEY_BLOCK).min(p_end);
         let mut bm = f32::NEG_INFINITY;
         for j in b0..b1 {
-            let kj = &k[d.kv(h, j)..d.kv(h, j) + d.hd];
+            let kj = &k[d.k_at(h, j)..d.k_at(h, j) + d.hd];
             let x = dot(q, kj) * d.scale;
             s[j - b0] = x;
             bm = bm.max(x);
@@ -187,7 +241,7 @@ fn row_forward_body(
         for j in b0..b1 {
             let p = (s[j - b0] - m_new).exp();
             l += p;
-            axpy(o, p, &v[d.kv(h, j)..d.kv(h, j) + d.hd]);
+            axpy(o, p, &v[d.v_at(h, j)..d.v_at(h, j) + d.hd]);
         }
         m = m_new;
     }
@@ -215,10 +269,10 @@ impl Bwd<'_> {
     fn ds(&self, r: usize, j: usize) -> (f32, f32) {
         let (d, hd) = (self.d, self.d.hd);
         let h = r / d.lq;
-        let kj = d.kv(h, j);
+        let (kj, vj) = (d.k_at(h, j), d.v_at(h, j));
         let s = dot(&self.q[r * hd..(r + 1) * hd], &self.k[kj..kj + hd]) * d.scale;
         let p = (s - self.lse[r]).exp();
-        let dp = dot(&self.go[r * hd..(r + 1) * hd], &self.v[kj..kj + hd]);
+        let dp = dot(&self.go[r * hd..(r + 1) * hd], &self.v[vj..vj + hd]);
         (p, p * (dp - self.dsum[r]))
     }
 }
@@ -234,7 +288,7 @@ fn dq_row_body(b: &Bwd<'_>, r: usize, dqr: &mut [f32]) {
     let (h, i) = (r / d.lq, r % d.lq);
     for j in 0..=d.pos(i) {
         let (_, g) = b.ds(r, j);
-        let kj = d.kv(h, j);
+        let kj = d.k_at(h, j);
         axpy(dqr, g * d.scale, &b.k[kj..kj + hd]);
     }
 }
@@ -274,11 +328,9 @@ impl CustomOp3 for CausalAttention {
         vs: &CpuStorage,
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (q, k, v) = (
-            f32_slice("attention", qs, ql, "q")?,
-            f32_slice("attention", ks, kl, "k")?,
-            f32_slice("attention", vs, vl, "v")?,
-        );
+        let q = f32_slice("attention", qs, ql, "q")?;
+        let (k, k_stride) = strided_slice(ks, kl, "k")?;
+        let (v, v_stride) = strided_slice(vs, vl, "v")?;
         let (nh, lq, hd) = ql.shape().dims3()?;
         let (nkv, lk, _) = kl.shape().dims3()?;
         let d = Dims {
@@ -287,6 +339,8 @@ impl CustomOp3 for CausalAttention {
             hd,
             lk,
             groups: nh / nkv,
+            k_stride,
+            v_stride,
         };
         let mut out = vec![0f32; nh * lq * hd];
         let mut lse = vec![0f32; nh * lq];
@@ -324,12 +378,15 @@ impl CustomOp3 for CausalAttention {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (nh, lq, hd) = q.dims3()?;
         let (nkv, lk, _) = k.dims3()?;
+        // `flat` below makes every input contiguous.
         let d = Dims {
             scale: self.scale,
             lq,
             hd,
             lk,
             groups: nh / nkv,
+            k_stride: lk * hd,
+            v_stride: lk * hd,
         };
         let lse = self
             .lse
@@ -603,6 +660,8 @@ mod tests {
             hd: HD,
             lk,
             groups: NH / NKV,
+            k_stride: lk * HD,
+            v_stride: lk * HD,
         };
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let (mut o1, mut o2) = (vec![0f32; HD], vec![0f32; HD]);
