@@ -45,6 +45,7 @@ pub mod capture;
 pub mod command;
 pub mod dockerfile;
 pub mod env;
+pub mod environment;
 mod error;
 pub mod job;
 pub mod task;
@@ -53,6 +54,7 @@ pub mod traces;
 pub mod trial;
 
 pub use agent::{Agent, AgentContext, AgentOutcome, Nop, Oracle};
+pub use environment::{load_environment, TasksEnv, TasksEnvArgs};
 pub use error::TaskError;
 pub use job::{load_job, plan_job, run_job, summary_table, AgentSpec, JobConfig, JobResult};
 pub use task::{discover, Task, TaskConfig};
