@@ -1,6 +1,8 @@
 //! Issue 17: Harbor tasks as an RL environment. A run on two example tasks
 //! with the `terminal` agent on the tiny model completes its steps and
-//! trains on the tokens captured from the agent's model calls.
+//! trains on the tokens captured from the agents' model calls — the
+//! built-in agent's in-process calls, and an agent program's (the `command`
+//! agent running `examples/agents/shell_agent.py`) calls over HTTP.
 
 use std::path::{Path, PathBuf};
 
@@ -74,7 +76,7 @@ fn config(dir: &Path) -> RlConfig {
         args = {{ agent = "terminal", tasks = ["hello-file", "write-config"], max_turns = 2, agent_timeout_sec = 60.0, trials_dir = "{trials}" }}
         [[env]]
         id = "{coin}"
-        args = {{ agent = "terminal", max_turns = 2, trials_dir = "{coin_trials}" }}
+        args = {{ agent = "command", command = "MAX_TURNS=2 python3 {shell_agent}", trials_dir = "{coin_trials}" }}
         [sampling]
         max_tokens = 12
         group_size = 4
@@ -95,6 +97,9 @@ fn config(dir: &Path) -> RlConfig {
         examples = examples().display(),
         trials = dir.join("trials").display(),
         coin = coin.display(),
+        shell_agent = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/agents/shell_agent.py")
+            .display(),
         coin_trials = dir.join("coin-trials").display(),
         run = dir.join("run").display(),
     );
@@ -159,8 +164,17 @@ fn rl_on_two_example_tasks_with_the_terminal_agent_trains_on_captured_tokens() {
     }
     let coin = trials(&tmp.path().join("coin-trials"));
     assert_eq!(coin.len(), 8, "2 steps x 1 group x 4 rollouts");
-    // The captured completion tokens of the coin groups: exactly what is
-    // trained (their rewards differ; the example tasks' groups are all 0).
+    // The coin groups' agent program made its calls over HTTP; their
+    // captured completion tokens are exactly what is trained (their rewards
+    // differ; the example tasks' groups are all 0).
+    for (result, records, _) in &coin {
+        assert!(
+            (1..=2).contains(&records.len()),
+            "{}: {:?}",
+            result["trial_name"],
+            result["exception_info"]
+        );
+    }
     let captured: usize = coin
         .iter()
         .flat_map(|(_, records, _)| records)
