@@ -13,6 +13,11 @@
 //! job layout ([`job`], [`trial`]) with an ATIF trajectory per trial
 //! ([`atif`]).
 //!
+//! The same trials are a temper environment ([`environment`]): a task
+//! directory given to `temper eval` or as an `[[env]] id` loads through
+//! [`load_environment`] as a [`TasksEnv`], whose rollouts record the
+//! agent's model calls with their token traces, so RL trains on them.
+//!
 //! Key design choice: no image build and no container daemon. A trial's
 //! environment is the host's own toolchain in a namespace sandbox, ready in
 //! milliseconds, so tasks must run on what the host has (bash, python,

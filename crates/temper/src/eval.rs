@@ -16,8 +16,10 @@ use temper_eval::{default_run_dir, run_eval, EvalConfig, RetryPolicy};
 /// `temper eval` flags (verifiers' short flags).
 #[derive(Args)]
 pub struct EvalArgs {
-    /// A built-in environment, a directory with env.toml, a command, or a
-    /// hub reference (`owner/name`, `owner/name@1.2`), pulled into the cache.
+    /// A built-in environment, a directory with env.toml, a Harbor task
+    /// directory or a directory of them (agent and budgets in --env-args:
+    /// `{"agent": "oracle"}`), a command, or a hub reference (`owner/name`,
+    /// `owner/name@1.2`), pulled into the cache.
     #[arg(required_unless_present_any = ["resume", "config"])]
     env: Option<String>,
     /// A TOML file of these flags (long names, `_` for `-`: `env`,
