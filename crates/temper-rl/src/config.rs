@@ -59,7 +59,9 @@ impl Default for LoraSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnvSection {
-    /// A built-in name, a directory with env.toml, or an external command.
+    /// A built-in name, a directory with env.toml, a Harbor task directory
+    /// or a directory of them (`args`: the agent and its budgets, see
+    /// `temper_tasks::TasksEnvArgs`), or an external command.
     pub id: String,
     /// Relative mixing weight.
     #[serde(default = "one")]

@@ -13,6 +13,11 @@
 //! job layout ([`job`], [`trial`]) with an ATIF trajectory per trial
 //! ([`atif`]).
 //!
+//! The same trials are a temper environment ([`environment`]): a task
+//! directory given to `temper eval` or as an `[[env]] id` loads through
+//! [`load_environment`] as a [`TasksEnv`], whose rollouts record the
+//! agent's model calls with their token traces, so RL trains on them.
+//!
 //! Key design choice: no image build and no container daemon. A trial's
 //! environment is the host's own toolchain in a namespace sandbox, ready in
 //! milliseconds, so tasks must run on what the host has (bash, python,
@@ -45,6 +50,7 @@ pub mod capture;
 pub mod command;
 pub mod dockerfile;
 pub mod env;
+pub mod environment;
 mod error;
 pub mod job;
 pub mod task;
@@ -53,6 +59,7 @@ pub mod traces;
 pub mod trial;
 
 pub use agent::{Agent, AgentContext, AgentOutcome, Nop, Oracle};
+pub use environment::{load_environment, TasksEnv, TasksEnvArgs};
 pub use error::TaskError;
 pub use job::{load_job, plan_job, run_job, summary_table, AgentSpec, JobConfig, JobResult};
 pub use task::{discover, Task, TaskConfig};

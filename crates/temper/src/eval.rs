@@ -16,8 +16,10 @@ use temper_eval::{default_run_dir, run_eval, EvalConfig, RetryPolicy};
 /// `temper eval` flags (verifiers' short flags).
 #[derive(Args)]
 pub struct EvalArgs {
-    /// A built-in environment, a directory with env.toml, a command, or a
-    /// hub reference (`owner/name`, `owner/name@1.2`), pulled into the cache.
+    /// A built-in environment, a directory with env.toml, a Harbor task
+    /// directory or a directory of them (agent and budgets in --env-args:
+    /// `{"agent": "oracle"}`), a command, or a hub reference (`owner/name`,
+    /// `owner/name@1.2`), pulled into the cache.
     #[arg(required_unless_present_any = ["resume", "config"])]
     env: Option<String>,
     /// A TOML file of these flags (long names, `_` for `-`: `env`,
@@ -205,7 +207,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             let m = read_metadata(dir).with_context(|| format!("resume {}", dir.display()))?;
             let (load, env_package) =
                 crate::hub_cmd::resolve_env(&m.env_spec, m.env_package.as_ref())?;
-            let env = temper_env::load_environment(&load, &m.env_args)?;
+            let env = temper_tasks::load_environment(&load, &m.env_args)?;
             let api_key = match &m.api_key_env {
                 Some(v) => Some(std::env::var(v).with_context(|| format!("${v} is not set"))?),
                 None => None,
@@ -240,7 +242,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 .context("ENV is required (an argument or `env` in --config)")?;
             let env_args = json_arg("--env-args", &a.env_args)?;
             let (load, env_package) = crate::hub_cmd::resolve_env(&spec, None)?;
-            let env = temper_env::load_environment(&load, &env_args)?;
+            let env = temper_tasks::load_environment(&load, &env_args)?;
             let d = env.eval_defaults();
             let mut sampling = d.sampling.clone();
             if let Some(t) = a.max_tokens {

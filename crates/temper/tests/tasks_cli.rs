@@ -497,3 +497,61 @@ fn terminal_agent_calls_are_captured_and_exported() {
     assert_eq!(rows[0]["messages"], serde_json::Value::Array(want));
     assert_eq!(sft_loader_accepts(&out), 1);
 }
+
+/// Issue 17: a tasks directory is an environment for `temper eval`; the
+/// oracle scores 1 on every task and nop 0, read from the verifier.
+#[test]
+fn eval_on_a_tasks_directory_scores_the_oracle_1_and_nop_0() {
+    if !sandbox_usable("eval_on_a_tasks_directory_scores_the_oracle_1_and_nop_0") {
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let (addr, _) = rt
+        .block_on(temper_eval::mock::spawn(
+            temper_eval::mock::MockConfig::default(),
+        ))
+        .expect("mock endpoint");
+    let base = format!("http://{addr}/v1");
+    let tasks = ["hello-file", "merge-json", "write-config"];
+    for (agent, want) in [("oracle", 1.0), ("nop", 0.0)] {
+        let save = tempfile::tempdir().expect("tempdir");
+        let args = serde_json::json!({ "agent": agent, "tasks": tasks }).to_string();
+        let examples = examples();
+        let out = temper(&[
+            "eval",
+            examples.to_str().expect("utf-8 path"),
+            "--env-args",
+            &args,
+            "-m",
+            "mock",
+            "-b",
+            &base,
+            "--quiet",
+            "--save-dir",
+            save.path().to_str().expect("utf-8 path"),
+        ]);
+        assert!(out.status.success(), "{agent}: {}", text(&out));
+        let env_dir = std::fs::read_dir(save.path())
+            .expect("save dir")
+            .next()
+            .expect("an env dir")
+            .expect("entry")
+            .path();
+        let run_dir = std::fs::read_dir(env_dir)
+            .expect("env dir")
+            .next()
+            .expect("a run dir")
+            .expect("entry")
+            .path();
+        let results = std::fs::read_to_string(run_dir.join("results.jsonl")).expect("results");
+        let rows: Vec<serde_json::Value> = results
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("json line"))
+            .collect();
+        assert_eq!(rows.len(), tasks.len(), "{agent}: {results}");
+        for r in &rows {
+            assert_eq!(r["reward"], serde_json::json!(want), "{agent}: {r}");
+            assert!(r["error"].is_null(), "{agent}: {r}");
+        }
+    }
+}
