@@ -319,7 +319,8 @@ fn tokenizer_metadata(base: &Pretrained, vocab_size: usize) -> Result<Vec<(Strin
     }
     let pre = &tj["pre_tokenizer"];
     let pre_name = match pre["type"].as_str() {
-        Some("ByteLevel") if pre["use_regex"] != json!(false) => "gpt2",
+        // llama.cpp's name for GPT-2's split ("gpt2" is refused as unknown).
+        Some("ByteLevel") if pre["use_regex"] != json!(false) => "gpt-2",
         Some("Sequence") => {
             let parts = pre["pretokenizers"].as_array().cloned().unwrap_or_default();
             match parts.as_slice() {
