@@ -256,6 +256,27 @@ impl KvCache {
         }
     }
 
+    /// A deep copy of the first `len` positions (a cached prefix to extend:
+    /// the positions after it are recomputed by the next forward).
+    pub fn truncated(&self, len: usize) -> Result<KvCache> {
+        if len > self.len {
+            return Err(ModelError::InvalidInput(format!(
+                "cannot keep {len} positions of a KV cache holding {}",
+                self.len
+            )));
+        }
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(match l {
+                Some((k, v)) if len > 0 => {
+                    Some((k.narrow(1, 0, len)?.copy()?, v.narrow(1, 0, len)?.copy()?))
+                }
+                _ => None,
+            });
+        }
+        Ok(KvCache { layers, len })
+    }
+
     /// Write `k`, `v` (`[kv_heads, t, head_dim]`, the keys and values of
     /// positions `len..len+t`) into layer `li`, growing its buffers when
     /// full; returns views of every filled position, `[kv_heads, len+t,

@@ -87,6 +87,11 @@ pub struct Metrics {
     pub rejected: AtomicU64,
     /// Adapter loads (and swaps).
     pub adapter_loads: AtomicU64,
+    /// Prompts that started from a cached prefix (see the scheduler's
+    /// prefix cache).
+    pub prefix_hits: AtomicU64,
+    /// Prompt tokens taken from the prefix cache instead of prefilled.
+    pub prefix_reused_tokens: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -105,6 +110,8 @@ impl Default for Metrics {
             kv_budget: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
             adapter_loads: AtomicU64::new(0),
+            prefix_hits: AtomicU64::new(0),
+            prefix_reused_tokens: AtomicU64::new(0),
         }
     }
 }
@@ -169,6 +176,18 @@ impl Metrics {
             "temper_preemptions_total",
             "Sequences evicted (and later recomputed) to stay within the KV-cache budget.",
             &self.preemptions,
+        );
+        counter(
+            &mut out,
+            "temper_prefix_cache_hits_total",
+            "Prompts whose prefill started from a cached prefix.",
+            &self.prefix_hits,
+        );
+        counter(
+            &mut out,
+            "temper_prefix_cache_reused_tokens_total",
+            "Prompt tokens taken from the prefix cache instead of being prefilled.",
+            &self.prefix_reused_tokens,
         );
         counter(
             &mut out,

@@ -8,7 +8,9 @@
 //!    a long one in chunks over several steps (chunked prefill), so a long
 //!    prompt never stalls the running sequences for more than one chunk; the
 //!    `n` samples of a prompt share that prefill (their caches start as
-//!    clones);
+//!    clones), and a prompt that starts with a finished sequence's tokens
+//!    (the next turn of a conversation) starts from that sequence's cache
+//!    ([`PrefixCache`]);
 //! 2. samples the next token of every running sequence, streams text deltas
 //!    and retires finished sequences, whose slots the next step reuses;
 //! 3. if the caches would outgrow the budget, evicts the most recently
@@ -79,6 +81,105 @@ pub struct SchedulerConfig {
     /// Prompt tokens prefilled per step; a longer prompt is prefilled in
     /// chunks of this size over several steps.
     pub max_prefill_tokens: usize,
+    /// KV-cache tokens of finished sequences kept for reuse by prompts that
+    /// start with them (0: off). See [`PrefixCache`].
+    pub prefix_cache_tokens: usize,
+}
+
+/// KV caches of finished sequences, kept so that a prompt starting with one
+/// of their token sequences — the next call of a multi-turn conversation,
+/// which resends the whole history; a shared system prompt — is prefilled
+/// only past the shared prefix. The result is bit-identical to prefilling
+/// the whole prompt: every kernel gives a token the same values whether its
+/// keys and values came from a cache or from a one-shot prefill (the
+/// invariance contract, `docs/kernels.md`). Entries are per adapter
+/// version, bounded by a token budget, evicted least recently used first.
+struct PrefixCache {
+    /// Least recently used first.
+    entries: VecDeque<PrefixEntry>,
+    tokens: usize,
+    budget: usize,
+}
+
+struct PrefixEntry {
+    /// The token ids whose keys and values `cache` holds.
+    ids: Vec<u32>,
+    cache: KvCache,
+    /// Held so the key (its address) stays unique while the entry lives.
+    adapter: Option<Arc<LoadedAdapter>>,
+}
+
+impl PrefixEntry {
+    fn adapter_key(&self) -> usize {
+        self.adapter.as_ref().map_or(0, |a| Arc::as_ptr(a) as usize)
+    }
+}
+
+impl PrefixCache {
+    fn new(budget: usize) -> Self {
+        Self {
+            entries: VecDeque::new(),
+            tokens: 0,
+            budget,
+        }
+    }
+
+    /// Keep `cache` (holding `ids`); entries it extends are dropped.
+    fn insert(&mut self, ids: Vec<u32>, cache: KvCache, adapter: Option<Arc<LoadedAdapter>>) {
+        if ids.is_empty() || ids.len() > self.budget || cache.len() != ids.len() {
+            return;
+        }
+        let entry = PrefixEntry {
+            ids,
+            cache,
+            adapter,
+        };
+        let key = entry.adapter_key();
+        let before = self.entries.len();
+        self.entries
+            .retain(|e| !(e.adapter_key() == key && entry.ids.starts_with(&e.ids)));
+        if self.entries.len() != before {
+            self.tokens = self.entries.iter().map(|e| e.ids.len()).sum();
+        }
+        self.tokens += entry.ids.len();
+        self.entries.push_back(entry);
+        while self.tokens > self.budget {
+            match self.entries.pop_front() {
+                Some(old) => self.tokens -= old.ids.len(),
+                None => break,
+            }
+        }
+    }
+
+    /// A copy of the longest cached prefix of `prompt` under adapter `key`,
+    /// leaving at least the prompt's last token to prefill (its logits are
+    /// needed); `None` when nothing is shared.
+    fn lookup(&mut self, prompt: &[u32], key: usize) -> Option<KvCache> {
+        let usable = prompt.len().saturating_sub(1);
+        let (at, len) = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.adapter_key() == key)
+            .map(|(i, e)| {
+                let common = e.ids.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+                (i, common.min(usable))
+            })
+            .max_by_key(|&(i, len)| (len, i))?;
+        if len == 0 {
+            return None;
+        }
+        let entry = self.entries.remove(at)?;
+        let copy = entry.cache.truncated(len);
+        self.entries.push_back(entry);
+        match copy {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::warn!("prefix cache: {e}");
+                None
+            }
+        }
+    }
 }
 
 /// A prompt to continue `n` times.
@@ -210,6 +311,7 @@ impl Scheduler {
             preempted: VecDeque::new(),
             prefilling: Vec::new(),
             exact_scores,
+            prefix_cache: PrefixCache::new(cfg.prefix_cache_tokens),
         };
         let spawned = std::thread::Builder::new()
             .name("temper-engine".into())
@@ -345,6 +447,7 @@ struct BatchLoop {
     /// Whether decode logits equal the trainer's bit for bit, so scores are
     /// taken from them.
     exact_scores: bool,
+    prefix_cache: PrefixCache,
 }
 
 /// What a finished prefill turns into.
@@ -501,9 +604,21 @@ impl BatchLoop {
         }
     }
 
+    /// Queue `input` for prefill, starting from the longest prefix of it
+    /// the prefix cache holds for its adapter.
     fn push_prefill(&mut self, what: Pending, input: Vec<u32>, seqs: usize) {
+        let cache = match self.prefix_cache.lookup(&input, what.adapter_key()) {
+            Some(c) => {
+                self.metrics.prefix_hits.fetch_add(1, Ordering::Relaxed);
+                self.metrics
+                    .prefix_reused_tokens
+                    .fetch_add(c.len() as u64, Ordering::Relaxed);
+                c
+            }
+            None => KvCache::new(self.model.model.config().num_layers),
+        };
         self.prefilling.push(Prefill {
-            cache: KvCache::new(self.model.model.config().num_layers),
+            cache,
             what,
             input,
             seqs,
@@ -703,8 +818,13 @@ impl BatchLoop {
             generated += 1;
             match self.sample_one(&mut seq, &eos) {
                 Ok(None) => keep.push(seq),
-                Ok(Some(done)) => {
+                Ok(Some((done, cached_ids))) => {
                     let _ = seq.job.events.send(Event::Done(done));
+                    if self.prefix_cache.budget > 0 {
+                        let cache = std::mem::replace(&mut seq.cache, KvCache::new(0));
+                        self.prefix_cache
+                            .insert(cached_ids, cache, seq.job.adapter.clone());
+                    }
                 }
                 Err(e) => {
                     tracing::error!("sampling failed: {e}");
@@ -718,7 +838,14 @@ impl BatchLoop {
         self.running = keep;
     }
 
-    fn sample_one(&self, seq: &mut Seq, eos: &[u32]) -> Result<Option<Finished>, StepError> {
+    /// The next token of `seq`; when it ends, what to report and the token
+    /// ids its cache holds (prompt and every generated token but the last,
+    /// which was never run through the model).
+    fn sample_one(
+        &self,
+        seq: &mut Seq,
+        eos: &[u32],
+    ) -> Result<Option<(Finished, Vec<u32>)>, StepError> {
         let tokenizer = &self.model.tokenizer;
         let p = &seq.job.params;
         let tok = match &mut seq.grammar {
@@ -778,14 +905,23 @@ impl BatchLoop {
             return Ok(None);
         };
         let text = visible_text(&seq.tokens, finish_reason, check.stop_text, tokenizer)?;
-        Ok(Some(Finished {
+        let cached_ids: Vec<u32> = seq
+            .job
+            .prompt
+            .iter()
+            .chain(&seq.tokens)
+            .take(seq.cache.len())
+            .copied()
+            .collect();
+        let done = Finished {
             index: seq.job.first_index + seq.index,
             tokens: std::mem::take(&mut seq.tokens),
             text,
             finish_reason,
             scores: (seq.job.scores.is_some() && self.exact_scores)
                 .then(|| std::mem::take(&mut seq.scores)),
-        }))
+        };
+        Ok(Some((done, cached_ids)))
     }
 
     /// One packed decode forward per adapter over every running sequence.

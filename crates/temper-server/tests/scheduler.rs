@@ -40,6 +40,20 @@ fn scheduler_with(
     Scheduler::start(model.clone(), cfg, metrics)
 }
 
+fn scheduler_with_prefix_cache(
+    model: &Arc<Pretrained>,
+    tokens: usize,
+) -> (Scheduler, Arc<Metrics>) {
+    let metrics = Arc::new(Metrics::default());
+    let mut cfg = ServeConfig::defaults("tiny", model).scheduler;
+    cfg.max_model_len = 512;
+    cfg.prefix_cache_tokens = tokens;
+    (
+        Scheduler::start(model.clone(), cfg, metrics.clone()),
+        metrics,
+    )
+}
+
 fn greedy(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         max_tokens,
@@ -181,4 +195,65 @@ fn decode_scores_are_the_trainers_bit_for_bit() {
     // Not asked for: not computed.
     s.submit(job(vec![5, 6, 7], 0, 3, &tx)).expect("submit");
     assert!(collect(&mut rx, 1)[0].scores.is_none());
+}
+
+/// A choice's tokens, logprob bits and top alternatives.
+type Sample = (Vec<u32>, Vec<u32>, Vec<Vec<(u32, f32)>>);
+
+/// Issue 11: a multi-turn conversation resends its history; the second call
+/// starts from the first call's KV cache (prompt + completion) and prefills
+/// only the new turn, with the very tokens and logprob bits of a server that
+/// recomputes everything. Several samples, chunked prefill and T = 0.8.
+#[test]
+fn a_prompt_extending_a_finished_sequence_starts_from_its_cache_with_identical_results() {
+    let model = load();
+    let first = long_prompt(&model, 70);
+    let run = |cache_tokens: usize| {
+        let (s, metrics) = scheduler_with_prefix_cache(&model, cache_tokens);
+        let (tx, mut rx) = unbounded_channel();
+        let mut a = job(first.clone(), 0, 20, &tx);
+        a.params.temperature = 0.8;
+        a.params.seed = Some(1);
+        a.scores = Some(2);
+        s.submit(a).expect("submit");
+        let a = collect(&mut rx, 1).remove(0);
+        // The next turn: history (prompt + answer) + a new user message.
+        let mut second = first.clone();
+        second.extend(&a.tokens);
+        second.extend(long_prompt(&model, 9));
+        let mut b = job(second.clone(), 0, 16, &tx);
+        b.n = 3;
+        b.params.temperature = 0.8;
+        b.params.seed = Some(2);
+        b.scores = Some(2);
+        s.submit(b).expect("submit");
+        let mut done = collect(&mut rx, 3);
+        done.sort_by_key(|f| f.index);
+        let out: Vec<Sample> = done
+            .into_iter()
+            .map(|f| {
+                let sc = f.scores.expect("scores");
+                let bits = sc.logprobs.iter().map(|x| x.to_bits()).collect();
+                (f.tokens, bits, sc.top)
+            })
+            .collect();
+        let hits = metrics.prefix_hits.load(Ordering::Relaxed);
+        let reused = metrics.prefix_reused_tokens.load(Ordering::Relaxed);
+        (out, hits, reused, first.len() + a.tokens.len() - 1)
+    };
+    let (cold, cold_hits, _, _) = run(0);
+    let (warm, warm_hits, reused, cached) = run(4096);
+    assert_eq!(cold_hits, 0, "a disabled prefix cache never hits");
+    assert_eq!(
+        warm_hits, 1,
+        "the second call starts from the first's cache"
+    );
+    assert_eq!(
+        reused as usize, cached,
+        "every position the first call computed is reused"
+    );
+    assert_eq!(
+        warm, cold,
+        "tokens and logprob bits must not depend on the cache"
+    );
 }

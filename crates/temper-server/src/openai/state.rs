@@ -36,7 +36,8 @@ pub struct ServeConfig {
 impl ServeConfig {
     /// Defaults for `model`: 256 running sequences, a KV budget of 4 GiB of
     /// cache (at least one full-length sequence), 1024 queued requests,
-    /// 512 prompt tokens prefilled per step.
+    /// 512 prompt tokens prefilled per step, a prefix cache of a quarter of
+    /// the KV budget.
     pub fn defaults(model_name: impl Into<String>, model: &Pretrained) -> Self {
         let cfg = &model.config;
         let max_model_len = cfg.max_position_embeddings;
@@ -57,6 +58,7 @@ impl ServeConfig {
                 max_queue: 1024,
                 max_model_len,
                 max_prefill_tokens: 512,
+                prefix_cache_tokens: kv_budget_tokens / 4,
             },
         }
     }
