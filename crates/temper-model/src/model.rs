@@ -10,6 +10,7 @@
 //! that samples can be trained through.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, Var, D};
+use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -777,16 +778,13 @@ impl Model {
             let fused = fused_attention_supported(&q);
             let mut ks = Vec::with_capacity(b);
             let mut vs = Vec::with_capacity(b);
-            let mut fused_out = Vec::with_capacity(b);
+            let mut fused_in = Vec::with_capacity(b);
             for (i, c) in caches.iter_mut().enumerate() {
                 let ki = k.get(i)?.unsqueeze(1)?;
                 let vi = v.get(i)?.unsqueeze(1)?;
                 let (kc, vc) = c.append(li, &ki, &vi)?;
                 if fused {
-                    // The same kernel as `forward_hidden`: this token's
-                    // attention is bit-identical to a full forward's.
-                    let qi = q.get(i)?.unsqueeze(1)?; // [nh, 1, hd]
-                    fused_out.push(causal_attention(&qi, &kc, &vc, scale)?.reshape((1, nh * hd))?);
+                    fused_in.push((q.get(i)?.unsqueeze(1)?, kc, vc)); // q: [nh, 1, hd]
                     continue;
                 }
                 let pad = lmax - kv_len[i];
@@ -799,7 +797,18 @@ impl Model {
                 }
             }
             let o = if fused {
-                Tensor::cat(&fused_out, 0)?
+                // The same kernel as `forward_hidden`: each token's attention
+                // is bit-identical to a full forward's. One sequence's call
+                // is too small to split, so sequences run across threads.
+                let outs = fused_in
+                    .par_iter()
+                    .map(|(qi, kc, vc)| {
+                        causal_attention(qi, kc, vc, scale)?
+                            .reshape((1, nh * hd))
+                            .map_err(ModelError::from)
+                    })
+                    .collect::<Result<Vec<Tensor>>>()?;
+                Tensor::cat(&outs, 0)?
             } else {
                 let kb = Tensor::stack(&ks, 0)?; // [b, nkv, lmax, hd]
                 let vb = Tensor::stack(&vs, 0)?;
