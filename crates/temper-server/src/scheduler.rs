@@ -42,6 +42,7 @@ use std::sync::{mpsc, Arc};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 use temper_model::candle_core::{DType, Tensor};
 use temper_model::decode::{
     check_stop, next_token, next_token_masked, streamable_len, visible_text,
@@ -416,6 +417,47 @@ struct Seq {
     grammar: Option<Grammar>,
     /// Scores of `tokens` so far (when the job asked and they are exact).
     scores: TopLogprobs,
+}
+
+/// Draw `seq`'s next token from its logits (under its grammar's mask) and,
+/// when asked and `exact`, record the token's logprob and top alternatives.
+fn pick(seq: &mut Seq, exact: bool) -> Result<u32, StepError> {
+    let p = &seq.job.params;
+    let tok = match &mut seq.grammar {
+        None => next_token(&seq.logits, p, &seq.job.prompt, &seq.tokens, &mut seq.rng),
+        Some(g) => {
+            let mask = g.mask()?;
+            next_token_masked(
+                &seq.logits,
+                p,
+                &seq.job.prompt,
+                &seq.tokens,
+                |i| mask.allows(i),
+                &mut seq.rng,
+            )
+            .ok_or(StepError::EmptyMask)?
+        }
+    };
+    if let (Some(k), true) = (seq.job.scores, exact) {
+        // The unmasked, unprocessed model's distribution (what training
+        // scores), reduced as the trainer's LM head reduces it.
+        let t = if p.temperature > 0.0 {
+            p.temperature
+        } else {
+            1.0
+        };
+        if k == 0 {
+            seq.scores
+                .logprobs
+                .push(row_logprob(&seq.logits, tok as usize, t));
+            seq.scores.top.push(Vec::new());
+        } else {
+            let row = row_log_softmax(&seq.logits, t);
+            seq.scores.logprobs.push(row[tok as usize]);
+            seq.scores.top.push(top_k(&row, k));
+        }
+    }
+    Ok(tok)
 }
 
 /// Why a sampling step failed.
@@ -809,14 +851,18 @@ impl BatchLoop {
     fn sample_all(&mut self) {
         let eos = self.model.generation.eos_token_ids.clone();
         let mut keep = Vec::with_capacity(self.running.len());
-        let running = std::mem::take(&mut self.running);
+        let mut running = std::mem::take(&mut self.running);
+        running.retain(|s| !s.job.events.is_closed());
+        // Drawing a token (and its logprobs) reads the sequence's own
+        // logits and random stream only: sequences run across threads,
+        // with the same result as one after another.
+        let exact = self.exact_scores;
+        let picks: Vec<Result<u32, StepError>> =
+            running.par_iter_mut().map(|s| pick(s, exact)).collect();
         let mut generated = 0u64;
-        for mut seq in running {
-            if seq.job.events.is_closed() {
-                continue;
-            }
+        for (mut seq, tok) in running.into_iter().zip(picks) {
             generated += 1;
-            match self.sample_one(&mut seq, &eos) {
+            match tok.and_then(|tok| self.sample_one(&mut seq, tok, &eos)) {
                 Ok(None) => keep.push(seq),
                 Ok(Some((done, cached_ids))) => {
                     let _ = seq.job.events.send(Event::Done(done));
@@ -838,50 +884,18 @@ impl BatchLoop {
         self.running = keep;
     }
 
-    /// The next token of `seq`; when it ends, what to report and the token
-    /// ids its cache holds (prompt and every generated token but the last,
-    /// which was never run through the model).
+    /// Take `tok` (from [`pick`]) as `seq`'s next token; when the sequence
+    /// ends, what to report and the token ids its cache holds (prompt and
+    /// every generated token but the last, which was never run through the
+    /// model).
     fn sample_one(
         &self,
         seq: &mut Seq,
+        tok: u32,
         eos: &[u32],
     ) -> Result<Option<(Finished, Vec<u32>)>, StepError> {
         let tokenizer = &self.model.tokenizer;
         let p = &seq.job.params;
-        let tok = match &mut seq.grammar {
-            None => next_token(&seq.logits, p, &seq.job.prompt, &seq.tokens, &mut seq.rng),
-            Some(g) => {
-                let mask = g.mask()?;
-                next_token_masked(
-                    &seq.logits,
-                    p,
-                    &seq.job.prompt,
-                    &seq.tokens,
-                    |i| mask.allows(i),
-                    &mut seq.rng,
-                )
-                .ok_or(StepError::EmptyMask)?
-            }
-        };
-        if let (Some(k), true) = (seq.job.scores, self.exact_scores) {
-            // The unmasked, unprocessed model's distribution (what training
-            // scores), reduced as the trainer's LM head reduces it.
-            let t = if p.temperature > 0.0 {
-                p.temperature
-            } else {
-                1.0
-            };
-            if k == 0 {
-                seq.scores
-                    .logprobs
-                    .push(row_logprob(&seq.logits, tok as usize, t));
-                seq.scores.top.push(Vec::new());
-            } else {
-                let row = row_log_softmax(&seq.logits, t);
-                seq.scores.logprobs.push(row[tok as usize]);
-                seq.scores.top.push(top_k(&row, k));
-            }
-        }
         seq.tokens.push(tok);
         let full = seq.cache.len() + 1 >= self.cfg.max_model_len;
         let check = check_stop(&seq.tokens, p, eos, tokenizer, full, seq.job.stream)?;
