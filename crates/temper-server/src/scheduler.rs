@@ -867,9 +867,16 @@ impl BatchLoop {
                 Ok(Some((done, cached_ids))) => {
                     let _ = seq.job.events.send(Event::Done(done));
                     if self.prefix_cache.budget > 0 {
-                        let cache = std::mem::replace(&mut seq.cache, KvCache::new(0));
-                        self.prefix_cache
-                            .insert(cached_ids, cache, seq.job.adapter.clone());
+                        // An exact-size copy: a running cache's buffers have
+                        // room to grow (up to twice its length), and the
+                        // budget counts tokens.
+                        match seq.cache.truncated(seq.cache.len()) {
+                            Ok(cache) => {
+                                self.prefix_cache
+                                    .insert(cached_ids, cache, seq.job.adapter.clone())
+                            }
+                            Err(e) => tracing::warn!("prefix cache: {e}"),
+                        }
                     }
                 }
                 Err(e) => {

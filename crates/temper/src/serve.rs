@@ -66,8 +66,8 @@ pub struct ServeArgs {
     /// KV-cache tokens of finished sequences kept so that a prompt starting
     /// with one of them (the next call of a multi-turn conversation, a
     /// shared system prompt) is prefilled only past the shared part; results
-    /// are bit-identical to prefilling it all. 0 turns it off (default: a
-    /// quarter of the KV budget).
+    /// are bit-identical to prefilling it all. Held in addition to the KV
+    /// budget; 0 turns it off (default: a quarter of the KV budget).
     #[arg(long)]
     prefix_cache_tokens: Option<usize>,
     #[command(flatten)]
