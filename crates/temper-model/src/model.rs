@@ -650,6 +650,8 @@ impl Model {
         let k = at.k.forward(x, Self::lora_of(lora, li, Target::K))?;
         let v = at.v.forward(x, Self::lora_of(lora, li, Target::V))?;
         let scale = 1.0 / (hd as f64).sqrt();
+        let fused = fused_attention_supported(&q);
+        let mut pending = Vec::new();
         let mut outs = Vec::with_capacity(segments.len());
         let mut start = 0;
         for seg in segments.iter_mut() {
@@ -670,12 +672,11 @@ impl Model {
             if let Some(cache) = seg.cache.as_deref_mut() {
                 (ks, vs) = cache.append(li, &ks, &vs)?;
             }
-            let o = if fused_attention_supported(&qs) {
-                // Online softmax over fixed key blocks: linear memory, and
-                // each query's output independent of the call's shape.
-                causal_attention(&qs, &ks, &vs, scale)?
-                    .transpose(0, 1)?
-                    .reshape((len, nh * hd))?
+            let o = if fused {
+                // Computed below, all segments together.
+                pending.push((qs, ks, vs, len));
+                start += len;
+                continue;
             } else {
                 let (ks, vs) = (ks.contiguous()?, vs.contiguous()?);
                 let kv_len = pos + len;
@@ -700,6 +701,23 @@ impl Model {
             };
             outs.push(o);
             start += len;
+        }
+        if fused {
+            // Online softmax over fixed key blocks: linear memory, and each
+            // query's output independent of the call's shape. Several short
+            // segments (a packed decode step: one token each) are too small
+            // to split one by one, so they run across threads; the same
+            // kernel per segment either way, so the same bits.
+            let one = |(qs, ks, vs, len): &(Tensor, Tensor, Tensor, usize)| -> Result<Tensor> {
+                Ok(causal_attention(qs, ks, vs, scale)?
+                    .transpose(0, 1)?
+                    .reshape((*len, nh * hd))?)
+            };
+            outs = if pending.len() > 1 {
+                pending.par_iter().map(one).collect::<Result<Vec<_>>>()?
+            } else {
+                pending.iter().map(one).collect::<Result<Vec<_>>>()?
+            };
         }
         let o = if outs.len() == 1 {
             outs.pop()

@@ -2,7 +2,8 @@
 //!
 //! Prompts are prefilled together (one packed forward), the `n` samples of a
 //! prompt share its prefill (the cache is cloned, not recomputed), and every
-//! decode step runs all live sequences through one packed forward.
+//! decode step runs all live sequences through one batched decode step
+//! ([`Model::forward_decode`], the server's).
 //!
 //! Each token is drawn and each sequence ended by the shared rules of
 //! [`crate::decode`] (the server's scheduler uses the same functions).
@@ -25,6 +26,7 @@
 use candle_core::{DType, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
 use crate::decode::{check_stop, next_token, visible_text};
 pub use crate::decode::{sample_token, FinishReason, SamplingParams};
@@ -171,7 +173,12 @@ impl<'a> Sampler<'a> {
         }
 
         loop {
-            for live in lives.iter_mut().filter(|l| l.finish.is_none()) {
+            // A draw reads only its own sequence's logits, tokens and random
+            // stream: sequences run across threads, same result as in turn.
+            lives.par_iter_mut().try_for_each(|live| -> Result<()> {
+                if live.finish.is_some() {
+                    return Ok(());
+                }
                 let p = &requests[live.req].params;
                 let prompt = &requests[live.req].prompt;
                 let tok = next_token(&live.logits, p, prompt, &live.tokens, &mut live.rng);
@@ -196,7 +203,8 @@ impl<'a> Sampler<'a> {
                 )?;
                 live.stop_text = check.stop_text;
                 live.finish = check.finish;
-            }
+                Ok(())
+            })?;
             let mut active: Vec<&mut Live> =
                 lives.iter_mut().filter(|l| l.finish.is_none()).collect();
             if active.is_empty() {
@@ -207,14 +215,11 @@ impl<'a> Sampler<'a> {
                 .map(|l| *l.tokens.last().unwrap_or(&0))
                 .collect();
             let logits = {
-                let mut segs: Vec<Segment<'_>> = active
-                    .iter_mut()
-                    .map(|l| Segment {
-                        len: 1,
-                        cache: Some(&mut l.cache),
-                    })
-                    .collect();
-                let hidden = self.model.forward_hidden(&ids, &mut segs, lora)?;
+                // The server's batched decode step: one code path for both,
+                // and each token's bits equal a full forward's.
+                let mut caches: Vec<&mut KvCache> =
+                    active.iter_mut().map(|l| &mut l.cache).collect();
+                let hidden = self.model.forward_decode(&ids, &mut caches, lora)?;
                 self.model
                     .logits(&hidden)?
                     .to_dtype(DType::F32)?
