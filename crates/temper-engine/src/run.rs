@@ -624,7 +624,7 @@ fn logprobs_with(
         )));
     }
     // The sampler reports greedy (T = 0) logprobs at T = 1; match it.
-    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    let t = temper_model::decode::scoring_temperature(temperature);
     let s = model.score(&tokens[..tokens.len() - 1], &tokens[1..], adapter, t)?;
     Ok(s.logprobs.to_vec1()?)
 }

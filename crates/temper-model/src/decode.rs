@@ -218,6 +218,17 @@ pub fn process_logits(logits: &mut [f32], p: &SamplingParams, prompt: &[u32], ge
     }
 }
 
+/// The temperature reported logprobs are taken at for sampling temperature
+/// `t`: `t` itself, and 1 for greedy (`t = 0`), which has no distribution of
+/// its own.
+pub fn scoring_temperature(t: f64) -> f64 {
+    if t > 0.0 {
+        t
+    } else {
+        1.0
+    }
+}
+
 /// Draw the next token of a sequence: [`process_logits`] on a copy when
 /// bias or penalties are set, then [`sample_token`].
 pub fn next_token(

@@ -227,23 +227,15 @@ pub struct KvCache {
 const MIN_KV_CAPACITY: usize = 32;
 
 impl Clone for KvCache {
-    /// A deep copy of the filled positions: buffers are written in place,
-    /// so clones (the `n` samples of one prompt) must not share storage.
+    /// A deep copy of the filled positions ([`KvCache::truncated`]):
+    /// buffers are written in place, so copies must never share storage.
+    /// Code that can fail should call `truncated(len())` and handle the error.
     fn clone(&self) -> Self {
-        let copy = |t: &Tensor| -> Tensor {
-            // A narrow + copy of a CPU tensor cannot fail for in-range
-            // bounds; fall back to a full copy rather than panic.
-            t.narrow(1, 0, self.len)
-                .and_then(|v| v.copy())
-                .unwrap_or_else(|_| t.clone())
-        };
-        Self {
-            layers: self
-                .layers
-                .iter()
-                .map(|l| l.as_ref().map(|(k, v)| (copy(k), copy(v))))
-                .collect(),
-            len: self.len,
+        match self.truncated(self.len) {
+            Ok(c) => c,
+            // Only an allocation failure gets here; sharing storage instead
+            // would corrupt both caches silently.
+            Err(e) => panic!("copying a KV cache: {e}"),
         }
     }
 }
@@ -703,21 +695,7 @@ impl Model {
             start += len;
         }
         if fused {
-            // Online softmax over fixed key blocks: linear memory, and each
-            // query's output independent of the call's shape. Several short
-            // segments (a packed decode step: one token each) are too small
-            // to split one by one, so they run across threads; the same
-            // kernel per segment either way, so the same bits.
-            let one = |(qs, ks, vs, len): &(Tensor, Tensor, Tensor, usize)| -> Result<Tensor> {
-                Ok(causal_attention(qs, ks, vs, scale)?
-                    .transpose(0, 1)?
-                    .reshape((*len, nh * hd))?)
-            };
-            outs = if pending.len() > 1 {
-                pending.par_iter().map(one).collect::<Result<Vec<_>>>()?
-            } else {
-                pending.iter().map(one).collect::<Result<Vec<_>>>()?
-            };
+            outs = attend_segments(&pending, scale)?;
         }
         let o = if outs.len() == 1 {
             outs.pop()
@@ -802,7 +780,7 @@ impl Model {
                 let vi = v.get(i)?.unsqueeze(1)?;
                 let (kc, vc) = c.append(li, &ki, &vi)?;
                 if fused {
-                    fused_in.push((q.get(i)?.unsqueeze(1)?, kc, vc)); // q: [nh, 1, hd]
+                    fused_in.push((q.get(i)?.unsqueeze(1)?, kc, vc, 1)); // q: [nh, 1, hd]
                     continue;
                 }
                 let pad = lmax - kv_len[i];
@@ -816,17 +794,8 @@ impl Model {
             }
             let o = if fused {
                 // The same kernel as `forward_hidden`: each token's attention
-                // is bit-identical to a full forward's. One sequence's call
-                // is too small to split, so sequences run across threads.
-                let outs = fused_in
-                    .par_iter()
-                    .map(|(qi, kc, vc)| {
-                        causal_attention(qi, kc, vc, scale)?
-                            .reshape((1, nh * hd))
-                            .map_err(ModelError::from)
-                    })
-                    .collect::<Result<Vec<Tensor>>>()?;
-                Tensor::cat(&outs, 0)?
+                // is bit-identical to a full forward's.
+                Tensor::cat(&attend_segments(&fused_in, scale)?, 0)?
             } else {
                 let kb = Tensor::stack(&ks, 0)?; // [b, nkv, lmax, hd]
                 let vb = Tensor::stack(&vs, 0)?;
@@ -847,6 +816,25 @@ impl Model {
             c.len += 1;
         }
         rms_norm(&x, &self.norm, eps)
+    }
+}
+
+/// [`causal_attention`] of each segment's `(q [heads, len, hd], k, v, len)`,
+/// as `[len, heads·hd]` rows. Online softmax over fixed key blocks: linear
+/// memory, and each query's output independent of the call's shape. Several
+/// short segments (a decode step: one token each) are too small to split one
+/// by one, so they run across threads; the same kernel per segment either
+/// way, so the same bits.
+fn attend_segments(segs: &[(Tensor, Tensor, Tensor, usize)], scale: f64) -> Result<Vec<Tensor>> {
+    let one = |(q, k, v, len): &(Tensor, Tensor, Tensor, usize)| -> Result<Tensor> {
+        let o = causal_attention(q, k, v, scale)?;
+        let (heads, _, hd) = o.dims3()?;
+        Ok(o.transpose(0, 1)?.reshape((*len, heads * hd))?)
+    };
+    if segs.len() > 1 {
+        segs.par_iter().map(one).collect()
+    } else {
+        segs.iter().map(one).collect()
     }
 }
 

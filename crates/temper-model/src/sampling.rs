@@ -28,7 +28,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use crate::decode::{check_stop, next_token, visible_text};
+use crate::decode::{check_stop, next_token, scoring_temperature, visible_text};
 pub use crate::decode::{sample_token, FinishReason, SamplingParams};
 use crate::error::{ModelError, Result};
 use crate::kernels::row_logprob;
@@ -161,7 +161,7 @@ impl<'a> Sampler<'a> {
                 rng.set_stream(j as u64);
                 lives.push(Live {
                     req: ri,
-                    cache: caches[ri].clone(),
+                    cache: caches[ri].truncated(caches[ri].len())?,
                     logits: first_logits[ri].clone(),
                     tokens: Vec::new(),
                     rng,
@@ -183,11 +183,7 @@ impl<'a> Sampler<'a> {
                 let prompt = &requests[live.req].prompt;
                 let tok = next_token(&live.logits, p, prompt, &live.tokens, &mut live.rng);
                 if p.logprobs && decode_logprobs {
-                    let t = if p.temperature > 0.0 {
-                        p.temperature
-                    } else {
-                        1.0
-                    };
+                    let t = scoring_temperature(p.temperature);
                     live.logprobs
                         .push(row_logprob(&live.logits, tok as usize, t));
                 }
@@ -261,7 +257,7 @@ impl<'a> Sampler<'a> {
         temperature: f64,
     ) -> Result<Vec<f32>> {
         let full: Vec<u32> = prompt.iter().chain(completion).copied().collect();
-        let t = if temperature > 0.0 { temperature } else { 1.0 };
+        let t = scoring_temperature(temperature);
         let scores = self
             .model
             .score(&full[..full.len() - 1], &full[1..], lora, t)?;

@@ -45,7 +45,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use temper_model::candle_core::{DType, Tensor};
 use temper_model::decode::{
-    check_stop, next_token, next_token_masked, streamable_len, visible_text,
+    check_stop, next_token, next_token_masked, scoring_temperature, streamable_len, visible_text,
 };
 use temper_model::kernels::{row_log_softmax, row_logprob};
 use temper_model::{
@@ -441,11 +441,7 @@ fn pick(seq: &mut Seq, exact: bool) -> Result<u32, StepError> {
     if let (Some(k), true) = (seq.job.scores, exact) {
         // The unmasked, unprocessed model's distribution (what training
         // scores), reduced as the trainer's LM head reduces it.
-        let t = if p.temperature > 0.0 {
-            p.temperature
-        } else {
-            1.0
-        };
+        let t = scoring_temperature(p.temperature);
         if k == 0 {
             seq.scores
                 .logprobs
@@ -829,13 +825,32 @@ impl BatchLoop {
             events: job.events,
             scores: job.scores,
         });
+        let mut prefilled = Some(cache);
         for index in 0..job.n {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             rng.set_stream(index as u64);
+            // Each sample writes its own cache: copies for all but the last,
+            // which takes the prefilled one.
+            let own = match prefilled.take() {
+                Some(c) if index + 1 < job.n => {
+                    let copy = c.truncated(c.len());
+                    prefilled = Some(c);
+                    match copy {
+                        Ok(copy) => copy,
+                        Err(e) => {
+                            tracing::error!("copying a prefilled cache: {e}");
+                            let _ = ctx.events.send(Event::Failed(format!("{e}")));
+                            return;
+                        }
+                    }
+                }
+                Some(c) => c,
+                None => return,
+            };
             self.running.push(Seq {
                 job: ctx.clone(),
                 index,
-                cache: cache.clone(),
+                cache: own,
                 logits: logits.clone(),
                 tokens: Vec::new(),
                 rng,
@@ -864,9 +879,19 @@ impl BatchLoop {
             generated += 1;
             match tok.and_then(|tok| self.sample_one(&mut seq, tok, &eos)) {
                 Ok(None) => keep.push(seq),
-                Ok(Some((done, cached_ids))) => {
-                    let _ = seq.job.events.send(Event::Done(done));
+                Ok(Some(done)) => {
                     if self.prefix_cache.budget > 0 {
+                        // Every token the cache holds: the prompt and every
+                        // generated token but the last, which was never run
+                        // through the model.
+                        let cached_ids: Vec<u32> = seq
+                            .job
+                            .prompt
+                            .iter()
+                            .chain(&done.tokens)
+                            .take(seq.cache.len())
+                            .copied()
+                            .collect();
                         // An exact-size copy: a running cache's buffers have
                         // room to grow (up to twice its length), and the
                         // budget counts tokens.
@@ -878,6 +903,7 @@ impl BatchLoop {
                             Err(e) => tracing::warn!("prefix cache: {e}"),
                         }
                     }
+                    let _ = seq.job.events.send(Event::Done(done));
                 }
                 Err(e) => {
                     tracing::error!("sampling failed: {e}");
@@ -892,15 +918,13 @@ impl BatchLoop {
     }
 
     /// Take `tok` (from [`pick`]) as `seq`'s next token; when the sequence
-    /// ends, what to report and the token ids its cache holds (prompt and
-    /// every generated token but the last, which was never run through the
-    /// model).
+    /// ends, what to report.
     fn sample_one(
         &self,
         seq: &mut Seq,
         tok: u32,
         eos: &[u32],
-    ) -> Result<Option<(Finished, Vec<u32>)>, StepError> {
+    ) -> Result<Option<Finished>, StepError> {
         let tokenizer = &self.model.tokenizer;
         let p = &seq.job.params;
         seq.tokens.push(tok);
@@ -926,23 +950,14 @@ impl BatchLoop {
             return Ok(None);
         };
         let text = visible_text(&seq.tokens, finish_reason, check.stop_text, tokenizer)?;
-        let cached_ids: Vec<u32> = seq
-            .job
-            .prompt
-            .iter()
-            .chain(&seq.tokens)
-            .take(seq.cache.len())
-            .copied()
-            .collect();
-        let done = Finished {
+        Ok(Some(Finished {
             index: seq.job.first_index + seq.index,
             tokens: std::mem::take(&mut seq.tokens),
             text,
             finish_reason,
             scores: (seq.job.scores.is_some() && self.exact_scores)
                 .then(|| std::mem::take(&mut seq.scores)),
-        };
-        Ok(Some((done, cached_ids)))
+        }))
     }
 
     /// One packed decode forward per adapter over every running sequence.

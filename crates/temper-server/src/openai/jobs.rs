@@ -254,7 +254,7 @@ pub(super) async fn score(
         tracing::warn!("decode scores do not cover the choice; re-scoring it");
     }
     let model = s.inner.model.clone();
-    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    let t = temper_model::decode::scoring_temperature(temperature);
     let full: Vec<u32> = prompt.iter().chain(&f.tokens).copied().collect();
     let completion = f.tokens.len();
     tokio::task::spawn_blocking(move || {
