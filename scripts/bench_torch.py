@@ -100,6 +100,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="a Hugging Face model directory instead of the tiny random Llama")
     p.add_argument("--no-bf16", action="store_true", help="with --model: skip the bf16 training run")
     p.add_argument(
+        "--dtype", choices=["f32", "bf16", "auto"], default="f32",
+        help="temper's weight precision (`temper --dtype`); compare bf16 against the torch bf16 row",
+    )
+    p.add_argument(
         "--train-only", action="store_true",
         help="skip sampling on both sides (with --threads 1, the CPU-second row is robust on a busy machine)",
     )
@@ -123,7 +127,10 @@ def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
             f"temper binary not found at {exe}; build it first with `cargo build --release -p temper` "
             "(or pass --temper PATH)"
         )
-    cmd = [str(exe), "bench", "model", "--json", "--threads", str(args.threads), "--iters", str(args.iters)]
+    cmd = [
+        str(exe), "--dtype", args.dtype, "bench", "model", "--json",
+        "--threads", str(args.threads), "--iters", str(args.iters),
+    ]
     if args.model:
         cmd += ["--model", str(args.model)]
     if args.train_only:
@@ -431,7 +438,8 @@ def main() -> int:
     b, t, n = CONFIG["batch"], CONFIG["seq_len"], CONFIG["new_tokens"]
     print(
         f"config: {args.model or 'random'} Llama d={CONFIG['hidden_size']} ff={CONFIG['intermediate_size']} layers={CONFIG['num_layers']} "
-        f"heads={CONFIG['num_heads']}/{CONFIG['num_kv_heads']}kv vocab={CONFIG['vocab_size']} f32, "
+        f"heads={CONFIG['num_heads']}/{CONFIG['num_kv_heads']}kv vocab={CONFIG['vocab_size']}, "
+        f"temper weights {(temper or {}).get('config', {}).get('dtype', args.dtype)}, "
         f"LoRA r={CONFIG['lora_rank']}; train {b}x{t}, sample {b}x({CONFIG['prompt_len']}+{n}); "
         f"threads={args.threads}; torch {peer['versions']['torch']}, transformers {peer['versions']['transformers']} "
         f"(attn={ATTN_IMPLEMENTATION})"

@@ -19,6 +19,7 @@ use crate::kernels::{
     linear_nt, matmul_nt, use_matmul_nt,
 };
 use crate::lora::{LoraAdapter, LoraPair, Target};
+use crate::precision::Precision;
 use crate::rope::Rope;
 use crate::weights::Checkpoint;
 
@@ -48,6 +49,9 @@ impl Linear {
             && matches!(x.dtype(), DType::F32 | DType::F64);
         let mut y = if use_matmul_nt(x, &self.weight) {
             matmul_nt(x, &self.weight)?
+        } else if self.weight.dtype() != x.dtype() {
+            // bf16 weights under candle's matmul (`TEMPER_MATMUL=candle`).
+            x.matmul(&self.weight.to_dtype(x.dtype())?.t()?)?
         } else if frozen_on_cpu {
             x.contiguous()?.apply_op1(FrozenMatmul {
                 weight: self.weight.clone(),
@@ -354,6 +358,7 @@ pub struct Model {
     rope: Rope,
     device: Device,
     dtype: DType,
+    precision: Precision,
 }
 
 impl Model {
@@ -411,7 +416,49 @@ impl Model {
             rope: Rope::new(cfg, dtype, device)?,
             device: device.clone(),
             dtype,
+            precision: Precision::F32,
         })
+    }
+
+    /// Store the matmul weights (every linear layer, the embedding and the
+    /// LM head) in `precision`. On the CPU, `bf16` runs the bf16 matmul
+    /// kernel (inputs rounded to bf16, f32 sums); norms, attention and LoRA
+    /// stay in the compute dtype. Elsewhere the weights already are in the
+    /// compute dtype and nothing changes. A fully trainable model is
+    /// refused: its weights are the optimizer's f32 variables.
+    pub fn set_precision(&mut self, precision: Precision) -> Result<()> {
+        if precision == self.precision || !self.device.is_cpu() {
+            return Ok(());
+        }
+        if self.embed.is_variable() {
+            return Err(ModelError::InvalidInput(
+                "full-parameter training keeps f32 weights: use --dtype f32".into(),
+            ));
+        }
+        let dtype = match precision {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+        };
+        let convert = |t: &mut Tensor| -> Result<()> {
+            *t = t.to_dtype(dtype)?;
+            Ok(())
+        };
+        convert(&mut self.embed)?;
+        if let Some(h) = self.lm_head.as_mut() {
+            convert(h)?;
+        }
+        for l in self.layers.iter_mut() {
+            for (_, lin) in l.linears_mut() {
+                convert(&mut lin.weight)?;
+            }
+        }
+        self.precision = precision;
+        Ok(())
+    }
+
+    /// The precision of the matmul weights (see [`Model::set_precision`]).
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// The configuration.
@@ -432,6 +479,12 @@ impl Model {
     /// Turn every base weight into a trainable variable (full-parameter
     /// training) and return them with their checkpoint names.
     pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
+        if self.precision != Precision::F32 {
+            return Err(ModelError::InvalidInput(format!(
+                "full-parameter training needs f32 weights, and this model holds {} ones: load it with --dtype f32",
+                self.precision
+            )));
+        }
         let mut vars = Vec::new();
         let mut var = |name: String, t: &mut Tensor| -> Result<()> {
             let v = Var::from_tensor(t)?;
@@ -512,7 +565,10 @@ impl Model {
                         p.b.as_tensor()
                             .matmul(p.a.as_tensor())?
                             .affine(scale, 0.0)?;
-                    lin.weight = (lin.weight.detach() + delta.detach())?;
+                    // Merged in f32, then stored back in the weight's dtype.
+                    let dtype = lin.weight.dtype();
+                    lin.weight = (lin.weight.detach().to_dtype(delta.dtype())? + delta.detach())?
+                        .to_dtype(dtype)?;
                 }
             }
         }
@@ -579,7 +635,7 @@ impl Model {
         }
         self.check_ids(ids)?;
         let idx = Tensor::new(ids, &self.device)?;
-        let mut x = self.embed.index_select(&idx, 0)?;
+        let mut x = self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps)?;
             let a = self.attention(li, &layer.attn, &h, segments, lora)?;
@@ -752,7 +808,7 @@ impl Model {
             .collect();
         let mask = Tensor::from_vec(mask, (b, 1, 1, lmax), &self.device)?.to_dtype(self.dtype)?;
         let idx = Tensor::new(ids, &self.device)?;
-        let mut x = self.embed.index_select(&idx, 0)?;
+        let mut x = self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let at = &layer.attn;
             let h = rms_norm(&x, &layer.input_norm, eps)?;

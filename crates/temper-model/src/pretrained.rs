@@ -10,6 +10,7 @@ use crate::config::{ids_of, HfConfig, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::{is_gguf, GgufFile};
 use crate::model::Model;
+use crate::precision::Precision;
 use crate::tokenizer::{load_chat_template, Tokenizer};
 use crate::weights::Checkpoint;
 
@@ -50,6 +51,10 @@ pub struct LoadOptions {
     pub device: Device,
     /// Compute dtype: f32 on CPU; bf16 on CUDA.
     pub dtype: DType,
+    /// The matmul weights' precision on the CPU (see
+    /// [`Model::set_precision`]); the default is the process's
+    /// [`crate::default_precision`].
+    pub precision: Precision,
 }
 
 impl Default for LoadOptions {
@@ -57,6 +62,7 @@ impl Default for LoadOptions {
         Self {
             device: Device::Cpu,
             dtype: DType::F32,
+            precision: crate::precision::default_precision(),
         }
     }
 }
@@ -80,7 +86,8 @@ impl Pretrained {
         let config = hf.validate()?;
         let tokenizer = Tokenizer::from_dir(dir)?;
         let ck = Checkpoint::open(dir, opts.dtype, &opts.device)?;
-        let model = Model::load(&config, &ck, opts.dtype, &opts.device)?;
+        let mut model = Model::load(&config, &ck, opts.dtype, &opts.device)?;
+        model.set_precision(opts.precision)?;
         let chat_template = load_chat_template(dir, &tokenizer)?;
         let generation = read_generation_config(dir)?;
         Ok(Self::assemble(
@@ -113,7 +120,8 @@ impl Pretrained {
             ..Default::default()
         };
         let ck = Checkpoint::from_gguf(file, opts.dtype, &opts.device);
-        let model = Model::load(&config, &ck, opts.dtype, &opts.device)?;
+        let mut model = Model::load(&config, &ck, opts.dtype, &opts.device)?;
+        model.set_precision(opts.precision)?;
         Ok(Self::assemble(
             path,
             config,

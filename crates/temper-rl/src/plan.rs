@@ -13,7 +13,7 @@ use std::ops::Deref;
 use std::path::PathBuf;
 
 use temper_engine::Loss;
-use temper_model::{LoraConfig, Target};
+use temper_model::{LoraConfig, Precision, Target};
 
 use crate::config::{
     DataSection, EnvSection, LoraSection, ModelSection, RemoteTrainerSection, RlConfig,
@@ -40,6 +40,8 @@ pub struct ModelPlan {
     pub adapter: Option<PathBuf>,
     /// The LoRA adapter to train; `None` trains every weight.
     pub lora: Option<LoraConfig>,
+    /// The matmul weights' precision (`[model] dtype`, else `--dtype`).
+    pub precision: Precision,
 }
 
 /// The optimiser's schedule: what RL and SFT share of `[trainer]`.
@@ -276,9 +278,22 @@ fn model_plan(m: &ModelSection, l: &LoraSection) -> Result<ModelPlan> {
     if m.adapter.is_some() && !l.enabled {
         return bad("[model] adapter needs [lora] enabled = true (it continues a LoRA run)");
     }
+    let precision = match &m.dtype {
+        Some(d) => d
+            .parse::<Precision>()
+            .map_err(|e| RlError::Config(format!("[model] {e}")))?,
+        None => temper_model::default_precision(),
+    };
+    if precision != Precision::F32 && !l.enabled {
+        return bad(format!(
+            "[model] dtype = {precision:?} needs [lora] enabled = true: full-parameter training keeps f32 weights",
+            precision = precision.as_str()
+        ));
+    }
     Ok(ModelPlan {
         source,
         adapter: m.adapter.clone(),
+        precision,
         lora: if l.enabled {
             Some(lora_config(l)?)
         } else {

@@ -90,6 +90,8 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
             preset: Some("tiny".into()),
             tiny: TinyPreset::default(),
             adapter: None,
+            // Full-parameter SFT keeps f32 weights whatever `--dtype` says.
+            dtype: Some("f32".into()),
         },
         lora: LoraSection {
             enabled: false,
@@ -142,6 +144,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
             preset: None,
             tiny: TinyPreset::default(),
             adapter: None,
+            dtype: None,
         },
         lora: LoraSection {
             enabled: true,

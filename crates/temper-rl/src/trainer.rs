@@ -47,7 +47,11 @@ pub fn local_trainer_of(
     run_dir: &Path,
 ) -> Result<(Arc<Pretrained>, Arc<LocalTrainer>)> {
     let dir = model_dir(&model.source, run_dir)?;
-    let base = Arc::new(Pretrained::load(&dir, &LoadOptions::default())?);
+    let opts = LoadOptions {
+        precision: model.precision,
+        ..LoadOptions::default()
+    };
+    let base = Arc::new(Pretrained::load(&dir, &opts)?);
     let engine = Engine::new();
     engine.add_base_model("base", base.clone()).wait()?;
     let run = match (&model.adapter, &model.lora) {
@@ -99,8 +103,11 @@ pub async fn trainer_for(
         ));
     };
     let dir = model_dir(&model.source, &run_dir)?;
-    let base =
-        off_runtime(move || Ok(Arc::new(Pretrained::load(&dir, &LoadOptions::default())?))).await?;
+    let opts = LoadOptions {
+        precision: model.precision,
+        ..LoadOptions::default()
+    };
+    let base = off_runtime(move || Ok(Arc::new(Pretrained::load(&dir, &opts)?))).await?;
     let key = remote
         .api_key_env
         .as_ref()

@@ -143,6 +143,38 @@ fn the_trainer_scores_the_sampling_temperature_so_mismatch_is_zero_at_any_temper
     }
 }
 
+/// `[model] dtype = "bf16"`: the sampler and the trainer share the bf16
+/// kernels, so mismatch stays exactly zero; and the run differs from the
+/// f32 one (the setting took effect).
+#[test]
+fn with_bf16_weights_sampler_and_trainer_still_agree_bit_for_bit() {
+    let run = |dtype: &str| {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = tiny_config(d.path(), "");
+        c.model.dtype = Some(dtype.into());
+        c.sampling.temperature = 0.8;
+        c.async_.max_off_policy_steps = 0;
+        c.trainer.max_steps = 3;
+        let r = rt().block_on(run_rl(c, RunOptions::default())).unwrap();
+        records(&r.metrics)
+    };
+    let bf16 = run("bf16");
+    assert_eq!(bf16.len(), 3);
+    for m in &bf16 {
+        assert!(m["mismatch/tokens"].as_u64().unwrap() > 0, "{m:?}");
+        assert_eq!(m["mismatch/max"], json!(0.0), "{m:?}");
+    }
+    let f32 = run("f32");
+    // On-policy losses depend only on the rewards; the policy's entropy and
+    // gradient norm depend on the weights' rounding.
+    let numbers = |ms: &[Map<String, Value>]| -> Vec<(Value, Value)> {
+        ms.iter()
+            .map(|m| (m["entropy"].clone(), m["grad_norm"].clone()))
+            .collect()
+    };
+    assert_ne!(numbers(&bf16), numbers(&f32), "bf16 ran the f32 numbers");
+}
+
 #[test]
 fn no_rollout_older_than_the_bound_is_trained_on() {
     for bound in [1u64, 2] {

@@ -103,6 +103,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     let opts = LoadOptions {
         dtype: default_dtype(&device),
         device,
+        ..LoadOptions::default()
     };
     let mut bases = Vec::new();
     for m in &args.models {

@@ -99,7 +99,10 @@ fn random_model() -> Result<Model> {
     let init = RandomInit { std: 0.05, seed: 0 };
     let cfg = temper_model::write_random_model(&dir, &config(), init)?;
     let ck = Checkpoint::open(&dir, DType::F32, &dev)?;
-    let model = Model::load(&cfg, &ck, DType::F32, &dev);
+    let model = Model::load(&cfg, &ck, DType::F32, &dev).and_then(|mut m| {
+        m.set_precision(temper_model::default_precision())?;
+        Ok(m)
+    });
     drop(ck);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(model?)
@@ -301,7 +304,8 @@ fn model(args: ModelBenchArgs) -> Result<()> {
             "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
             "num_kv_heads": cfg.num_kv_heads, "vocab_size": vocab,
             "lora_rank": RANK, "batch": BATCH, "seq_len": SEQ, "prompt_len": PROMPT,
-            "new_tokens": NEW, "threads": threads
+            "new_tokens": NEW, "threads": threads,
+            "dtype": model.precision().as_str()
         },
         "train_tokens_per_s": tokens / train_s,
         "train_step_ms": train_s * 1e3,
@@ -321,8 +325,8 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         println!("{report}");
     } else {
         println!(
-            "temper bench model: {label} d={} layers={} vocab={vocab}, LoRA r={RANK}, {threads} threads",
-            cfg.hidden_size, cfg.num_layers
+            "temper bench model: {label} d={} layers={} vocab={vocab}, LoRA r={RANK}, {threads} threads, {} weights",
+            cfg.hidden_size, cfg.num_layers, model.precision()
         );
         println!(
             "  LoRA forward+backward  {BATCH}x{SEQ} tokens   {:>9.1} ms   {:>9.0} tokens/s   ({:.0} tokens per CPU-second)",

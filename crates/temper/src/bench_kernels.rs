@@ -1,14 +1,14 @@
 //! `temper bench kernels`: GFLOP/s of temper's matmul kernels against
 //! candle's `gemm` on a decoder's linear-layer shapes, forward (`x·Wᵀ`) and
 //! the input gradient (`g·W`), at the row counts of decode, prefill and
-//! training. `scripts/bench_kernels_torch.py` runs the same shapes in
+//! training, with the weight in f32 and in bf16 (`--dtype bf16`). `scripts/bench_kernels_torch.py` runs the same shapes in
 //! PyTorch and prints the ratio.
 
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use temper_model::candle_core::{Device, Tensor};
+use temper_model::candle_core::{DType, Device, Tensor};
 use temper_model::kernels::{matmul_nn, matmul_nn_isa, matmul_nt};
 
 /// Arguments of `temper bench kernels`.
@@ -86,7 +86,7 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
             matmul_nn_isa()
         );
         println!(
-            "{:<8} {:>6} {:>6} {:>5} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6}",
+            "{:<8} {:>6} {:>6} {:>5} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>9}",
             "layer",
             "out",
             "in",
@@ -96,11 +96,14 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
             "ratio",
             "bwd nn",
             "bwd gemm",
-            "ratio"
+            "ratio",
+            "fwd bf16",
+            "bwd bf16"
         );
     }
     for &(name, n, k) in &shapes {
         let w = Tensor::randn(0f32, 0.05, (n, k), &dev)?;
+        let wb = w.to_dtype(DType::BF16)?;
         for &m in &args.rows {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
             let g = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
@@ -124,21 +127,32 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
                 std::hint::black_box(g.matmul(&w)?);
                 Ok(())
             })?;
+            let fwd_bf16 = time(args.seconds, cpu, || {
+                std::hint::black_box(matmul_nt(&x, &wb)?);
+                Ok(())
+            })?;
+            let bwd_bf16 = time(args.seconds, cpu, || {
+                std::hint::black_box(matmul_nn(&g, &wb)?);
+                Ok(())
+            })?;
             if !args.json {
                 println!(
-                    "{name:<8} {n:>6} {k:>6} {m:>5} | {:>9.1} {:>9.1} {:>5.2}x | {:>9.1} {:>9.1} {:>5.2}x",
+                    "{name:<8} {n:>6} {k:>6} {m:>5} | {:>9.1} {:>9.1} {:>5.2}x | {:>9.1} {:>9.1} {:>5.2}x | {:>9.1} {:>9.1}",
                     gf(fwd_nt),
                     gf(fwd_gemm),
                     fwd_gemm / fwd_nt,
                     gf(bwd_nn),
                     gf(bwd_gemm),
-                    bwd_gemm / bwd_nn
+                    bwd_gemm / bwd_nn,
+                    gf(fwd_bf16),
+                    gf(bwd_bf16)
                 );
             }
             rows_out.push(serde_json::json!({
                 "layer": name, "out": n, "in": k, "rows": m,
                 "fwd_nt_gflops": gf(fwd_nt), "fwd_candle_gflops": gf(fwd_gemm),
                 "bwd_nn_gflops": gf(bwd_nn), "bwd_candle_gflops": gf(bwd_gemm),
+                "fwd_bf16_gflops": gf(fwd_bf16), "bwd_bf16_gflops": gf(bwd_bf16),
             }));
         }
     }

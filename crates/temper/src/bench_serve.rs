@@ -188,8 +188,9 @@ fn served_model(work: &Path, args: &ServeBenchArgs) -> Result<(Pretrained, PathB
     let model =
         Pretrained::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
     let what = format!(
-        "{} in f32 ({} layers, hidden {}, vocab {})",
+        "{} with {} weights ({} layers, hidden {}, vocab {})",
         path.display(),
+        model.model.precision(),
         model.config.num_layers,
         model.config.hidden_size,
         model.config.vocab_size

@@ -64,6 +64,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let opts = LoadOptions {
         dtype: default_dtype(&device),
         device,
+        ..LoadOptions::default()
     };
     let t0 = Instant::now();
     let p = Pretrained::load(&args.model, &opts)

@@ -30,6 +30,11 @@ struct Cli {
     /// CPU threads for tensor kernels (default: all cores).
     #[arg(long, global = true)]
     threads: Option<usize>,
+    /// Precision of the matmul weights on the CPU: `f32`, `bf16` (bf16
+    /// weights and matmul inputs, f32 sums; fast with avx512_bf16), or
+    /// `auto` (bf16 where the CPU has avx512_bf16, else f32).
+    #[arg(long, global = true, default_value = "f32")]
+    dtype: temper_model::Precision,
     #[command(subcommand)]
     command: Command,
 }
@@ -87,6 +92,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // Before any tensor op: candle and its matmul read the thread count lazily.
     temper_model::set_num_threads(cli.threads);
+    temper_model::set_default_precision(cli.dtype);
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

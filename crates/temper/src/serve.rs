@@ -87,6 +87,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let opts = LoadOptions {
         dtype: default_dtype(&device),
         device,
+        ..LoadOptions::default()
     };
     let model = Pretrained::load(&args.model, &opts)
         .with_context(|| format!("loading model from {}", args.model.display()))?;

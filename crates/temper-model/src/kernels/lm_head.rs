@@ -55,7 +55,7 @@ pub fn lm_head_logprobs(
         )));
     }
     let op = LmHeadLogprobs {
-        weight: weight.detach().to_dtype(DType::F32)?.contiguous()?,
+        weight: head_operand(weight)?,
         targets: Arc::new(targets.to_vec()),
         inv_temp: (1.0 / temperature) as f32,
         save_grad: hidden.track_op(),
@@ -85,7 +85,7 @@ pub fn for_each_logprob_row(
             "for_each_logprob_row: hidden {n}x{h}, weight {vocab}x{wh}"
         )));
     }
-    let weight = weight.detach().to_dtype(DType::F32)?.contiguous()?;
+    let weight = head_operand(weight)?;
     let x: Vec<f32> = hidden
         .detach()
         .to_dtype(DType::F32)?
@@ -104,12 +104,24 @@ pub fn for_each_logprob_row(
     Ok(())
 }
 
-/// Whether [`lm_head_logprobs`] handles this input (f32 on the CPU).
+/// Whether [`lm_head_logprobs`] handles this input (f32 hidden states on
+/// the CPU; an f32 or bf16 weight).
 pub fn fused_lm_head_supported(hidden: &Tensor, weight: &Tensor) -> bool {
     hidden.device().is_cpu()
         && hidden.dtype() == DType::F32
-        && weight.dtype() == DType::F32
+        && matches!(weight.dtype(), DType::F32 | DType::BF16)
         && !weight.is_variable()
+}
+
+/// The head weight as the kernels read it: a bf16 weight on the CPU stays
+/// bf16 (its logits are then those of [`super::matmul_nt`] on it, as in a
+/// decode step), anything else becomes f32.
+fn head_operand(weight: &Tensor) -> candle_core::Result<Tensor> {
+    let w = weight.detach();
+    if w.dtype() == DType::BF16 && w.device().is_cpu() {
+        return w.contiguous();
+    }
+    w.to_dtype(DType::F32)?.contiguous()
 }
 
 struct LmHeadLogprobs {
@@ -177,7 +189,7 @@ fn block_logits(
     h: usize,
     weight: &Tensor,
 ) -> candle_core::Result<Vec<f32>> {
-    if weight.dtype() == DType::F32
+    if matches!(weight.dtype(), DType::F32 | DType::BF16)
         && weight.device().is_cpu()
         && super::forward_matmul() == super::ForwardMatmul::BatchInvariant
     {
@@ -186,6 +198,7 @@ fn block_logits(
         return super::matmul::rows_times_weight(xb, rows, weight);
     }
     let x = Tensor::from_slice(xb, (rows, h), &Device::Cpu)?;
+    let weight = &weight.to_dtype(DType::F32)?;
     if rows == 1 {
         // candle's CPU matmul takes a matrix-vector path for one row, which
         // rounds differently from the same row inside a larger call; compute
@@ -229,7 +242,12 @@ impl LmHeadLogprobs {
     /// this 49k-long reduction its packing beats `matmul_nn`.
     fn times_weight(&self, ds: Vec<f32>, rows: usize) -> candle_core::Result<Tensor> {
         let (vocab, _) = self.weight.dims2()?;
-        Tensor::from_vec(ds, (rows, vocab), &Device::Cpu)?.matmul(&self.weight)
+        let ds = Tensor::from_vec(ds, (rows, vocab), &Device::Cpu)?;
+        if self.weight.dtype() == DType::BF16 {
+            // gemm takes no mixed dtypes; ours widens the bf16 panels exactly.
+            return super::matmul_nn(&ds, &self.weight);
+        }
+        ds.matmul(&self.weight)
     }
 }
 

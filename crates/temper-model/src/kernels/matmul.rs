@@ -27,7 +27,7 @@ use std::sync::OnceLock;
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::f32_slice;
+use super::{f32_slice, weight_rows, WeightRows};
 use crate::error::{ModelError, Result};
 
 /// Below this many multiply-adds a call runs on the calling thread.
@@ -108,9 +108,13 @@ impl std::str::FromStr for ForwardMatmul {
     }
 }
 
-/// Whether [`matmul_nt`] handles these operands (f32 on the CPU).
+/// Whether [`matmul_nt`] handles these operands: `x` f32 on the CPU, `w`
+/// f32 or bf16 (then `x` is rounded to bf16 and products are summed in f32).
 pub fn matmul_nt_supported(x: &Tensor, w: &Tensor) -> bool {
-    x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32
+    x.device().is_cpu()
+        && w.device().is_cpu()
+        && x.dtype() == DType::F32
+        && matches!(w.dtype(), DType::F32 | DType::BF16)
 }
 
 /// Whether the forward runs `x·Wᵀ` through [`matmul_nt`]: supported
@@ -135,14 +139,12 @@ impl CustomOp2 for MatmulNt {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, w) = (
-            f32_slice("matmul_nt", xs, xl, "x")?,
-            f32_slice("matmul_nt", ws, wl, "w")?,
-        );
+        let x = f32_slice("matmul_nt", xs, xl, "x")?;
+        let w = weight_rows("matmul_nt", ws, wl)?;
         let (m, k) = xl.shape().dims2()?;
         let (n, _) = wl.shape().dims2()?;
         let mut y = vec![0f32; m * n];
-        matmul_nt_f32(x, w, m, n, k, &mut y);
+        matmul_nt_rows(x, w, m, n, k, &mut y);
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 
@@ -160,11 +162,26 @@ impl CustomOp2 for MatmulNt {
         // on candle's matmul: deterministic for a given shape.
         let dx = super::matmul_nn::matmul_nn(grad, w)?;
         let dw = if self.weight_grad {
-            Some(grad.t()?.matmul(&x.detach())?)
+            Some(grad.t()?.matmul(&x.detach())?.to_dtype(w.dtype())?)
         } else {
             None
         };
         Ok((Some(dx), dw))
+    }
+}
+
+/// `x·Wᵀ` into `y` for a weight stored in f32 or bf16.
+pub(crate) fn matmul_nt_rows(
+    x: &[f32],
+    w: WeightRows<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+) {
+    match w {
+        WeightRows::F32(w) => matmul_nt_f32(x, w, m, n, k, y),
+        WeightRows::Bf16(w) => super::matmul_bf16::matmul_nt_bf16(x, w, m, n, k, y),
     }
 }
 
@@ -398,6 +415,9 @@ mod avx2 {
 pub fn linear_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if use_matmul_nt(x, w) {
         matmul_nt(x, w)
+    } else if w.dtype() != x.dtype() {
+        // bf16 weights under candle's matmul (`TEMPER_MATMUL=candle`).
+        Ok(x.matmul(&w.to_dtype(x.dtype())?.t()?)?)
     } else {
         Ok(x.matmul(&w.t()?)?)
     }
@@ -418,9 +438,9 @@ pub(crate) fn rows_times_weight(
             "matmul_nt: weight not on the CPU".into(),
         ));
     };
-    let ws = f32_slice("matmul_nt", cpu, layout, "w")?;
+    let ws = weight_rows("matmul_nt", cpu, layout)?;
     let mut y = vec![0f32; rows * n];
-    matmul_nt_f32(xb, ws, rows, n, k, &mut y);
+    matmul_nt_rows(xb, ws, rows, n, k, &mut y);
     Ok(y)
 }
 

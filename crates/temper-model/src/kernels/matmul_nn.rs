@@ -27,7 +27,7 @@ use std::sync::OnceLock;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use super::f32_slice;
+use super::{f32_slice, weight_rows, WeightRows};
 
 /// Below this many multiply-adds a call runs on the calling thread.
 const SEQUENTIAL_WORK: usize = 1 << 17;
@@ -39,7 +39,7 @@ const K_BLOCK: usize = 64;
 /// panel of `W` (64 KiB) stays in L2 while every row tile passes over it.
 const N_CHUNK: usize = 256;
 
-/// `g·W` for CPU f32 tensors `g` `[m, n]` and `w` `[n, k]`: a new `[m, k]`
+/// `g·W` for CPU tensors `g` `[m, n]` (f32) and `w` `[n, k]` (f32 or bf16): a new `[m, k]`
 /// tensor with no autograd graph (callers are backward passes).
 pub fn matmul_nn(g: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let (m, n) = g.dims2()?;
@@ -63,9 +63,9 @@ pub fn matmul_nn(g: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
         ));
     };
     let mut y = vec![0f32; m * k];
-    matmul_nn_f32(
+    matmul_nn_rows(
         f32_slice("matmul_nn", gs, gl, "g")?,
-        f32_slice("matmul_nn", ws, wl, "w")?,
+        weight_rows("matmul_nn", ws, wl)?,
         m,
         n,
         k,
@@ -75,8 +75,25 @@ pub fn matmul_nn(g: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// `y[m, k] = g[m, n]·w[n, k]` into `y` (`[m, k]`, row-major, overwritten).
+#[cfg(test)]
 pub(crate) fn matmul_nn_f32(g: &[f32], w: &[f32], m: usize, n: usize, k: usize, y: &mut [f32]) {
-    assert!(g.len() >= m * n && w.len() >= n * k && y.len() >= m * k);
+    matmul_nn_rows(g, WeightRows::F32(w), m, n, k, y)
+}
+
+/// `g·W` into `y` for a `W` stored in f32 or bf16.
+pub(crate) fn matmul_nn_rows(
+    g: &[f32],
+    w: WeightRows<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+) {
+    let wlen = match w {
+        WeightRows::F32(w) => w.len(),
+        WeightRows::Bf16(w) => w.len(),
+    };
+    assert!(g.len() >= m * n && wlen >= n * k && y.len() >= m * k);
     if m == 0 || k == 0 {
         return;
     }
@@ -84,7 +101,7 @@ pub(crate) fn matmul_nn_f32(g: &[f32], w: &[f32], m: usize, n: usize, k: usize, 
         y[..m * k].fill(0.0);
         return;
     }
-    let kernel = kernel();
+    let chunk = chunk_kernel();
     let out = super::matmul::SendPtr(y.as_mut_ptr());
     let (mb, kb) = (m.div_ceil(M_BLOCK), k.div_ceil(K_BLOCK));
     let run = |item: usize| {
@@ -93,7 +110,12 @@ pub(crate) fn matmul_nn_f32(g: &[f32], w: &[f32], m: usize, n: usize, k: usize, 
         let (m1, k1) = ((m0 + M_BLOCK).min(m), (k0 + K_BLOCK).min(k));
         // SAFETY: item (i, c) writes only rows m0..m1, columns k0..k1 of
         // `y`, disjoint from every other item's; `y` outlives the loop.
-        unsafe { kernel(g, w, n, k, m0, m1, k0, k1, out.get()) };
+        unsafe {
+            match w {
+                WeightRows::F32(w) => f32_block(chunk, g, w, n, k, m0, m1, k0, k1, out.get()),
+                WeightRows::Bf16(w) => bf16_block(g, w, n, k, m0, m1, k0, k1, out.get()),
+            }
+        };
     };
     if m * n * k < SEQUENTIAL_WORK || rayon::current_num_threads() == 1 {
         (0..mb * kb).for_each(run);
@@ -102,16 +124,13 @@ pub(crate) fn matmul_nn_f32(g: &[f32], w: &[f32], m: usize, n: usize, k: usize, 
     }
 }
 
-/// Computes rows `m0..m1`, columns `k0..k1` of `y` (row stride `k`).
-type Kernel = unsafe fn(&[f32], &[f32], usize, usize, usize, usize, usize, usize, *mut f32);
-
-fn kernel() -> Kernel {
+fn chunk_kernel() -> Chunk {
     match matmul_nn_isa() {
         #[cfg(target_arch = "x86_64")]
-        "avx512" => avx512::block,
+        "avx512" => avx512::chunk::<f32>,
         #[cfg(target_arch = "x86_64")]
-        "avx2+fma" => avx2::block,
-        _ => portable::block,
+        "avx2+fma" => avx2::chunk,
+        _ => portable::chunk,
     }
 }
 
@@ -122,7 +141,10 @@ pub fn matmul_nn_isa() -> &'static str {
     ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+            {
                 return "avx512";
             }
             if std::arch::is_x86_feature_detected!("avx2")
@@ -136,66 +158,185 @@ pub fn matmul_nn_isa() -> &'static str {
 }
 
 mod portable {
-    use super::N_CHUNK;
-
     /// # Safety
-    /// `y` must point to a `[.., k]` row-major buffer covering rows `m1`;
-    /// no other thread writes rows `m0..m1`, columns `k0..k1`.
+    /// `g` must cover rows `m1` (stride `ldg`) and `nc` terms, `w` `nc` rows
+    /// (stride `ldw`) of `cols` columns, `y` rows `m1` (stride `ldy`); no
+    /// other thread writes rows `m0..m1` of those columns.
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn block(
-        g: &[f32],
-        w: &[f32],
-        n: usize,
-        k: usize,
+    pub(super) unsafe fn chunk(
+        g: *const f32,
+        ldg: usize,
+        w: *const f32,
+        ldw: usize,
+        nc: usize,
         m0: usize,
         m1: usize,
-        k0: usize,
-        k1: usize,
+        cols: usize,
         y: *mut f32,
+        ldy: usize,
+        first: bool,
     ) {
         for i in m0..m1 {
-            let yr = std::slice::from_raw_parts_mut(y.add(i * k + k0), k1 - k0);
-            yr.fill(0.0);
-            for n0 in (0..n).step_by(N_CHUNK) {
-                for j in n0..(n0 + N_CHUNK).min(n) {
-                    let a = g[i * n + j];
-                    for (o, x) in yr.iter_mut().zip(&w[j * k + k0..j * k + k1]) {
-                        *o += a * x;
-                    }
+            let yr = std::slice::from_raw_parts_mut(y.add(i * ldy), cols);
+            if first {
+                yr.fill(0.0);
+            }
+            for j in 0..nc {
+                let a = *g.add(i * ldg + j);
+                let wr = std::slice::from_raw_parts(w.add(j * ldw), cols);
+                for (o, x) in yr.iter_mut().zip(wr) {
+                    *o += a * x;
                 }
             }
         }
     }
 }
 
-/// The tiled loop, shared by both SIMD paths: for each `n` chunk, every
-/// `R`-row tile of the block against `V`-vector column tiles. `$tile` is
-/// the ISA's microkernel, `$mr` its row count, `$lanes` its vector width.
-macro_rules! tiled_block {
-    ($tile:ident, $mr:expr, $lanes:expr, $vmax:expr,
-     $g:ident, $w:ident, $n:ident, $k:ident, $m0:ident, $m1:ident, $k0:ident, $k1:ident, $y:ident) => {{
-        let (g, w) = ($g.as_ptr(), $w.as_ptr());
-        let mut n0 = 0;
-        while n0 < $n {
-            let nc = (n0 + super::N_CHUNK).min($n) - n0;
-            let first = n0 == 0;
-            let mut c = $k0;
-            while c < $k1 {
-                let width = ($k1 - c).min($lanes * $vmax);
-                let v = width.div_ceil($lanes);
-                let tail = width - (v - 1) * $lanes;
-                let mut i = $m0;
-                while i < $m1 {
-                    let r = ($m1 - i).min($mr);
-                    let (gp, wp, yp) = (g.add(i * $n + n0), w.add(n0 * $k + c), $y.add(i * $k + c));
-                    $tile(r, v, gp, $n, wp, $k, nc, yp, $k, tail, first);
-                    i += r;
-                }
-                c += width;
+/// One `n` chunk of the tiled loop, shared by both SIMD paths: every
+/// `R`-row tile of rows `m0..m1` against `V`-vector column tiles of
+/// `cols` columns. `g` points at the chunk's first term of row 0, `w` at
+/// its first weight row (stride `ldw`), `y` at row 0's first column (stride
+/// `ldy`). `$tile` is the ISA's microkernel, `$mr` its row count, `$lanes`
+/// its vector width.
+macro_rules! tiled_chunk {
+    ($tile:expr, $mr:expr, $lanes:expr, $vmax:expr,
+     $g:ident, $ldg:ident, $w:ident, $ldw:ident, $nc:ident, $m0:ident, $m1:ident,
+     $cols:ident, $y:ident, $ldy:ident, $first:ident) => {{
+        let mut c = 0;
+        while c < $cols {
+            let width = ($cols - c).min($lanes * $vmax);
+            let v = width.div_ceil($lanes);
+            let tail = width - (v - 1) * $lanes;
+            let mut i = $m0;
+            while i < $m1 {
+                let r = ($m1 - i).min($mr);
+                let (gp, wp, yp) = ($g.add(i * $ldg), $w.add(c), $y.add(i * $ldy + c));
+                $tile(r, v, gp, $ldg, wp, $ldw, $nc, yp, $ldy, tail, $first);
+                i += r;
             }
-            n0 += nc;
+            c += width;
         }
     }};
+}
+
+/// One `n` chunk (see `tiled_chunk!`): `(g, ldg, w, ldw, nc, m0, m1, cols,
+/// y, ldy, first)`.
+type Chunk = unsafe fn(
+    *const f32,
+    usize,
+    *const f32,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    *mut f32,
+    usize,
+    bool,
+);
+
+/// Rows `m0..m1`, columns `k0..k1` of `g·W` for an f32 `W`, chunk by chunk.
+#[allow(clippy::too_many_arguments)]
+unsafe fn f32_block(
+    chunk: Chunk,
+    g: &[f32],
+    w: &[f32],
+    n: usize,
+    k: usize,
+    m0: usize,
+    m1: usize,
+    k0: usize,
+    k1: usize,
+    y: *mut f32,
+) {
+    let (gp, wp) = (g.as_ptr(), w.as_ptr());
+    let mut n0 = 0;
+    while n0 < n {
+        let nc = (n0 + N_CHUNK).min(n) - n0;
+        chunk(
+            gp.add(n0),
+            n,
+            wp.add(n0 * k + k0),
+            k,
+            nc,
+            m0,
+            m1,
+            k1 - k0,
+            y.add(k0),
+            k,
+            n0 == 0,
+        );
+        n0 += nc;
+    }
+}
+
+/// The same for a bf16 `W`, bit-identical to the f32 kernel on the widened
+/// weights (widening is exact): the AVX-512 tiles widen each vector as they
+/// load it; elsewhere each chunk's panel of `W` is widened into a buffer
+/// and run through the f32 tiles.
+#[allow(clippy::too_many_arguments)]
+unsafe fn bf16_block(
+    g: &[f32],
+    w: &[u16],
+    n: usize,
+    k: usize,
+    m0: usize,
+    m1: usize,
+    k0: usize,
+    k1: usize,
+    y: *mut f32,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if matmul_nn_isa() == "avx512" {
+        let (gp, wp) = (g.as_ptr(), w.as_ptr());
+        let mut n0 = 0;
+        while n0 < n {
+            let nc = (n0 + N_CHUNK).min(n) - n0;
+            avx512::chunk::<u16>(
+                gp.add(n0),
+                n,
+                wp.add(n0 * k + k0),
+                k,
+                nc,
+                m0,
+                m1,
+                k1 - k0,
+                y.add(k0),
+                k,
+                n0 == 0,
+            );
+            n0 += nc;
+        }
+        return;
+    }
+    let chunk = chunk_kernel();
+    let cols = k1 - k0;
+    let mut panel = vec![0f32; N_CHUNK.min(n) * cols];
+    let gp = g.as_ptr();
+    let mut n0 = 0;
+    while n0 < n {
+        let nc = (n0 + N_CHUNK).min(n) - n0;
+        for (j, row) in panel.chunks_exact_mut(cols).take(nc).enumerate() {
+            let src = &w[(n0 + j) * k + k0..(n0 + j) * k + k1];
+            for (o, &b) in row.iter_mut().zip(src) {
+                *o = f32::from_bits((b as u32) << 16);
+            }
+        }
+        chunk(
+            gp.add(n0),
+            n,
+            panel.as_ptr(),
+            cols,
+            nc,
+            m0,
+            m1,
+            cols,
+            y.add(k0),
+            k,
+            n0 == 0,
+        );
+        n0 += nc;
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -205,15 +346,37 @@ mod avx512 {
     const MR: usize = 6;
     const VMAX: usize = 4;
 
+    /// A weight element the tile widens to f32 as it loads: f32 itself, or
+    /// bf16 bits (exactly, by a shift), so a bf16 weight needs no f32 copy.
+    pub(super) trait Elem: Copy {
+        /// Sixteen elements at `p` as f32, lanes outside `mask` zero.
+        unsafe fn load16(p: *const Self, mask: __mmask16) -> __m512;
+    }
+
+    impl Elem for f32 {
+        #[inline(always)]
+        unsafe fn load16(p: *const f32, mask: __mmask16) -> __m512 {
+            _mm512_maskz_loadu_ps(mask, p)
+        }
+    }
+
+    impl Elem for u16 {
+        #[inline(always)]
+        unsafe fn load16(p: *const u16, mask: __mmask16) -> __m512 {
+            let h = _mm256_maskz_loadu_epi16(mask, p as *const i16);
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+        }
+    }
+
     /// One `R × 16V` tile over `nc` terms: `y = (first ? 0 : y) + Σ g·w`,
     /// in term order. The last vector keeps only `tail` lanes.
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn tile<const R: usize, const V: usize>(
+    unsafe fn tile<T: Elem, const R: usize, const V: usize>(
         g: *const f32,
         ldg: usize,
-        w: *const f32,
+        w: *const T,
         ldw: usize,
         nc: usize,
         y: *mut f32,
@@ -240,7 +403,7 @@ mod avx512 {
             let mut wv = [_mm512_setzero_ps(); V];
             for (v, x) in wv.iter_mut().enumerate() {
                 let mask = if v + 1 == V { last } else { 0xFFFF };
-                *x = _mm512_maskz_loadu_ps(mask, wp.add(v * 16));
+                *x = T::load16(wp.add(v * 16), mask);
             }
             for (r, row) in acc.iter_mut().enumerate() {
                 let a = _mm512_set1_ps(*g.add(r * ldg + j));
@@ -258,14 +421,14 @@ mod avx512 {
     }
 
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn dispatch(
+    unsafe fn dispatch<T: Elem>(
         r: usize,
         v: usize,
         g: *const f32,
         ldg: usize,
-        w: *const f32,
+        w: *const T,
         ldw: usize,
         nc: usize,
         y: *mut f32,
@@ -277,10 +440,10 @@ mod avx512 {
             ($($r:literal),*) => {
                 match (r, v) {
                     $(
-                        ($r, 1) => tile::<$r, 1>(g, ldg, w, ldw, nc, y, ldy, tail, first),
-                        ($r, 2) => tile::<$r, 2>(g, ldg, w, ldw, nc, y, ldy, tail, first),
-                        ($r, 3) => tile::<$r, 3>(g, ldg, w, ldw, nc, y, ldy, tail, first),
-                        ($r, _) => tile::<$r, 4>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                        ($r, 1) => tile::<T, $r, 1>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                        ($r, 2) => tile::<T, $r, 2>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                        ($r, 3) => tile::<T, $r, 3>(g, ldg, w, ldw, nc, y, ldy, tail, first),
+                        ($r, _) => tile::<T, $r, 4>(g, ldg, w, ldw, nc, y, ldy, tail, first),
                     )*
                     _ => unreachable!("row tile of {r} rows"),
                 }
@@ -290,21 +453,39 @@ mod avx512 {
     }
 
     /// # Safety
-    /// The CPU must have AVX-512F; see [`super::portable::block`].
+    /// The CPU must have AVX-512F/BW/VL; see [`super::portable::chunk`].
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn block(
-        g: &[f32],
-        w: &[f32],
-        n: usize,
-        k: usize,
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn chunk<T: Elem>(
+        g: *const f32,
+        ldg: usize,
+        w: *const T,
+        ldw: usize,
+        nc: usize,
         m0: usize,
         m1: usize,
-        k0: usize,
-        k1: usize,
+        cols: usize,
         y: *mut f32,
+        ldy: usize,
+        first: bool,
     ) {
-        tiled_block!(dispatch, MR, 16, VMAX, g, w, n, k, m0, m1, k0, k1, y);
+        tiled_chunk!(
+            dispatch::<T>,
+            MR,
+            16,
+            VMAX,
+            g,
+            ldg,
+            w,
+            ldw,
+            nc,
+            m0,
+            m1,
+            cols,
+            y,
+            ldy,
+            first
+        );
     }
 }
 
@@ -402,21 +583,23 @@ mod avx2 {
     }
 
     /// # Safety
-    /// The CPU must have AVX2 and FMA; see [`super::portable::block`].
+    /// The CPU must have AVX2 and FMA; see [`super::portable::chunk`].
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn block(
-        g: &[f32],
-        w: &[f32],
-        n: usize,
-        k: usize,
+    pub(super) unsafe fn chunk(
+        g: *const f32,
+        ldg: usize,
+        w: *const f32,
+        ldw: usize,
+        nc: usize,
         m0: usize,
         m1: usize,
-        k0: usize,
-        k1: usize,
+        cols: usize,
         y: *mut f32,
+        ldy: usize,
+        first: bool,
     ) {
-        tiled_block!(dispatch, MR, 8, VMAX, g, w, n, k, m0, m1, k0, k1, y);
+        tiled_chunk!(dispatch, MR, 8, VMAX, g, ldg, w, ldw, nc, m0, m1, cols, y, ldy, first);
     }
 }
 
@@ -507,5 +690,26 @@ mod tests {
         let mut y = vec![1f32; 6];
         matmul_nn_f32(&[], &[], 2, 0, 3, &mut y);
         assert_eq!(y, vec![0.0; 6]);
+    }
+
+    /// A bf16 weight is widened exactly and run through the same tiles: the
+    /// result is bit-identical to the f32 kernel on the widened weight.
+    #[test]
+    fn a_bf16_weight_gives_the_f32_result_of_its_widened_values() {
+        for &(m, n, k) in &[(1, 7, 9), (70, 300, 576), (5, 576, 1536), (33, 1536, 100)] {
+            let g = rand(m * n, 11);
+            let wb = crate::kernels::matmul_bf16::round_to_bf16(&rand(n * k, 12));
+            let wf: Vec<f32> = wb
+                .iter()
+                .map(|&b| f32::from_bits((b as u32) << 16))
+                .collect();
+            let (mut a, mut b) = (vec![0f32; m * k], vec![0f32; m * k]);
+            matmul_nn_f32(&g, &wf, m, n, k, &mut a);
+            matmul_nn_rows(&g, WeightRows::Bf16(&wb), m, n, k, &mut b);
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{m}x{n}x{k}"
+            );
+        }
     }
 }

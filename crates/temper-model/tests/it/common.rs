@@ -14,7 +14,16 @@ pub fn root() -> PathBuf {
 }
 
 pub fn load(name: &str) -> Pretrained {
-    Pretrained::load(&root().join("models").join(name), &LoadOptions::default())
+    load_as(name, temper_model::Precision::F32)
+}
+
+/// A fixture with its matmul weights in `precision`.
+pub fn load_as(name: &str, precision: temper_model::Precision) -> Pretrained {
+    let opts = LoadOptions {
+        precision,
+        ..LoadOptions::default()
+    };
+    Pretrained::load(&root().join("models").join(name), &opts)
         .unwrap_or_else(|e| panic!("loading {name}: {e}"))
 }
 
