@@ -195,3 +195,49 @@ fn smollm2_gguf_greedy_matches_transformers_generate() {
         assert_eq!(o[0].text, c["greedy_text"].as_str().expect("text"));
     }
 }
+
+/// `--dtype bf16` on the real model: bf16 weights and matmul inputs with f32
+/// sums stay within 2% of the largest logit of transformers' f32 forward,
+/// and pick the same top token for every prompt.
+#[test]
+fn smollm2_gguf_bf16_logits_stay_close_to_transformers_f32() {
+    let Some(path) = gguf_path() else { return };
+    let opts = LoadOptions {
+        precision: temper_model::Precision::Bf16,
+        ..LoadOptions::default()
+    };
+    let p = Pretrained::load(&path, &opts).expect("bf16 load");
+    assert_eq!(p.model.precision(), temper_model::Precision::Bf16);
+    let r = refs();
+    let mut worst = 0f32;
+    for c in r["chats"].as_array().expect("chats") {
+        let prompt = ids(&c["prompt_ids"]);
+        let logits = logits_of(&p, &prompt, None);
+        let n = floats(&c["logits_last"]).len();
+        let scale = c["max_abs_logit_last"].as_f64().expect("scale") as f32;
+        for (row, key) in [(0, "logits_first"), (prompt.len() - 1, "logits_last")] {
+            let ours = logits.get(row).unwrap().narrow(0, 0, n).unwrap();
+            let theirs = Tensor::new(floats(&c[key]), ours.device()).unwrap();
+            let diff = (&ours - &theirs).unwrap().abs().unwrap().max_all().unwrap();
+            let e = diff.to_scalar::<f32>().unwrap() / scale;
+            eprintln!("bf16 {key}: relative error {e:.2e}");
+            worst = worst.max(e);
+            assert!(e <= 2e-2, "bf16 {key}: relative error {e}");
+        }
+        let last = logits
+            .get(prompt.len() - 1)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let top = (0..last.len())
+            .max_by(|&a, &b| last[a].total_cmp(&last[b]))
+            .unwrap();
+        assert_eq!(top as u32, ids(&c["top5_ids"])[0], "bf16 top-1");
+    }
+    // Rounded weights do move the logits: a bf16 load that stayed f32
+    // would show the f32 test's ≤ 1e-4.
+    assert!(
+        worst > 1e-4,
+        "bf16 logits equal f32's: weights not rounded?"
+    );
+}
