@@ -9,6 +9,8 @@
 //! op is differentiable — no fused inference-only kernel — so the same code
 //! that samples can be trained through.
 
+use std::sync::Arc;
+
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, Var, D};
 use rayon::prelude::*;
 
@@ -16,7 +18,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kernels::{
     causal_attention, fused_attention_supported, fused_rms_norm_supported, fused_swiglu_supported,
-    linear_nt, matmul_nt, use_matmul_nt,
+    linear_nt, matmul_nt, matmul_nt_packed, use_matmul_nt, PackedBf16,
 };
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::precision::Precision;
@@ -28,6 +30,9 @@ use crate::weights::Checkpoint;
 struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
+    /// The bf16 weight packed for the forward (see [`PackedBf16`]); `None`
+    /// for f32 weights.
+    packed: Option<Arc<PackedBf16>>,
 }
 
 impl Linear {
@@ -38,7 +43,11 @@ impl Linear {
         } else {
             None
         };
-        Ok(Self { weight, bias })
+        Ok(Self {
+            weight,
+            bias,
+            packed: None,
+        })
     }
 
     /// `x`: `[n, in]` → `[n, out]`.
@@ -47,7 +56,9 @@ impl Linear {
             && x.track_op()
             && x.device().is_cpu()
             && matches!(x.dtype(), DType::F32 | DType::F64);
-        let mut y = if use_matmul_nt(x, &self.weight) {
+        let mut y = if let (Some(p), true) = (&self.packed, use_matmul_nt(x, &self.weight)) {
+            matmul_nt_packed(x, p, &self.weight)?
+        } else if use_matmul_nt(x, &self.weight) {
             matmul_nt(x, &self.weight)?
         } else if self.weight.dtype() != x.dtype() {
             // bf16 weights under candle's matmul (`TEMPER_MATMUL=candle`).
@@ -355,6 +366,8 @@ pub struct Model {
     norm: Tensor,
     /// `None` when tied to `embed`.
     lm_head: Option<Tensor>,
+    /// The head weight packed for the forward, with bf16 weights.
+    head_packed: Option<Arc<PackedBf16>>,
     rope: Rope,
     device: Device,
     dtype: DType,
@@ -413,6 +426,7 @@ impl Model {
             layers,
             norm,
             lm_head,
+            head_packed: None,
             rope: Rope::new(cfg, dtype, device)?,
             device: device.clone(),
             dtype,
@@ -443,13 +457,21 @@ impl Model {
             *t = t.to_dtype(dtype)?;
             Ok(())
         };
+        let pack = |t: &Tensor| -> Result<Option<Arc<PackedBf16>>> {
+            Ok(match precision {
+                Precision::F32 => None,
+                Precision::Bf16 => Some(Arc::new(PackedBf16::from_tensor(t)?)),
+            })
+        };
         convert(&mut self.embed)?;
         if let Some(h) = self.lm_head.as_mut() {
             convert(h)?;
         }
+        self.head_packed = pack(self.head_weight())?;
         for l in self.layers.iter_mut() {
             for (_, lin) in l.linears_mut() {
                 convert(&mut lin.weight)?;
+                lin.packed = pack(&lin.weight)?;
             }
         }
         self.precision = precision;
@@ -569,6 +591,9 @@ impl Model {
                     let dtype = lin.weight.dtype();
                     lin.weight = (lin.weight.detach().to_dtype(delta.dtype())? + delta.detach())?
                         .to_dtype(dtype)?;
+                    if lin.packed.is_some() {
+                        lin.packed = Some(Arc::new(PackedBf16::from_tensor(&lin.weight)?));
+                    }
                 }
             }
         }
@@ -654,7 +679,16 @@ impl Model {
 
     /// Logits `[n, vocab]` for hidden states `[n, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        linear_nt(hidden, self.head_weight())
+        let head = self.head_weight();
+        if let (Some(p), true) = (&self.head_packed, use_matmul_nt(hidden, head)) {
+            return matmul_nt_packed(hidden, p, head);
+        }
+        linear_nt(hidden, head)
+    }
+
+    /// The head weight packed for the forward (bf16 weights only).
+    pub(crate) fn head_packed(&self) -> Option<&Arc<PackedBf16>> {
+        self.head_packed.as_ref()
     }
 
     /// The output projection `[vocab, hidden]` (the embedding when tied).

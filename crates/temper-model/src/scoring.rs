@@ -97,7 +97,8 @@ impl Model {
         if fused_lm_head_supported(&hidden, head) {
             // The LM head, log-softmax, gather and entropy in one op that
             // never keeps `[len, vocab]` logits (see `kernels`).
-            let (logprobs, entropy) = lm_head_logprobs(&hidden, head, targets, temperature)?;
+            let (logprobs, entropy) =
+                lm_head_logprobs(&hidden, head, targets, temperature, self.head_packed())?;
             return Ok(TokenScores { logprobs, entropy });
         }
         // `[len, vocab]` logits are the largest tensor of a step (151k-token

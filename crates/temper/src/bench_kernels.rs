@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use temper_model::candle_core::{DType, Device, Tensor};
-use temper_model::kernels::{matmul_nn, matmul_nn_isa, matmul_nt};
+use temper_model::kernels::{matmul_nn, matmul_nn_isa, matmul_nt, matmul_nt_packed, PackedBf16};
 
 /// Arguments of `temper bench kernels`.
 #[derive(Args)]
@@ -104,6 +104,7 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
     for &(name, n, k) in &shapes {
         let w = Tensor::randn(0f32, 0.05, (n, k), &dev)?;
         let wb = w.to_dtype(DType::BF16)?;
+        let wp = std::sync::Arc::new(PackedBf16::from_tensor(&wb)?);
         for &m in &args.rows {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
             let g = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
@@ -128,7 +129,7 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
                 Ok(())
             })?;
             let fwd_bf16 = time(args.seconds, cpu, || {
-                std::hint::black_box(matmul_nt(&x, &wb)?);
+                std::hint::black_box(matmul_nt_packed(&x, &wp, &wb)?);
                 Ok(())
             })?;
             let bwd_bf16 = time(args.seconds, cpu, || {

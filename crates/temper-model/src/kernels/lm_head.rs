@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::matmul_bf16::PackedBf16;
 use crate::error::{ModelError, Result};
 
 /// Rows of logits materialised at a time (`ROW_BLOCK × vocab` f32).
@@ -40,6 +41,7 @@ pub fn lm_head_logprobs(
     weight: &Tensor,
     targets: &[u32],
     temperature: f64,
+    packed: Option<&Arc<PackedBf16>>,
 ) -> Result<(Tensor, Tensor)> {
     let (n, h) = hidden.dims2()?;
     let (vocab, wh) = weight.dims2()?;
@@ -56,6 +58,7 @@ pub fn lm_head_logprobs(
     }
     let op = LmHeadLogprobs {
         weight: head_operand(weight)?,
+        packed: packed.cloned(),
         targets: Arc::new(targets.to_vec()),
         inv_temp: (1.0 / temperature) as f32,
         save_grad: hidden.track_op(),
@@ -76,6 +79,7 @@ pub fn for_each_logprob_row(
     hidden: &Tensor,
     weight: &Tensor,
     temperature: f64,
+    packed: Option<&Arc<PackedBf16>>,
     mut f: impl FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<()> {
     let (n, h) = hidden.dims2()?;
@@ -94,7 +98,7 @@ pub fn for_each_logprob_row(
     let inv_temp = (1.0 / temperature) as f32;
     for start in (0..n).step_by(ROW_BLOCK) {
         let rows = ROW_BLOCK.min(n - start);
-        let mut s = block_logits(&x[start * h..(start + rows) * h], rows, h, &weight)?;
+        let mut s = block_logits(&x[start * h..(start + rows) * h], rows, h, &weight, packed)?;
         s.par_chunks_mut(vocab)
             .for_each(|row| log_softmax_in_place(row, inv_temp));
         for (i, row) in s.chunks(vocab).enumerate() {
@@ -126,6 +130,8 @@ fn head_operand(weight: &Tensor) -> candle_core::Result<Tensor> {
 
 struct LmHeadLogprobs {
     weight: Tensor,
+    /// The packed bf16 head, which computes the logits when present.
+    packed: Option<Arc<PackedBf16>>,
     targets: Arc<Vec<u32>>,
     inv_temp: f32,
     /// Store `d logprob / d hidden` in the forward (input is tracked).
@@ -188,7 +194,13 @@ fn block_logits(
     rows: usize,
     h: usize,
     weight: &Tensor,
+    packed: Option<&Arc<PackedBf16>>,
 ) -> candle_core::Result<Vec<f32>> {
+    if let (Some(p), super::ForwardMatmul::BatchInvariant) = (packed, super::forward_matmul()) {
+        // The model's bf16 forward: the same packed kernel as its decode
+        // logits.
+        return Ok(super::matmul::rows_times_packed(xb, rows, p));
+    }
     if matches!(weight.dtype(), DType::F32 | DType::BF16)
         && weight.device().is_cpu()
         && super::forward_matmul() == super::ForwardMatmul::BatchInvariant
@@ -224,7 +236,7 @@ impl LmHeadLogprobs {
     ) -> candle_core::Result<Tensor> {
         let rows = g_lp.len();
         let (vocab, h) = self.weight.dims2()?;
-        let mut s = block_logits(xb, rows, h, &self.weight)?;
+        let mut s = block_logits(xb, rows, h, &self.weight, self.packed.as_ref())?;
         let targets = &self.targets[start..start + rows];
         let inv_temp = self.inv_temp;
         s.par_chunks_mut(vocab)
@@ -305,7 +317,7 @@ impl CustomOp1 for LmHeadLogprobs {
         for start in (0..n).step_by(ROW_BLOCK) {
             let rows = ROW_BLOCK.min(n - start);
             let xb = &x[start * h..(start + rows) * h];
-            let mut s = block_logits(xb, rows, h, &self.weight)?;
+            let mut s = block_logits(xb, rows, h, &self.weight, self.packed.as_ref())?;
             let targets = &self.targets[start..start + rows];
             let save_grad = self.save_grad;
             let inv_temp = self.inv_temp;
@@ -462,7 +474,8 @@ mod tests {
     fn fused_lm_head_matches_composed_values_and_gradients() {
         for (seed, t) in [(1u64, 1.0f64), (2, 0.7)] {
             let (hidden, weight, targets, a, b) = inputs(seed);
-            let (lp, ent) = lm_head_logprobs(hidden.as_tensor(), &weight, &targets, t).unwrap();
+            let (lp, ent) =
+                lm_head_logprobs(hidden.as_tensor(), &weight, &targets, t, None).unwrap();
             let (rlp, rent) = composed(hidden.as_tensor(), &weight, &targets, t);
             assert!(max_abs_diff(&vec64(&lp), &vec64(&rlp)) < 1e-5);
             assert!(max_abs_diff(&vec64(&ent), &vec64(&rent)) < 1e-5);
@@ -483,14 +496,14 @@ mod tests {
     fn fused_lm_head_gradient_matches_finite_differences() {
         let (hidden, weight, targets, a, b) = inputs(3);
         let t = 0.9;
-        let (lp, ent) = lm_head_logprobs(hidden.as_tensor(), &weight, &targets, t).unwrap();
+        let (lp, ent) = lm_head_logprobs(hidden.as_tensor(), &weight, &targets, t, None).unwrap();
         let g = loss(&lp, &ent, &a, &b).backward().unwrap();
         let g = vec64(g.get(hidden.as_tensor()).expect("hidden grad"));
         let base: Vec<f32> = hidden.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         let eps = 1e-2f32;
         let eval = |v: Vec<f32>| -> f64 {
             let x = Tensor::from_vec(v, (N, H), &Device::Cpu).unwrap();
-            let (lp, ent) = lm_head_logprobs(&x, &weight, &targets, t).unwrap();
+            let (lp, ent) = lm_head_logprobs(&x, &weight, &targets, t, None).unwrap();
             let l = loss(&lp, &ent, &a, &b).to_dtype(DType::F64).unwrap();
             l.to_scalar::<f64>().unwrap()
         };
@@ -508,7 +521,7 @@ mod tests {
     #[test]
     fn fused_lm_head_second_backward_recomputes_the_same_gradient() {
         let (hidden, weight, targets, a, b) = inputs(4);
-        let (lp, ent) = lm_head_logprobs(hidden.as_tensor(), &weight, &targets, 1.0).unwrap();
+        let (lp, ent) = lm_head_logprobs(hidden.as_tensor(), &weight, &targets, 1.0, None).unwrap();
         // Logprob-only loss: the first backward uses the stored gradient, the
         // second (stored one consumed) recomputes it from the logits.
         let l = (lp * &a).unwrap().sum_all().unwrap();
@@ -523,6 +536,6 @@ mod tests {
     fn fused_lm_head_rejects_out_of_range_targets() {
         let (hidden, weight, mut targets, _, _) = inputs(5);
         targets[7] = V as u32;
-        assert!(lm_head_logprobs(hidden.as_tensor(), &weight, &targets, 1.0).is_err());
+        assert!(lm_head_logprobs(hidden.as_tensor(), &weight, &targets, 1.0, None).is_err());
     }
 }

@@ -22,11 +22,12 @@
 //! ever uses one of the two).
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::matmul_bf16::PackedBf16;
 use super::{f32_slice, weight_rows, WeightRows};
 use crate::error::{ModelError, Result};
 
@@ -408,6 +409,63 @@ mod avx2 {
             _ => {}
         }
     }
+}
+
+/// `x·Wᵀ` for a frozen bf16 weight through its packed form: `x` `[m, k]`
+/// f32, `weight` the same weight as a bf16 tensor `[n, k]` (the backward's
+/// `g·W` reads it). Differentiable w.r.t. `x` only.
+pub fn matmul_nt_packed(x: &Tensor, packed: &Arc<PackedBf16>, weight: &Tensor) -> Result<Tensor> {
+    let (_, k) = x.dims2()?;
+    let (n, pk) = packed.dims();
+    if k != pk || weight.dims2()? != (n, pk) {
+        return Err(ModelError::InvalidInput(format!(
+            "matmul_nt_packed: x {:?}, packed weight [{n}, {pk}], weight {:?}",
+            x.dims(),
+            weight.dims()
+        )));
+    }
+    let op = MatmulPacked {
+        packed: packed.clone(),
+        weight: weight.detach(),
+    };
+    Ok(x.contiguous()?.apply_op1(op)?)
+}
+
+struct MatmulPacked {
+    packed: Arc<PackedBf16>,
+    weight: Tensor,
+}
+
+impl candle_core::CustomOp1 for MatmulPacked {
+    fn name(&self) -> &'static str {
+        "matmul-nt-packed"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_slice("matmul_nt_packed", xs, xl, "x")?;
+        let (m, _) = xl.shape().dims2()?;
+        let (n, _) = self.packed.dims();
+        let mut y = vec![0f32; m * n];
+        super::matmul_bf16::matmul_nt_packed(x, &self.packed, m, &mut y);
+        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(super::matmul_nn::matmul_nn(grad, &self.weight)?))
+    }
+}
+
+/// `[rows, k]·Wᵀ` for f32 rows against a packed bf16 weight.
+pub(crate) fn rows_times_packed(xb: &[f32], rows: usize, packed: &PackedBf16) -> Vec<f32> {
+    let (n, _) = packed.dims();
+    let mut y = vec![0f32; rows * n];
+    super::matmul_bf16::matmul_nt_packed(xb, packed, rows, &mut y);
+    y
 }
 
 /// `x·Wᵀ` through [`matmul_nt`] when the forward uses it (see

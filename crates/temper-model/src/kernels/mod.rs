@@ -20,7 +20,7 @@ pub use lm_head::{
     ROW_BLOCK,
 };
 
-pub use matmul_bf16::bf16_dot_available;
+pub use matmul_bf16::{bf16_dot_available, PackedBf16};
 
 pub use matmul_nn::{matmul_nn, matmul_nn_isa};
 
@@ -29,8 +29,8 @@ pub use rms_norm::{fused_rms_norm_supported, rms_norm};
 pub use swiglu::{fused_swiglu_supported, swiglu};
 
 pub use matmul::{
-    forward_matmul, linear_nt, matmul_nt, matmul_nt_supported, set_forward_matmul, use_matmul_nt,
-    ForwardMatmul,
+    forward_matmul, linear_nt, matmul_nt, matmul_nt_packed, matmul_nt_supported,
+    set_forward_matmul, use_matmul_nt, ForwardMatmul,
 };
 
 /// An op's contiguous f32 input as a slice; errors name the op and input.
