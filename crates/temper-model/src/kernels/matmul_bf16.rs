@@ -33,7 +33,9 @@ use super::matmul::SendPtr;
 /// Below this many multiply-adds a call runs on the calling thread.
 const SEQUENTIAL_WORK: usize = 1 << 17;
 
-/// `x` rounded to bf16 (round to nearest even), as raw bits.
+/// `x` rounded to bf16 (round to nearest even), as raw bits: the tests'
+/// reference rounding.
+#[cfg(test)]
 pub(crate) fn round_to_bf16(x: &[f32]) -> Vec<u16> {
     let mut out = vec![0u16; x.len()];
     let run = |(o, x): (&mut [u16], &[f32])| {
@@ -141,16 +143,7 @@ pub(crate) fn matmul_nt_packed(x: &[f32], w: &PackedBf16, m: usize, y: &mut [f32
     if m == 0 || n == 0 {
         return;
     }
-    let k2 = k.div_ceil(2);
-    // Rows as bf16 pairs (a zero pads an odd `k`).
-    let mut xb = vec![0u16; m * k2 * 2];
-    let rounded = round_to_bf16(&x[..m * k]);
-    for (dst, src) in xb
-        .chunks_exact_mut(k2 * 2)
-        .zip(rounded.chunks_exact(k.max(1)))
-    {
-        dst[..k].copy_from_slice(src);
-    }
+    let xb = rows_as_pairs(&x[..m * k], m, k);
     let kernel = packed_kernel();
     let out = SendPtr(y.as_mut_ptr());
     let panels = n.div_ceil(PANEL);
@@ -163,6 +156,47 @@ pub(crate) fn matmul_nt_packed(x: &[f32], w: &PackedBf16, m: usize, y: &mut [f32
         (0..panels).for_each(run);
     } else {
         (0..panels).into_par_iter().for_each(run);
+    }
+}
+
+/// Rows of `x` rounded to bf16, each padded to an even length (a zero pads
+/// an odd `k`): `[m, 2·⌈k/2⌉]`.
+fn rows_as_pairs(x: &[f32], m: usize, k: usize) -> Vec<u16> {
+    let k2 = k.div_ceil(2);
+    let mut xb = vec![0u16; m * k2 * 2];
+    let round = round_row();
+    let run = |(dst, src): (&mut [u16], &[f32])| {
+        // SAFETY: `round_row` checked the CPU; `dst` holds at least `k`.
+        unsafe { round(src, &mut dst[..k]) }
+    };
+    if m * k < 1 << 15 {
+        xb.chunks_exact_mut(k2 * 2)
+            .zip(x.chunks_exact(k))
+            .for_each(run);
+    } else {
+        xb.par_chunks_exact_mut(k2 * 2)
+            .zip(x.par_chunks_exact(k))
+            .for_each(run);
+    }
+    xb
+}
+
+/// Rounds one row to bf16 bits (round to nearest even).
+type RoundRow = unsafe fn(&[f32], &mut [u16]);
+
+fn round_row() -> RoundRow {
+    #[cfg(target_arch = "x86_64")]
+    if bf16_dot_available() {
+        return avx512_packed::round_row;
+    }
+    portable_round_row
+}
+
+/// # Safety
+/// Always safe; `unsafe` for the [`RoundRow`] signature.
+unsafe fn portable_round_row(x: &[f32], out: &mut [u16]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = half::bf16::from_f32(v).to_bits();
     }
 }
 
@@ -214,6 +248,25 @@ mod avx512_packed {
 
     /// Rows per register tile: 6 rows × 4 vectors = 24 accumulators.
     const MR: usize = 6;
+
+    /// `vcvtneps2bf16`, sixteen at a time (round to nearest even; the
+    /// instruction treats denormal inputs as zero).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 BF16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vl")]
+    pub(super) unsafe fn round_row(x: &[f32], out: &mut [u16]) {
+        let n = out.len().min(x.len());
+        let mut i = 0;
+        while i < n {
+            let lanes = (n - i).min(16);
+            let mask = ((1u32 << lanes) - 1) as __mmask16;
+            let v = _mm512_maskz_loadu_ps(mask, x.as_ptr().add(i));
+            let b = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v));
+            _mm256_mask_storeu_epi16(out.as_mut_ptr().add(i) as *mut i16, mask, b);
+            i += lanes;
+        }
+    }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
