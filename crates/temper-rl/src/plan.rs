@@ -286,8 +286,8 @@ fn model_plan(m: &ModelSection, l: &LoraSection) -> Result<ModelPlan> {
     };
     if precision != Precision::F32 && !l.enabled {
         return bad(format!(
-            "[model] dtype = {precision:?} needs [lora] enabled = true: full-parameter training keeps f32 weights",
-            precision = precision.as_str()
+            "{} weights (from [model] dtype or --dtype) need [lora] enabled = true: full-parameter training keeps f32 weights; set [model] dtype = \"f32\"",
+            precision.as_str()
         ));
     }
     Ok(ModelPlan {
@@ -404,6 +404,9 @@ mod tests {
         );
         let full = rl(&[("lora.enabled", "false")]).unwrap();
         assert!(full.model.lora.is_none());
+        assert_eq!(p.model.precision, temper_model::Precision::F32);
+        let bf16 = rl(&[("model.dtype", "\"bf16\"")]).unwrap();
+        assert_eq!(bf16.model.precision, temper_model::Precision::Bf16);
     }
 
     /// Every check of a run lives in the plan: each of these was checked
@@ -421,6 +424,14 @@ mod tests {
             (&[("model.preset", "\"huge\"")], "preset"),
             (&[("model.path", "\"m\"")], "both"),
             (&[("model.tiny.num_heads", "3")], "tiny model"),
+            (
+                &[("model.dtype", "\"fp16\"")],
+                "expected \"f32\", \"bf16\" or \"auto\"",
+            ),
+            (
+                &[("model.dtype", "\"bf16\""), ("lora.enabled", "false")],
+                "full-parameter training keeps f32 weights",
+            ),
             (
                 &[("model.adapter", "\"a\""), ("lora.enabled", "false")],
                 "adapter",

@@ -123,7 +123,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         },
     };
     let base = Arc::new(
-        Pretrained::load(&base_path, &LoadOptions::default())
+        Pretrained::load(&base_path, &f32_weights())
             .with_context(|| format!("loading base model {}", base_path.display()))?,
     );
     let adapter: Option<LoraAdapter> = match &trained {
@@ -143,7 +143,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
                     run.load_state(d, false)?;
                     let tmp = tempdir_near(&args.out)?;
                     run.export_model(&tmp)?;
-                    let full = Pretrained::load(&tmp, &LoadOptions::default())?;
+                    let full = Pretrained::load(&tmp, &f32_weights())?;
                     let r = write(&args, &base, &full.model, None, quant);
                     std::fs::remove_dir_all(&tmp).ok();
                     return r;
@@ -221,4 +221,14 @@ fn write(
     }
     eprintln!("wrote {}", args.out.display());
     Ok(())
+}
+
+/// Export reads f32 weights whatever `--dtype` says: its output precision is
+/// `--quant`, and merging an adapter into bf16-rounded weights would lose
+/// bits for nothing.
+fn f32_weights() -> LoadOptions {
+    LoadOptions {
+        precision: temper_model::Precision::F32,
+        ..LoadOptions::default()
+    }
 }
