@@ -56,10 +56,11 @@ impl Linear {
             && x.track_op()
             && x.device().is_cpu()
             && matches!(x.dtype(), DType::F32 | DType::F64);
-        let mut y = if let (Some(p), true) = (&self.packed, use_matmul_nt(x, &self.weight)) {
-            matmul_nt_packed(x, p, &self.weight)?
-        } else if use_matmul_nt(x, &self.weight) {
-            matmul_nt(x, &self.weight)?
+        let mut y = if use_matmul_nt(x, &self.weight) {
+            match &self.packed {
+                Some(p) => matmul_nt_packed(x, p, &self.weight)?,
+                None => matmul_nt(x, &self.weight)?,
+            }
         } else if self.weight.dtype() != x.dtype() {
             // bf16 weights under candle's matmul (`TEMPER_MATMUL=candle`).
             x.matmul(&self.weight.to_dtype(x.dtype())?.t()?)?
@@ -371,7 +372,6 @@ pub struct Model {
     rope: Rope,
     device: Device,
     dtype: DType,
-    precision: Precision,
 }
 
 impl Model {
@@ -430,7 +430,6 @@ impl Model {
             rope: Rope::new(cfg, dtype, device)?,
             device: device.clone(),
             dtype,
-            precision: Precision::F32,
         })
     }
 
@@ -441,7 +440,7 @@ impl Model {
     /// compute dtype and nothing changes. A fully trainable model is
     /// refused: its weights are the optimizer's f32 variables.
     pub fn set_precision(&mut self, precision: Precision) -> Result<()> {
-        if precision == self.precision || !self.device.is_cpu() {
+        if precision == self.precision() || !self.device.is_cpu() {
             return Ok(());
         }
         if self.embed.is_variable() {
@@ -474,13 +473,17 @@ impl Model {
                 lin.packed = pack(&lin.weight)?;
             }
         }
-        self.precision = precision;
         Ok(())
     }
 
-    /// The precision of the matmul weights (see [`Model::set_precision`]).
+    /// The precision of the matmul weights (see [`Model::set_precision`]):
+    /// bf16 exactly when they are packed for the bf16 kernel.
     pub fn precision(&self) -> Precision {
-        self.precision
+        if self.head_packed.is_some() {
+            Precision::Bf16
+        } else {
+            Precision::F32
+        }
     }
 
     /// The configuration.
@@ -501,10 +504,10 @@ impl Model {
     /// Turn every base weight into a trainable variable (full-parameter
     /// training) and return them with their checkpoint names.
     pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
-        if self.precision != Precision::F32 {
+        if self.precision() != Precision::F32 {
             return Err(ModelError::InvalidInput(format!(
                 "full-parameter training needs f32 weights, and this model holds {} ones: load it with --dtype f32",
-                self.precision
+                self.precision()
             )));
         }
         let mut vars = Vec::new();
@@ -680,10 +683,10 @@ impl Model {
     /// Logits `[n, vocab]` for hidden states `[n, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let head = self.head_weight();
-        if let (Some(p), true) = (&self.head_packed, use_matmul_nt(hidden, head)) {
-            return matmul_nt_packed(hidden, p, head);
+        match &self.head_packed {
+            Some(p) if use_matmul_nt(hidden, head) => matmul_nt_packed(hidden, p, head),
+            _ => linear_nt(hidden, head),
         }
-        linear_nt(hidden, head)
     }
 
     /// The head weight packed for the forward (bf16 weights only).

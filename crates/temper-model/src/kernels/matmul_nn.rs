@@ -89,11 +89,7 @@ pub(crate) fn matmul_nn_rows(
     k: usize,
     y: &mut [f32],
 ) {
-    let wlen = match w {
-        WeightRows::F32(w) => w.len(),
-        WeightRows::Bf16(w) => w.len(),
-    };
-    assert!(g.len() >= m * n && wlen >= n * k && y.len() >= m * k);
+    assert!(g.len() >= m * n && w.len() >= n * k && y.len() >= m * k);
     if m == 0 || k == 0 {
         return;
     }
@@ -112,7 +108,7 @@ pub(crate) fn matmul_nn_rows(
         // `y`, disjoint from every other item's; `y` outlives the loop.
         unsafe {
             match w {
-                WeightRows::F32(w) => f32_block(chunk, g, w, n, k, m0, m1, k0, k1, out.get()),
+                WeightRows::F32(w) => strided_block(chunk, g, w, n, k, m0, m1, k0, k1, out.get()),
                 WeightRows::Bf16(w) => bf16_block(g, w, n, k, m0, m1, k0, k1, out.get()),
             }
         };
@@ -219,12 +215,12 @@ macro_rules! tiled_chunk {
     }};
 }
 
-/// One `n` chunk (see `tiled_chunk!`): `(g, ldg, w, ldw, nc, m0, m1, cols,
-/// y, ldy, first)`.
-type Chunk = unsafe fn(
+/// One `n` chunk (see `tiled_chunk!`) over weights of element type `T`:
+/// `(g, ldg, w, ldw, nc, m0, m1, cols, y, ldy, first)`.
+type Chunk<T = f32> = unsafe fn(
     *const f32,
     usize,
-    *const f32,
+    *const T,
     usize,
     usize,
     usize,
@@ -235,12 +231,13 @@ type Chunk = unsafe fn(
     bool,
 );
 
-/// Rows `m0..m1`, columns `k0..k1` of `g·W` for an f32 `W`, chunk by chunk.
+/// Rows `m0..m1`, columns `k0..k1` of `g·W`, chunk by chunk, `W` read in
+/// place (`chunk` loads its element type).
 #[allow(clippy::too_many_arguments)]
-unsafe fn f32_block(
-    chunk: Chunk,
+unsafe fn strided_block<T>(
+    chunk: Chunk<T>,
     g: &[f32],
-    w: &[f32],
+    w: &[T],
     n: usize,
     k: usize,
     m0: usize,
@@ -288,25 +285,7 @@ unsafe fn bf16_block(
 ) {
     #[cfg(target_arch = "x86_64")]
     if matmul_nn_isa() == "avx512" {
-        let (gp, wp) = (g.as_ptr(), w.as_ptr());
-        let mut n0 = 0;
-        while n0 < n {
-            let nc = (n0 + N_CHUNK).min(n) - n0;
-            avx512::chunk::<u16>(
-                gp.add(n0),
-                n,
-                wp.add(n0 * k + k0),
-                k,
-                nc,
-                m0,
-                m1,
-                k1 - k0,
-                y.add(k0),
-                k,
-                n0 == 0,
-            );
-            n0 += nc;
-        }
+        strided_block(avx512::chunk::<u16>, g, w, n, k, m0, m1, k0, k1, y);
         return;
     }
     let chunk = chunk_kernel();

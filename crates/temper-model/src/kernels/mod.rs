@@ -57,6 +57,16 @@ pub(crate) enum WeightRows<'a> {
     Bf16(&'a [u16]),
 }
 
+impl WeightRows<'_> {
+    /// Elements held.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::F32(w) => w.len(),
+            Self::Bf16(w) => w.len(),
+        }
+    }
+}
+
 /// An op's contiguous f32 or bf16 weight; errors name the op.
 fn weight_rows<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<WeightRows<'a>> {
     use half::slice::HalfFloatSliceExt;

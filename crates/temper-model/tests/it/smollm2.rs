@@ -138,23 +138,34 @@ fn smollm2_gguf_chat_template_matches_transformers() {
     }
 }
 
+/// One chat's logits (the prompt's first and last rows), their largest
+/// error against transformers' relative to the largest logit (each row
+/// checked against `tol`), and the reference's scale.
+fn logits_against_refs(p: &Pretrained, c: &serde_json::Value, tol: f32) -> (Tensor, f32, f32) {
+    let prompt = ids(&c["prompt_ids"]);
+    let logits = logits_of(p, &prompt, None);
+    let n = floats(&c["logits_last"]).len();
+    let scale = c["max_abs_logit_last"].as_f64().expect("scale") as f32;
+    let mut worst = 0f32;
+    for (row, key) in [(0, "logits_first"), (prompt.len() - 1, "logits_last")] {
+        let ours = logits.get(row).unwrap().narrow(0, 0, n).unwrap();
+        let theirs = Tensor::new(floats(&c[key]), ours.device()).unwrap();
+        let diff = (&ours - &theirs).unwrap().abs().unwrap().max_all().unwrap();
+        let e = diff.to_scalar::<f32>().unwrap() / scale;
+        eprintln!("{:?} {key}: relative error {e:.2e}", p.model.precision());
+        assert!(e <= tol, "{key}: relative error {e}");
+        worst = worst.max(e);
+    }
+    (logits, worst, scale)
+}
+
 #[test]
 fn smollm2_gguf_logits_match_transformers() {
     let Some(p) = model() else { return };
     let r = refs();
     for c in r["chats"].as_array().expect("chats") {
         let prompt = ids(&c["prompt_ids"]);
-        let logits = logits_of(p, &prompt, None);
-        let n = floats(&c["logits_last"]).len();
-        let scale = c["max_abs_logit_last"].as_f64().expect("scale") as f32;
-        for (row, key) in [(0, "logits_first"), (prompt.len() - 1, "logits_last")] {
-            let ours = logits.get(row).unwrap().narrow(0, 0, n).unwrap();
-            let theirs = Tensor::new(floats(&c[key]), ours.device()).unwrap();
-            let diff = (&ours - &theirs).unwrap().abs().unwrap().max_all().unwrap();
-            let e = diff.to_scalar::<f32>().unwrap() / scale;
-            eprintln!("{key}: relative error {e:.2e}");
-            assert!(e <= 1e-4, "{key}: relative error {e}");
-        }
+        let (logits, _, scale) = logits_against_refs(p, c, 1e-4);
         let last = logits
             .get(prompt.len() - 1)
             .unwrap()
@@ -212,18 +223,8 @@ fn smollm2_gguf_bf16_logits_stay_close_to_transformers_f32() {
     let mut worst = 0f32;
     for c in r["chats"].as_array().expect("chats") {
         let prompt = ids(&c["prompt_ids"]);
-        let logits = logits_of(&p, &prompt, None);
-        let n = floats(&c["logits_last"]).len();
-        let scale = c["max_abs_logit_last"].as_f64().expect("scale") as f32;
-        for (row, key) in [(0, "logits_first"), (prompt.len() - 1, "logits_last")] {
-            let ours = logits.get(row).unwrap().narrow(0, 0, n).unwrap();
-            let theirs = Tensor::new(floats(&c[key]), ours.device()).unwrap();
-            let diff = (&ours - &theirs).unwrap().abs().unwrap().max_all().unwrap();
-            let e = diff.to_scalar::<f32>().unwrap() / scale;
-            eprintln!("bf16 {key}: relative error {e:.2e}");
-            worst = worst.max(e);
-            assert!(e <= 2e-2, "bf16 {key}: relative error {e}");
-        }
+        let (logits, e, _) = logits_against_refs(&p, c, 2e-2);
+        worst = worst.max(e);
         let last = logits
             .get(prompt.len() - 1)
             .unwrap()
