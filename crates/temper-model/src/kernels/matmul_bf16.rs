@@ -337,11 +337,7 @@ mod avx512_packed {
 mod tests {
     use super::*;
 
-    fn rand(len: usize, seed: u64) -> Vec<f32> {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-    }
+    use crate::kernels::test_util::rand_vec as rand;
 
     fn to_f32(b: &[u16]) -> Vec<f32> {
         b.iter()

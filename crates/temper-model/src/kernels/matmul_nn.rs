@@ -586,11 +586,7 @@ mod avx2 {
 mod tests {
     use super::*;
 
-    fn rand(len: usize, seed: u64) -> Vec<f32> {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-    }
+    use crate::kernels::test_util::rand_vec as rand;
 
     fn reference(g: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
         let mut y = vec![0f64; m * k];
