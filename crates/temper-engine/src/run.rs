@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use temper_model::candle_core::{DType, Tensor, Var};
 use temper_model::{
     Completion, GenerationRequest, LoraAdapter, LoraConfig, Model, Pretrained, Sampler,
-    SamplingParams,
+    SamplingParams, ScoreInput,
 };
 
 use crate::error::{EngineError, Result};
@@ -265,9 +265,11 @@ impl TrainingRun {
     /// Loss, logprobs, and gradients added to the accumulated ones (so
     /// several calls before one [`optim_step`](Self::optim_step) accumulate).
     ///
-    /// The loss is a sum over datums, so each datum's backward runs right
-    /// after its forward and its graph is dropped before the next datum:
-    /// activation memory is one datum's, not the batch's.
+    /// The loss is a sum over datums, so each pack's backward runs right
+    /// after its forward and its graph is dropped before the next pack:
+    /// activation memory is one pack's (at most
+    /// [`temper_model::PACK_TOKENS`] tokens, or one longer datum), not the
+    /// batch's.
     pub fn forward_backward(&mut self, data: &[Datum], loss: &Loss) -> Result<ForwardOutput> {
         self.validate(data, loss)?;
         let named = self.named_params();
@@ -297,9 +299,12 @@ impl TrainingRun {
         Ok(out)
     }
 
-    /// Score every datum and compute its loss; `each` sees every datum's
-    /// loss (with its graph) before the graph is dropped. Returns the outputs
-    /// and the summed loss (detached).
+    /// Score every datum and compute its loss; `each` sees the summed loss
+    /// of every pack of datums (with its graph) before the graph is dropped.
+    /// Consecutive datums with one scoring temperature are scored as one
+    /// packed forward of up to [`temper_model::PACK_TOKENS`] tokens
+    /// ([`temper_model::Model::score_batch`]: the same logprobs as scoring
+    /// each alone). Returns the outputs and the summed loss (detached).
     fn run(
         &self,
         data: &[Datum],
@@ -309,24 +314,38 @@ impl TrainingRun {
         let mut outputs = Vec::with_capacity(data.len());
         let mut total: Option<Tensor> = None;
         let mut tokens = 0usize;
-        for d in data {
-            let s = self.model().score(
-                &d.model_input,
-                &d.loss_fn_inputs.target_tokens,
-                self.adapter(),
-                d.loss_fn_inputs.scoring_temperature(),
-            )?;
-            let l = loss.compute(&s.logprobs, &d.loss_fn_inputs)?;
+        for pack in packs(data) {
+            let data = &data[pack];
+            let inputs: Vec<ScoreInput<'_>> = data
+                .iter()
+                .map(|d| ScoreInput {
+                    input: &d.model_input,
+                    targets: &d.loss_fn_inputs.target_tokens,
+                })
+                .collect();
+            let temperature = data[0].loss_fn_inputs.scoring_temperature();
+            let scores = self
+                .model()
+                .score_batch(&inputs, self.adapter(), temperature)?;
+            let mut pack_loss: Option<Tensor> = None;
+            for (d, s) in data.iter().zip(&scores) {
+                let l = loss.compute(&s.logprobs, &d.loss_fn_inputs)?;
+                pack_loss = Some(match pack_loss {
+                    None => l,
+                    Some(t) => (t + l)?,
+                });
+                tokens += d.model_input.len();
+                outputs.push(DatumOutput {
+                    logprobs: s.logprobs.to_dtype(DType::F32)?.to_vec1()?,
+                    entropy: s.entropy.to_dtype(DType::F32)?.to_vec1()?,
+                });
+            }
+            let l = pack_loss.ok_or_else(|| EngineError::InvalidRequest("empty pack".into()))?;
             each(&l)?;
             let l = l.detach();
             total = Some(match total {
                 None => l,
                 Some(t) => (t + l)?,
-            });
-            tokens += d.model_input.len();
-            outputs.push(DatumOutput {
-                logprobs: s.logprobs.to_dtype(DType::F32)?.to_vec1()?,
-                entropy: s.entropy.to_dtype(DType::F32)?.to_vec1()?,
             });
         }
         let total = total.ok_or_else(|| EngineError::InvalidRequest("empty batch".into()))?;
@@ -652,4 +671,30 @@ fn sample_with(
     )?;
     out.pop()
         .ok_or_else(|| EngineError::InvalidRequest("no completions".into()))
+}
+
+/// Consecutive datums that share a scoring temperature, in packs of at most
+/// [`temper_model::PACK_TOKENS`] tokens (see [`temper_model::pack_sequences`]).
+fn packs(data: &[Datum]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < data.len() {
+        let t = data[start].loss_fn_inputs.scoring_temperature();
+        let end = start
+            + data[start..]
+                .iter()
+                .take_while(|d| d.loss_fn_inputs.scoring_temperature() == t)
+                .count();
+        let lens: Vec<usize> = data[start..end]
+            .iter()
+            .map(|d| d.model_input.len())
+            .collect();
+        out.extend(
+            temper_model::pack_sequences(&lens, temper_model::PACK_TOKENS)
+                .into_iter()
+                .map(|r| start + r.start..start + r.end),
+        );
+        start = end;
+    }
+    out
 }

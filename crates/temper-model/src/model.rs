@@ -18,7 +18,8 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kernels::{
     causal_attention, fused_attention_supported, fused_rms_norm_supported, fused_swiglu_supported,
-    linear_nt, matmul_nt, matmul_nt_packed, use_matmul_nt, PackedBf16,
+    linear_nt, lora_linear, lora_linear_supported, matmul_nt, matmul_nt_packed, packed_attention,
+    use_matmul_nt, PackedBf16, PackedHeads,
 };
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::precision::Precision;
@@ -52,6 +53,22 @@ impl Linear {
 
     /// `x`: `[n, in]` → `[n, out]`.
     fn forward(&self, x: &Tensor, lora: Option<(&LoraPair, f64, bool)>) -> Result<Tensor> {
+        if let Some((p, scale, track)) = lora {
+            // Untracked (inference) adapters run the same op on detached
+            // tensors: same numbers, no autograd graph.
+            let (a, b) = if track {
+                (p.a.as_tensor().clone(), p.b.as_tensor().clone())
+            } else {
+                (p.a.as_tensor().detach(), p.b.as_tensor().detach())
+            };
+            if lora_linear_supported(x, &self.weight, &a, &b) {
+                let y = lora_linear(x, &self.weight, self.packed.as_ref(), &a, &b, scale)?;
+                return Ok(match &self.bias {
+                    Some(bias) => y.broadcast_add(bias)?,
+                    None => y,
+                });
+            }
+        }
         let frozen_on_cpu = !self.weight.is_variable()
             && x.track_op()
             && x.device().is_cpu()
@@ -736,6 +753,27 @@ impl Model {
         let v = at.v.forward(x, Self::lora_of(lora, li, Target::V))?;
         let scale = 1.0 / (hd as f64).sqrt();
         let fused = fused_attention_supported(&q);
+        if fused && segments.iter().all(|s| s.cache.is_none()) {
+            // Whole sequences (training, scoring): every sequence's rotation
+            // and attention in one op on the packed rows, the same bits as
+            // the per-sequence path below.
+            let n = x.dim(0)?;
+            let (mut q, mut k) = (q, k);
+            if let (Some(qn), Some(kn)) = (&at.q_norm, &at.k_norm) {
+                let eps = self.cfg.rms_norm_eps;
+                q = rms_norm(&q.reshape((n, nh, hd))?, qn, eps)?.reshape((n, nh * hd))?;
+                k = rms_norm(&k.reshape((n, nkv, hd))?, kn, eps)?.reshape((n, nkv * hd))?;
+            }
+            let lens: Vec<usize> = segments.iter().map(|s| s.len).collect();
+            let longest = lens.iter().copied().max().unwrap_or(0);
+            let shape = PackedHeads {
+                heads: nh,
+                kv_heads: nkv,
+                head_dim: hd,
+            };
+            let o = packed_attention(&q, &k, &v, &lens, shape, self.rope.tables(longest)?, scale)?;
+            return at.o.forward(&o, Self::lora_of(lora, li, Target::O));
+        }
         let mut pending = Vec::new();
         let mut outs = Vec::with_capacity(segments.len());
         let mut start = 0;

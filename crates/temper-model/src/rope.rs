@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
+use crate::kernels::RopeTables;
 
 /// Cos/sin tables for every position up to the model's context length.
 #[derive(Debug, Clone)]
@@ -91,6 +92,27 @@ impl Rope {
         let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
         let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
         Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
+    }
+
+    /// The f32 tables for positions `0..len`, for
+    /// [`crate::kernels::packed_attention`].
+    pub fn tables(&self, len: usize) -> Result<RopeTables> {
+        if len > self.max_positions {
+            return Err(ModelError::InvalidInput(format!(
+                "sequence of {len} tokens exceeds the model's context length {}",
+                self.max_positions
+            )));
+        }
+        let flat = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(t.narrow(0, 0, len)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?)
+        };
+        Ok(RopeTables {
+            cos: flat(&self.cos)?,
+            sin: flat(&self.sin)?,
+        })
     }
 
     /// Rotate `x` of shape `[rows, heads, head_dim]` whose row `i` holds

@@ -77,11 +77,7 @@ impl Model {
                 targets.len()
             )));
         }
-        if !(temperature > 0.0 && temperature.is_finite()) {
-            return Err(ModelError::InvalidInput(format!(
-                "score: temperature must be > 0, got {temperature}"
-            )));
-        }
+        check_temperature(temperature)?;
         let vocab = self.config().vocab_size;
         if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
             return Err(ModelError::InvalidInput(format!(
@@ -135,18 +131,119 @@ impl Model {
         })
     }
 
-    /// [`Model::score`] for every sequence of a batch. Each is computed on
-    /// its own (see the module docs), so a sequence's numbers do not depend
-    /// on what else is in the batch.
+    /// [`Model::score`] for every sequence of a batch, as one packed
+    /// forward when the forward is batch-invariant
+    /// ([`Model::decode_logits_are_exact`]): the sequences' tokens run through
+    /// every layer together (one graph, weights read once, matmuls over all
+    /// rows) and each sequence's numbers are bit-identical to scoring it
+    /// alone. Elsewhere each sequence is scored on its own, so its numbers
+    /// still do not depend on what else is in the batch. Activation memory
+    /// grows with the batch's tokens: see [`pack_sequences`].
     pub fn score_batch(
         &self,
         batch: &[ScoreInput<'_>],
         lora: Option<&LoraAdapter>,
         temperature: f64,
     ) -> Result<Vec<TokenScores>> {
-        batch
-            .iter()
-            .map(|s| self.score(s.input, s.targets, lora, temperature))
-            .collect()
+        if batch.len() <= 1 || !self.decode_logits_are_exact()? {
+            return batch
+                .iter()
+                .map(|s| self.score(s.input, s.targets, lora, temperature))
+                .collect();
+        }
+        check_temperature(temperature)?;
+        let vocab = self.config().vocab_size;
+        let mut ids = Vec::new();
+        let mut targets = Vec::new();
+        let mut segs = Vec::with_capacity(batch.len());
+        for (i, s) in batch.iter().enumerate() {
+            if s.input.len() != s.targets.len() || s.input.is_empty() {
+                return Err(ModelError::InvalidInput(format!(
+                    "score: sequence {i} has {} input tokens and {} targets (must be equal and non-zero)",
+                    s.input.len(),
+                    s.targets.len()
+                )));
+            }
+            ids.extend_from_slice(s.input);
+            targets.extend_from_slice(s.targets);
+            segs.push(Segment {
+                len: s.input.len(),
+                cache: None,
+            });
+        }
+        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::InvalidInput(format!(
+                "target token {bad} out of range for vocabulary size {vocab}"
+            )));
+        }
+        let hidden = self.forward_hidden(&ids, &mut segs, lora)?;
+        let (logprobs, entropy) = lm_head_logprobs(
+            &hidden,
+            self.head_weight(),
+            &targets,
+            temperature,
+            self.head_packed(),
+        )?;
+        let mut out = Vec::with_capacity(batch.len());
+        let mut start = 0;
+        for s in batch {
+            let len = s.input.len();
+            out.push(TokenScores {
+                logprobs: logprobs.narrow(0, start, len)?,
+                entropy: entropy.narrow(0, start, len)?,
+            });
+            start += len;
+        }
+        Ok(out)
+    }
+}
+
+/// Default tokens per packed training forward ([`pack_sequences`]): enough
+/// rows for the matmuls to reuse each weight block well, while a pack's
+/// activations (about 0.7 MB per token on a 135M-parameter model) stay a
+/// few hundred MB.
+pub const PACK_TOKENS: usize = 1024;
+
+/// Split sequences of lengths `lens` into consecutive packs of at most
+/// `max_tokens` tokens each (a longer sequence is a pack of its own), for
+/// [`Model::score_batch`]. Returns index ranges into `lens`.
+pub fn pack_sequences(lens: &[usize], max_tokens: usize) -> Vec<std::ops::Range<usize>> {
+    let mut packs = Vec::new();
+    let (mut start, mut tokens) = (0, 0);
+    for (i, &len) in lens.iter().enumerate() {
+        if i > start && tokens + len > max_tokens {
+            packs.push(start..i);
+            (start, tokens) = (i, 0);
+        }
+        tokens += len;
+    }
+    if start < lens.len() {
+        packs.push(start..lens.len());
+    }
+    packs
+}
+
+fn check_temperature(temperature: f64) -> Result<()> {
+    if temperature > 0.0 && temperature.is_finite() {
+        Ok(())
+    } else {
+        Err(ModelError::InvalidInput(format!(
+            "score: temperature must be > 0, got {temperature}"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pack_sequences;
+
+    #[test]
+    fn packs_are_consecutive_and_within_the_budget() {
+        assert!(pack_sequences(&[], 10).is_empty());
+        assert_eq!(pack_sequences(&[4, 4, 4], 10), vec![0..2, 2..3]);
+        assert_eq!(pack_sequences(&[4, 6, 1], 10), vec![0..2, 2..3]);
+        // A sequence over the budget is a pack of its own.
+        assert_eq!(pack_sequences(&[3, 20, 3], 10), vec![0..1, 1..2, 2..3]);
+        assert_eq!(pack_sequences(&[20], 10), vec![0..1]);
     }
 }

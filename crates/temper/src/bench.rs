@@ -12,7 +12,7 @@ use clap::{Args, Subcommand};
 use temper_model::candle_core::{DType, Device, Tensor};
 use temper_model::{
     Checkpoint, GenerationRequest, LoadOptions, LoraAdapter, LoraConfig, Model, Pretrained,
-    RandomInit, Sampler, SamplingParams, Tokenizer,
+    RandomInit, Sampler, SamplingParams, ScoreInput, Tokenizer,
 };
 
 /// Benchmarks.
@@ -212,16 +212,29 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         .collect();
 
     // Training step: forward + backward of a summed token NLL over 8 × 128,
-    // as the engine's `forward_backward` runs it: each sequence's backward
-    // right after its forward (the loss is a sum), gradients accumulated.
+    // as the engine's `forward_backward` runs it: the sequences in packs of
+    // up to `PACK_TOKENS` tokens, each pack one forward and its backward
+    // right after (the loss is a sum), gradients accumulated.
+    let inputs: Vec<ScoreInput<'_>> = seqs
+        .iter()
+        .map(|s| ScoreInput {
+            input: &s[..SEQ],
+            targets: &s[1..],
+        })
+        .collect();
+    let packs = temper_model::pack_sequences(&[SEQ; BATCH], temper_model::PACK_TOKENS);
     let step = |lora: &LoraAdapter| -> Result<(f64, f64)> {
         let t = Instant::now();
         let c = rss::cpu_seconds();
         let vars = lora.named_vars();
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
-        for s in &seqs {
-            let sc = model.score(&s[..SEQ], &s[1..], Some(lora), 1.0)?;
-            let grads = sc.logprobs.sum_all()?.neg()?.backward()?;
+        for pack in &packs {
+            let scores = model.score_batch(&inputs[pack.clone()], Some(lora), 1.0)?;
+            let mut nll = Vec::with_capacity(scores.len());
+            for sc in &scores {
+                nll.push(sc.logprobs.sum_all()?.neg()?);
+            }
+            let grads = Tensor::stack(&nll, 0)?.sum_all()?.backward()?;
             for ((_, v), a) in vars.iter().zip(acc.iter_mut()) {
                 if let Some(g) = grads.get(v.as_tensor()) {
                     *a = Some(match a.take() {

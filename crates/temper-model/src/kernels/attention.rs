@@ -24,6 +24,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
 use rayon::prelude::*;
 
+use super::exp::exp;
 use super::f32_slice;
 use crate::error::{ModelError, Result};
 
@@ -134,22 +135,22 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+pub(super) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
     }
 }
 
-struct Dims {
-    scale: f32,
-    lq: usize,
-    hd: usize,
-    lk: usize,
-    groups: usize,
+pub(super) struct Dims {
+    pub(super) scale: f32,
+    pub(super) lq: usize,
+    pub(super) hd: usize,
+    pub(super) lk: usize,
+    pub(super) groups: usize,
     /// Elements between kv heads in `k` and in `v` (`lk·hd` when
     /// contiguous; a KV cache buffer's capacity·hd).
-    k_stride: usize,
-    v_stride: usize,
+    pub(super) k_stride: usize,
+    pub(super) v_stride: usize,
 }
 
 impl Dims {
@@ -165,44 +166,6 @@ impl Dims {
     fn pos(&self, i: usize) -> usize {
         self.lk - self.lq + i
     }
-}
-
-/// Whether to run the AVX2 copies of the row loops below. They are the same
-/// Rust code compiled with 256-bit vectors: Rust never fuses a multiply and
-/// an add on its own, so each copy performs the same f32 operations in the
-/// same order and gives the same bits — only faster.
-fn use_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AVX2.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-/// `$name(args)` dispatching to a baseline or an AVX2 compilation of the
-/// same `#[inline(always)]` body `$body`.
-macro_rules! twice_compiled {
-    ($(#[$doc:meta])* fn $name:ident / $body:ident ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
-        $(#[$doc])*
-        #[allow(clippy::too_many_arguments)]
-        fn $name($($arg: $ty),*) $(-> $ret)? {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx2")]
-                #[allow(clippy::too_many_arguments)]
-                unsafe fn wide($($arg: $ty),*) $(-> $ret)? {
-                    $body($($arg),*)
-                }
-                if use_avx2() {
-                    // SAFETY: the CPU has AVX2 (checked at run time).
-                    return unsafe { wide($($arg),*) };
-                }
-            }
-            $body($($arg),*)
-        }
-    };
 }
 
 twice_compiled! {
@@ -235,11 +198,12 @@ fn row_forward_body(
             bm = bm.max(x);
         }
         let m_new = m.max(bm);
-        let c = (m - m_new).exp();
+        let c = exp(m - m_new);
         l *= c;
         o.iter_mut().for_each(|x| *x *= c);
-        for j in b0..b1 {
-            let p = (s[j - b0] - m_new).exp();
+        let s = &mut s[..b1 - b0];
+        s.iter_mut().for_each(|x| *x = exp(*x - m_new));
+        for (j, &p) in (b0..b1).zip(s.iter()) {
             l += p;
             axpy(o, p, &v[d.v_at(h, j)..d.v_at(h, j) + d.hd]);
         }
@@ -251,29 +215,74 @@ fn row_forward_body(
 }
 
 /// What the backward's row loops read.
-struct Bwd<'a> {
-    d: &'a Dims,
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+pub(super) struct Bwd<'a> {
+    pub(super) d: &'a Dims,
+    pub(super) q: &'a [f32],
+    pub(super) k: &'a [f32],
+    pub(super) v: &'a [f32],
     /// Upstream gradient of the output.
-    go: &'a [f32],
-    lse: &'a [f32],
+    pub(super) go: &'a [f32],
+    pub(super) lse: &'a [f32],
     /// `D_r = dO_r · O_r`.
-    dsum: &'a [f32],
+    pub(super) dsum: &'a [f32],
 }
 
 impl Bwd<'_> {
-    /// For (row r, key j): `(p, p·(dO_r·v_j − D_r))`, `p = exp(s − lse_r)`.
+    /// For row `r` and keys `keys` (at most [`KEY_BLOCK`]): `p_j = exp(s_j −
+    /// lse_r)` into `p` and `p_j·(dO_r·v_j − D_r)` into `g`. The scores
+    /// first, then the exponentials of the whole block, so they vectorize.
     #[inline(always)]
-    fn ds(&self, r: usize, j: usize) -> (f32, f32) {
+    fn ds_block(
+        &self,
+        r: usize,
+        keys: std::ops::Range<usize>,
+        p: &mut [f32; KEY_BLOCK],
+        g: &mut [f32; KEY_BLOCK],
+    ) {
         let (d, hd) = (self.d, self.d.hd);
         let h = r / d.lq;
+        let (qr, gor) = (
+            &self.q[r * hd..(r + 1) * hd],
+            &self.go[r * hd..(r + 1) * hd],
+        );
+        let n = keys.len();
+        for (t, j) in keys.enumerate() {
+            let (kj, vj) = (d.k_at(h, j), d.v_at(h, j));
+            p[t] = dot(qr, &self.k[kj..kj + hd]) * d.scale - self.lse[r];
+            g[t] = dot(gor, &self.v[vj..vj + hd]);
+        }
+        let dsum = self.dsum[r];
+        for (p, g) in p[..n].iter_mut().zip(&mut g[..n]) {
+            *p = exp(*p);
+            *g = *p * (*g - dsum);
+        }
+    }
+
+    /// [`Bwd::ds_block`] for key `j` and the rows `rows` (at most
+    /// [`KEY_BLOCK`], all of one head).
+    #[inline(always)]
+    fn ds_rows(
+        &self,
+        rows: std::ops::Range<usize>,
+        j: usize,
+        p: &mut [f32; KEY_BLOCK],
+        g: &mut [f32; KEY_BLOCK],
+    ) {
+        let (d, hd) = (self.d, self.d.hd);
+        let n = rows.len();
+        let r0 = rows.start;
+        let h = r0 / d.lq;
         let (kj, vj) = (d.k_at(h, j), d.v_at(h, j));
-        let s = dot(&self.q[r * hd..(r + 1) * hd], &self.k[kj..kj + hd]) * d.scale;
-        let p = (s - self.lse[r]).exp();
-        let dp = dot(&self.go[r * hd..(r + 1) * hd], &self.v[vj..vj + hd]);
-        (p, p * (dp - self.dsum[r]))
+        let (k, v) = (&self.k[kj..kj + hd], &self.v[vj..vj + hd]);
+        for (t, r) in rows.enumerate() {
+            p[t] = dot(&self.q[r * hd..(r + 1) * hd], k) * d.scale - self.lse[r];
+            g[t] = dot(&self.go[r * hd..(r + 1) * hd], v);
+        }
+        let dsum = &self.dsum[r0..r0 + n];
+        for ((p, g), &ds) in p[..n].iter_mut().zip(&mut g[..n]).zip(dsum) {
+            *p = exp(*p);
+            *g = *p * (*g - ds);
+        }
     }
 }
 
@@ -286,10 +295,15 @@ twice_compiled! {
 fn dq_row_body(b: &Bwd<'_>, r: usize, dqr: &mut [f32]) {
     let (d, hd) = (b.d, b.d.hd);
     let (h, i) = (r / d.lq, r % d.lq);
-    for j in 0..=d.pos(i) {
-        let (_, g) = b.ds(r, j);
-        let kj = d.k_at(h, j);
-        axpy(dqr, g * d.scale, &b.k[kj..kj + hd]);
+    let (mut p, mut g) = ([0f32; KEY_BLOCK], [0f32; KEY_BLOCK]);
+    let end = d.pos(i) + 1;
+    for b0 in (0..end).step_by(KEY_BLOCK) {
+        let b1 = (b0 + KEY_BLOCK).min(end);
+        b.ds_block(r, b0..b1, &mut p, &mut g);
+        for (j, &gj) in (b0..b1).zip(g.iter()) {
+            let kj = d.k_at(h, j);
+            axpy(dqr, gj * d.scale, &b.k[kj..kj + hd]);
+        }
     }
 }
 
@@ -301,15 +315,19 @@ twice_compiled! {
 #[inline(always)]
 fn dkv_row_body(b: &Bwd<'_>, kr: usize, dkr: &mut [f32], dvr: &mut [f32]) {
     let (d, hd) = (b.d, b.d.hd);
-    let (g, j) = (kr / d.lk, kr % d.lk);
+    let (kvh, j) = (kr / d.lk, kr % d.lk);
     // Queries that see key j: absolute position ≥ j.
     let first = j.saturating_sub(d.lk - d.lq);
-    for h in g * d.groups..(g + 1) * d.groups {
-        for i in first..d.lq {
-            let r = h * d.lq + i;
-            let (p, gs) = b.ds(r, j);
-            axpy(dvr, p, &b.go[r * hd..(r + 1) * hd]);
-            axpy(dkr, gs * d.scale, &b.q[r * hd..(r + 1) * hd]);
+    let (mut p, mut g) = ([0f32; KEY_BLOCK], [0f32; KEY_BLOCK]);
+    for h in kvh * d.groups..(kvh + 1) * d.groups {
+        for i0 in (first..d.lq).step_by(KEY_BLOCK) {
+            let i1 = (i0 + KEY_BLOCK).min(d.lq);
+            let rows = h * d.lq + i0..h * d.lq + i1;
+            b.ds_rows(rows.clone(), j, &mut p, &mut g);
+            for (t, r) in rows.enumerate() {
+                axpy(dvr, p[t], &b.go[r * hd..(r + 1) * hd]);
+                axpy(dkr, g[t] * d.scale, &b.q[r * hd..(r + 1) * hd]);
+            }
         }
     }
 }

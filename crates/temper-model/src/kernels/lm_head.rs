@@ -165,27 +165,64 @@ fn log_softmax_in_place(row: &mut [f32], inv_temp: f32) {
 }
 
 /// Per-row `(logprob of target, entropy, log Σ exp(s − max))` of scaled
-/// logits `s`, with `row` overwritten by `s − max`. Sums run in f64 in index
-/// order: deterministic, independent of the thread count.
+/// logits `s`, with `row` overwritten by `s − max`. The sums run in f64 over
+/// eight interleaved lanes (element `j` into lane `j mod 8`), combined in a
+/// fixed order: deterministic, independent of the thread count, and
+/// vectorized (`exp` is [`super::exp::exp`]).
 fn reduce_row(row: &mut [f32], target: usize, inv_temp: f32) -> (f32, f32, f64) {
-    let mut m = f32::NEG_INFINITY;
-    for x in row.iter_mut() {
-        *x *= inv_temp;
-        m = m.max(*x);
-    }
-    let mut sum = 0f64;
-    let mut dot = 0f64;
-    for x in row.iter_mut() {
-        *x -= m;
-        let e = x.exp() as f64;
-        sum += e;
-        dot += e * *x as f64;
-    }
+    let (sum, dot) = shift_and_sum(row, inv_temp);
     let log_sum = sum.ln();
     // log p_t = z_t − log Σ; entropy = −Σ p (z − log Σ) = log Σ − Σ e·z / Σ e.
     let lp = row[target] as f64 - log_sum;
     let ent = log_sum - dot / sum;
     (lp as f32, ent as f32, log_sum)
+}
+
+twice_compiled! {
+    /// `row` ← `row·inv_temp − max`; returns `(Σ e^z, Σ e^z·z)` over the
+    /// new values `z`.
+    fn shift_and_sum / shift_and_sum_body(row: &mut [f32], inv_temp: f32) -> (f64, f64)
+}
+
+#[inline(always)]
+fn shift_and_sum_body(row: &mut [f32], inv_temp: f32) -> (f64, f64) {
+    const L: usize = 8;
+    let mut mx = [f32::NEG_INFINITY; L];
+    let mut chunks = row.chunks_exact_mut(L);
+    for c in &mut chunks {
+        for l in 0..L {
+            c[l] *= inv_temp;
+            mx[l] = mx[l].max(c[l]);
+        }
+    }
+    for (l, x) in chunks.into_remainder().iter_mut().enumerate() {
+        *x *= inv_temp;
+        mx[l] = mx[l].max(*x);
+    }
+    // The maximum is exact whatever the order.
+    let m = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut sum = [0f64; L];
+    let mut dot = [0f64; L];
+    let mut chunks = row.chunks_exact_mut(L);
+    for c in &mut chunks {
+        let mut e = [0f32; L];
+        for l in 0..L {
+            c[l] -= m;
+            e[l] = super::exp::exp(c[l]);
+        }
+        for l in 0..L {
+            sum[l] += e[l] as f64;
+            dot[l] += e[l] as f64 * c[l] as f64;
+        }
+    }
+    for (l, x) in chunks.into_remainder().iter_mut().enumerate() {
+        *x -= m;
+        let e = super::exp::exp(*x) as f64;
+        sum[l] += e;
+        dot[l] += e * *x as f64;
+    }
+    let fold = |v: [f64; L]| ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+    (fold(sum), fold(dot))
 }
 
 /// Logits `[rows, vocab]` of one block of hidden rows, as a flat vector.
@@ -274,17 +311,26 @@ fn grad_row(
     ge: f32,
     inv_temp: f32,
 ) {
-    let ent = ent as f64;
-    for x in row.iter_mut() {
-        let lp = *x as f64 - log_sum;
-        let p = lp.exp();
-        let mut d = -(gl as f64) * p;
-        if ge != 0.0 {
-            d -= ge as f64 * p * (lp + ent);
-        }
-        *x = (d * inv_temp as f64) as f32;
-    }
+    grad_row_values(row, log_sum, ent, gl, ge, inv_temp);
     row[target] += gl * inv_temp;
+}
+
+twice_compiled! {
+    /// [`grad_row`] but for the target's one-hot term.
+    fn grad_row_values / grad_row_body(row: &mut [f32], log_sum: f64, ent: f32, gl: f32, ge: f32, inv_temp: f32)
+}
+
+#[inline(always)]
+fn grad_row_body(row: &mut [f32], log_sum: f64, ent: f32, gl: f32, ge: f32, inv_temp: f32) {
+    for x in row.iter_mut() {
+        let lp = (*x as f64 - log_sum) as f32;
+        let p = super::exp::exp(lp);
+        let mut d = -gl * p;
+        if ge != 0.0 {
+            d -= ge * p * (lp + ent);
+        }
+        *x = d * inv_temp;
+    }
 }
 
 fn cpu_input<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [f32]> {

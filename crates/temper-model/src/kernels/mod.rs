@@ -3,11 +3,52 @@
 
 use candle_core::{CpuStorage, Layout};
 
+/// Whether to run the AVX2 copies of `twice_compiled!` loops. They are the
+/// same Rust code compiled with 256-bit vectors: Rust never fuses a multiply and
+/// an add on its own, so each copy performs the same f32 operations in the
+/// same order and gives the same bits — only faster.
+pub(crate) fn use_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVX2.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `$name(args)` dispatching to a baseline or an AVX2 compilation of the
+/// same `#[inline(always)]` body `$body`.
+macro_rules! twice_compiled {
+    ($(#[$doc:meta])* fn $name:ident / $body:ident ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
+        $(#[$doc])*
+        #[allow(clippy::too_many_arguments)]
+        pub(super) fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn wide($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                if $crate::kernels::use_avx2() {
+                    // SAFETY: the CPU has AVX2 (checked at run time).
+                    return unsafe { wide($($arg),*) };
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+
 mod attention;
+mod exp;
 mod lm_head;
+mod lora_linear;
 mod matmul;
 mod matmul_bf16;
 mod matmul_nn;
+mod packed_attention;
 mod rms_norm;
 mod swiglu;
 #[cfg(test)]
@@ -20,9 +61,13 @@ pub use lm_head::{
     ROW_BLOCK,
 };
 
+pub use lora_linear::{lora_linear, lora_linear_supported};
+
 pub use matmul_bf16::{bf16_dot_available, PackedBf16};
 
 pub use matmul_nn::{matmul_nn, matmul_nn_isa};
+
+pub use packed_attention::{packed_attention, PackedHeads, RopeTables};
 
 pub use rms_norm::{fused_rms_norm_supported, rms_norm};
 

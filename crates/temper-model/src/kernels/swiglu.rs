@@ -31,9 +31,36 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 struct SwiGlu;
 
-#[inline]
+#[inline(always)]
 fn sigmoid(g: f32) -> f32 {
-    1.0 / (1.0 + (-g).exp())
+    1.0 / (1.0 + super::exp::exp(-g))
+}
+
+twice_compiled! {
+    /// `out = silu(g)·u` element-wise.
+    fn forward_chunk / forward_body(g: &[f32], u: &[f32], out: &mut [f32])
+}
+
+#[inline(always)]
+fn forward_body(g: &[f32], u: &[f32], out: &mut [f32]) {
+    for ((v, &a), &b) in out.iter_mut().zip(g).zip(u) {
+        *v = a * sigmoid(a) * b;
+    }
+}
+
+twice_compiled! {
+    /// The gradients of gate and up given the output's, `d`.
+    fn backward_chunk / backward_body(g: &[f32], u: &[f32], d: &[f32], dg: &mut [f32], du: &mut [f32])
+}
+
+#[inline(always)]
+fn backward_body(g: &[f32], u: &[f32], d: &[f32], dg: &mut [f32], du: &mut [f32]) {
+    for i in 0..dg.len().min(du.len()) {
+        let (a, s) = (g[i], sigmoid(g[i]));
+        // d silu(a)/da = s·(1 + a·(1 − s)).
+        dg[i] = d[i] * u[i] * s * (1.0 + a * (1.0 - s));
+        du[i] = d[i] * a * s;
+    }
 }
 
 impl CustomOp2 for SwiGlu {
@@ -53,10 +80,7 @@ impl CustomOp2 for SwiGlu {
         let mut y = vec![0f32; g.len()];
         y.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
             let o = c * CHUNK;
-            for (i, v) in out.iter_mut().enumerate() {
-                let a = g[o + i];
-                *v = a * sigmoid(a) * u[o + i];
-            }
+            forward_chunk(&g[o..o + out.len()], &u[o..o + out.len()], out);
         });
         Ok((CpuStorage::F32(y), gl.shape().clone()))
     }
@@ -77,13 +101,8 @@ impl CustomOp2 for SwiGlu {
             .zip(du.par_chunks_mut(CHUNK))
             .enumerate()
             .for_each(|(c, (dgc, duc))| {
-                let o = c * CHUNK;
-                for (i, (x, y)) in dgc.iter_mut().zip(duc.iter_mut()).enumerate() {
-                    let (a, s) = (g[o + i], sigmoid(g[o + i]));
-                    // d silu(a)/da = s·(1 + a·(1 − s)).
-                    *x = d[o + i] * u[o + i] * s * (1.0 + a * (1.0 - s));
-                    *y = d[o + i] * a * s;
-                }
+                let (o, len) = (c * CHUNK, dgc.len());
+                backward_chunk(&g[o..o + len], &u[o..o + len], &d[o..o + len], dgc, duc);
             });
         Ok((
             Some(Tensor::from_vec(dg, gate.shape(), gate.device())?),

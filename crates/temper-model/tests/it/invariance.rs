@@ -1,7 +1,8 @@
 //! The invariance contract (`docs/kernels.md`) on whole models: a token's
 //! logprob has the same bits however its sequence was computed — scored
 //! alone by the trainer's `Model::score`, packed with up to 63 other
-//! sequences at any position, prefilled in chunks against a KV cache,
+//! sequences at any position (as `Model::score_batch` packs a training
+//! batch), prefilled in chunks against a KV cache,
 //! decoded one token at a time (the sampler's steps) or in the server's
 //! batched `Model::forward_decode` beside sequences of other lengths, and
 //! on 1, 2 or 3 threads — with f32 weights and with bf16 ones. That is what lets the sampler and the server take
@@ -11,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use temper_model::candle_core::Tensor;
 use temper_model::kernels::row_logprob;
-use temper_model::{KvCache, LoraAdapter, Model, Precision, Segment};
+use temper_model::{KvCache, LoraAdapter, Model, Precision, ScoreInput, Segment};
 
 use crate::common::*;
 
@@ -195,6 +196,30 @@ fn check_invariance(family: &str, precision: Precision) {
                         }
                     }
                 }
+            }
+            // The trainer's packed scoring (`Model::score_batch`, one forward
+            // for the whole batch), logprobs and entropies.
+            let inputs: Vec<ScoreInput<'_>> = seqs
+                .iter()
+                .map(|s| ScoreInput {
+                    input: &s[..s.len() - 1],
+                    targets: &s[1..],
+                })
+                .collect();
+            let batch = m.score_batch(&inputs, l, TEMPERATURE).expect("score_batch");
+            for (i, got) in batch.iter().enumerate() {
+                let lp = got.logprobs.to_vec1::<f32>().expect("logprobs");
+                assert!(bits(&lp) == want[i], "{what}: sequence {i} in score_batch");
+            }
+            for (i, s) in seqs.iter().enumerate().take(4) {
+                let alone = m
+                    .score(&s[..s.len() - 1], &s[1..], l, TEMPERATURE)
+                    .expect("score");
+                let e = |t: &Tensor| bits(&t.to_vec1::<f32>().expect("entropy"));
+                assert!(
+                    e(&batch[i].entropy) == e(&alone.entropy),
+                    "{what}: entropy of sequence {i} in score_batch"
+                );
             }
             // Prefill chunks, decode steps, and the server's batched decode.
             for (i, s) in seqs.iter().enumerate().take(8) {

@@ -1,0 +1,611 @@
+//! Rotary embedding and causal attention for every sequence of a packed
+//! batch in one op: the training forward's attention.
+//!
+//! A packed batch holds several whole sequences back to back in one row
+//! dimension (`[tokens, heads·hd]`, the layout the q/k/v projections
+//! produce). Splitting it with candle ops costs, per sequence and layer, a
+//! narrow, reshape, transpose, copy and seven rotary ops for each of q, k and
+//! v — and in the backward each narrow pads its gradient back to the whole
+//! batch, so the work grows with sequences × tokens. This op reads the packed
+//! rows in place, rotates them into per-sequence `[heads, len, hd]` scratch,
+//! runs the row loops of [`super::causal_attention`] and writes its output
+//! back in the packed layout: one graph node per layer whatever the batch.
+//!
+//! # Same bits as the per-sequence path
+//! The rotation is [`crate::rope::Rope::apply`]'s formula with the same
+//! operations in the same order (`x·cos + rot(x)·sin`), and each query row
+//! runs the same `row_forward` over the same key blocks, so a token's output
+//! is bit-identical to rotating its sequence alone and calling
+//! [`super::causal_attention`] — and so to a prefill chunk or a decode step
+//! against a KV cache (see `attention.rs`).
+//!
+//! # Backward
+//! The forward keeps only the per-row log-sum-exp. The backward rotates q
+//! and k again, runs the `dQ`/`dK`/`dV` row loops per sequence and rotates
+//! `dQ`/`dK` back (the rotation's transpose).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::attention::{dkv_row, dot, dq_row, row_forward, Bwd, Dims};
+use super::f32_slice;
+use crate::error::{ModelError, Result};
+
+/// The rotary tables for positions `0..len`: `cos`, `sin`, each
+/// `[len, head_dim]` row-major (both halves of a row hold the same angles).
+#[derive(Debug, Clone)]
+pub struct RopeTables {
+    /// `cos(angle)` per position and dimension.
+    pub cos: Vec<f32>,
+    /// `sin(angle)` per position and dimension.
+    pub sin: Vec<f32>,
+}
+
+/// Shapes of a packed attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct PackedHeads {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (query head `h` uses kv head `h / (heads / kv_heads)`).
+    pub kv_heads: usize,
+    /// Dimensions per head (even).
+    pub head_dim: usize,
+}
+
+/// Causal GQA attention with rotary embeddings over packed sequences.
+/// `q`: `[n, heads·hd]`, `k`, `v`: `[n, kv_heads·hd]`, not yet rotated; the
+/// rows hold the sequences of `lens` back to back, each starting at
+/// position 0. Returns `[n, heads·hd]`, differentiable w.r.t. q, k and v.
+pub fn packed_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lens: &[usize],
+    shape: PackedHeads,
+    rope: RopeTables,
+    scale: f64,
+) -> Result<Tensor> {
+    let PackedHeads {
+        heads,
+        kv_heads,
+        head_dim: hd,
+    } = shape;
+    let n: usize = lens.iter().sum();
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    let bad = kv_heads == 0
+        || heads % kv_heads != 0
+        || hd % 2 != 0
+        || lens.contains(&0)
+        || q.dims2()? != (n, heads * hd)
+        || k.dims2()? != (n, kv_heads * hd)
+        || v.dims2()? != (n, kv_heads * hd)
+        || rope.cos.len() < longest * hd
+        || rope.sin.len() < longest * hd;
+    if bad {
+        return Err(ModelError::InvalidInput(format!(
+            "packed_attention: q {:?}, k {:?}, v {:?}, sequences {lens:?}, {heads}/{kv_heads} heads of {hd}, rope tables for {} positions",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            rope.cos.len() / hd.max(1),
+        )));
+    }
+    let op = PackedAttention {
+        lens: lens.to_vec(),
+        shape,
+        scale: scale as f32,
+        rope: Arc::new(rope),
+        lse: Arc::new(Mutex::new(None)),
+    };
+    Ok(q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
+}
+
+struct PackedAttention {
+    lens: Vec<usize>,
+    shape: PackedHeads,
+    scale: f32,
+    rope: Arc<RopeTables>,
+    /// Log-sum-exp per (token, head), token-major, from the forward.
+    lse: Arc<Mutex<Option<Vec<f32>>>>,
+}
+
+/// Rows of `[len, heads·hd]` starting at row `off` of `x`, as
+/// `[heads, len, hd]`, rotated for positions `0..len` when `rope` is given.
+fn gather_heads(
+    x: &[f32],
+    off: usize,
+    len: usize,
+    heads: usize,
+    hd: usize,
+    rope: Option<&RopeTables>,
+) -> Vec<f32> {
+    let width = heads * hd;
+    let mut out = vec![0f32; heads * len * hd];
+    out.par_chunks_mut(hd).enumerate().for_each(|(r, o)| {
+        let (h, i) = (r / len, r % len);
+        let src = &x[(off + i) * width + h * hd..(off + i) * width + (h + 1) * hd];
+        match rope {
+            Some(t) => rotate(
+                src,
+                &t.cos[i * hd..(i + 1) * hd],
+                &t.sin[i * hd..(i + 1) * hd],
+                o,
+            ),
+            None => o.copy_from_slice(src),
+        }
+    });
+    out
+}
+
+/// `x·cos + rot(x)·sin` with `rot(x) = (−x₂, x₁)`: `Rope::apply`'s
+/// operations in its order, so the bits are the same.
+#[inline]
+fn rotate(x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
+    let half = x.len() / 2;
+    for j in 0..x.len() {
+        let rot = if j < half { -x[j + half] } else { x[j - half] };
+        out[j] = x[j] * cos[j] + rot * sin[j];
+    }
+}
+
+/// The rotation's transpose: the gradient of [`rotate`]'s input from its
+/// output's gradient `dy`.
+#[inline]
+fn unrotate(dy: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
+    let half = dy.len() / 2;
+    for j in 0..dy.len() {
+        let back = if j < half {
+            dy[j + half] * sin[j + half]
+        } else {
+            -(dy[j - half] * sin[j - half])
+        };
+        out[j] = dy[j] * cos[j] + back;
+    }
+}
+
+/// Scatter `[heads, len, hd]` rows back to rows `off..off+len` of a packed
+/// `[n, heads·hd]` buffer, un-rotating them when `rope` is given.
+fn scatter_heads(
+    src: &[f32],
+    dst: &mut [f32],
+    off: usize,
+    len: usize,
+    heads: usize,
+    hd: usize,
+    rope: Option<&RopeTables>,
+) {
+    let width = heads * hd;
+    dst[off * width..(off + len) * width]
+        .par_chunks_mut(width)
+        .enumerate()
+        .for_each(|(i, row)| {
+            for h in 0..heads {
+                let s = &src[(h * len + i) * hd..(h * len + i + 1) * hd];
+                let o = &mut row[h * hd..(h + 1) * hd];
+                match rope {
+                    Some(t) => unrotate(
+                        s,
+                        &t.cos[i * hd..(i + 1) * hd],
+                        &t.sin[i * hd..(i + 1) * hd],
+                        o,
+                    ),
+                    None => o.copy_from_slice(s),
+                }
+            }
+        });
+}
+
+impl PackedAttention {
+    fn offsets(&self) -> Vec<usize> {
+        self.lens
+            .iter()
+            .scan(0, |acc, &l| {
+                let o = *acc;
+                *acc += l;
+                Some(o)
+            })
+            .collect()
+    }
+
+    fn dims(&self, len: usize) -> Dims {
+        let PackedHeads {
+            heads,
+            kv_heads,
+            head_dim: hd,
+        } = self.shape;
+        Dims {
+            scale: self.scale,
+            lq: len,
+            hd,
+            lk: len,
+            groups: heads / kv_heads,
+            k_stride: len * hd,
+            v_stride: len * hd,
+        }
+    }
+}
+
+impl CustomOp3 for PackedAttention {
+    fn name(&self) -> &'static str {
+        "packed-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let q = f32_slice("packed_attention", qs, ql, "q")?;
+        let k = f32_slice("packed_attention", ks, kl, "k")?;
+        let v = f32_slice("packed_attention", vs, vl, "v")?;
+        let PackedHeads {
+            heads,
+            kv_heads,
+            head_dim: hd,
+        } = self.shape;
+        let n: usize = self.lens.iter().sum();
+        let rope = Some(self.rope.as_ref());
+        // Rotated per-sequence operands, then every (token, head) row at once.
+        let per_seq: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = self
+            .offsets()
+            .into_iter()
+            .zip(&self.lens)
+            .map(|(off, &len)| {
+                (
+                    gather_heads(q, off, len, heads, hd, rope),
+                    gather_heads(k, off, len, kv_heads, hd, rope),
+                    gather_heads(v, off, len, kv_heads, hd, None),
+                )
+            })
+            .collect();
+        let mut seq_of = Vec::with_capacity(n);
+        for (s, &len) in self.lens.iter().enumerate() {
+            seq_of.extend((0..len).map(|i| (s, i)));
+        }
+        let dims: Vec<Dims> = self.lens.iter().map(|&l| self.dims(l)).collect();
+        let mut out = vec![0f32; n * heads * hd];
+        let mut lse = vec![0f32; n * heads];
+        out.par_chunks_mut(hd)
+            .zip(lse.par_iter_mut())
+            .enumerate()
+            .for_each(|(r, (o, lse))| {
+                let (t, h) = (r / heads, r % heads);
+                let (s, i) = seq_of[t];
+                let (qh, kh, vh) = &per_seq[s];
+                let len = self.lens[s];
+                let qr = &qh[(h * len + i) * hd..(h * len + i + 1) * hd];
+                *lse = row_forward(&dims[s], qr, kh, vh, h, i, o);
+            });
+        *self
+            .lse
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("packed_attention: poisoned".into()))? = Some(lse);
+        Ok((CpuStorage::F32(out), Shape::from((n, heads * hd))))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let PackedHeads {
+            heads,
+            kv_heads,
+            head_dim: hd,
+        } = self.shape;
+        let n: usize = self.lens.iter().sum();
+        let lse = self
+            .lse
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("packed_attention: poisoned".into()))?
+            .clone()
+            .ok_or_else(|| {
+                candle_core::Error::Msg("packed_attention: backward before forward".into())
+            })?;
+        let flat =
+            |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.flatten_all()?.to_vec1::<f32>() };
+        let (qv, kv, vv, ov, gv) = (
+            flat(q)?,
+            flat(k)?,
+            flat(v)?,
+            flat(res)?,
+            flat(&grad.contiguous()?)?,
+        );
+        let rope = Some(self.rope.as_ref());
+        let mut dq = vec![0f32; n * heads * hd];
+        let mut dk = vec![0f32; n * kv_heads * hd];
+        let mut dv = vec![0f32; n * kv_heads * hd];
+        for (off, &len) in self.offsets().into_iter().zip(&self.lens) {
+            let d = self.dims(len);
+            let qh = gather_heads(&qv, off, len, heads, hd, rope);
+            let kh = gather_heads(&kv, off, len, kv_heads, hd, rope);
+            let vh = gather_heads(&vv, off, len, kv_heads, hd, None);
+            let go = gather_heads(&gv, off, len, heads, hd, None);
+            let oh = gather_heads(&ov, off, len, heads, hd, None);
+            let lse_h: Vec<f32> = (0..heads * len)
+                .map(|r| lse[(off + r % len) * heads + r / len])
+                .collect();
+            let dsum: Vec<f32> = (0..heads * len)
+                .map(|r| dot(&go[r * hd..(r + 1) * hd], &oh[r * hd..(r + 1) * hd]))
+                .collect();
+            let b = Bwd {
+                d: &d,
+                q: &qh,
+                k: &kh,
+                v: &vh,
+                go: &go,
+                lse: &lse_h,
+                dsum: &dsum,
+            };
+            let mut dqh = vec![0f32; heads * len * hd];
+            dqh.par_chunks_mut(hd)
+                .enumerate()
+                .for_each(|(r, dqr)| dq_row(&b, r, dqr));
+            let mut dkh = vec![0f32; kv_heads * len * hd];
+            let mut dvh = vec![0f32; kv_heads * len * hd];
+            dkh.par_chunks_mut(hd)
+                .zip(dvh.par_chunks_mut(hd))
+                .enumerate()
+                .for_each(|(kr, (dkr, dvr))| dkv_row(&b, kr, dkr, dvr));
+            scatter_heads(&dqh, &mut dq, off, len, heads, hd, rope);
+            scatter_heads(&dkh, &mut dk, off, len, kv_heads, hd, rope);
+            scatter_heads(&dvh, &mut dv, off, len, kv_heads, hd, None);
+        }
+        let dev = q.device();
+        Ok((
+            Some(Tensor::from_vec(dq, (n, heads * hd), dev)?),
+            Some(Tensor::from_vec(dk, (n, kv_heads * hd), dev)?),
+            Some(Tensor::from_vec(dv, (n, kv_heads * hd), dev)?),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    const NH: usize = 6;
+    const NKV: usize = 2;
+    const HD: usize = 12;
+
+    fn rand(shape: (usize, usize), seed: u64) -> Tensor {
+        let v = super::super::test_util::rand_vec(shape.0 * shape.1, seed);
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// Tables as `Rope::new` builds them (angles `p·f`, both halves equal).
+    fn tables(len: usize) -> (RopeTables, Tensor, Tensor) {
+        let half = HD / 2;
+        let inv: Vec<f32> = (0..half)
+            .map(|i| 1.0f32 / 10000f32.powf((2 * i) as f32 / HD as f32))
+            .collect();
+        let mut cos = Vec::new();
+        let mut sin = Vec::new();
+        for p in 0..len {
+            for j in 0..HD {
+                let a = p as f32 * inv[j % half];
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        let ct = Tensor::from_vec(cos.clone(), (len, HD), &Device::Cpu).unwrap();
+        let st = Tensor::from_vec(sin.clone(), (len, HD), &Device::Cpu).unwrap();
+        (RopeTables { cos, sin }, ct, st)
+    }
+
+    /// The per-sequence candle path the model used: narrow, reshape,
+    /// transpose, rotate with candle ops, [`super::super::causal_attention`].
+    fn per_sequence(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        lens: &[usize],
+        cos: &Tensor,
+        sin: &Tensor,
+        scale: f64,
+    ) -> Tensor {
+        let rope = |x: &Tensor| -> Tensor {
+            let (_, len, hd) = x.dims3().unwrap();
+            let c = cos.narrow(0, 0, len).unwrap();
+            let s = sin.narrow(0, 0, len).unwrap();
+            let x1 = x.narrow(2, 0, hd / 2).unwrap();
+            let x2 = x.narrow(2, hd / 2, hd / 2).unwrap();
+            let rot = Tensor::cat(&[&x2.neg().unwrap(), &x1], 2).unwrap();
+            (x.broadcast_mul(&c).unwrap() + rot.broadcast_mul(&s).unwrap()).unwrap()
+        };
+        let heads = |x: &Tensor, off: usize, len: usize, h: usize| -> Tensor {
+            x.narrow(0, off, len)
+                .unwrap()
+                .reshape((len, h, HD))
+                .unwrap()
+                .transpose(0, 1)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+        };
+        let mut outs = Vec::new();
+        let mut off = 0;
+        for &len in lens {
+            let qs = rope(&heads(q, off, len, NH));
+            let ks = rope(&heads(k, off, len, NKV));
+            let vs = heads(v, off, len, NKV);
+            let o = super::super::causal_attention(&qs, &ks, &vs, scale).unwrap();
+            outs.push(o.transpose(0, 1).unwrap().reshape((len, NH * HD)).unwrap());
+            off += len;
+        }
+        Tensor::cat(&outs, 0).unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect()
+    }
+
+    fn v64(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    fn shape() -> PackedHeads {
+        PackedHeads {
+            heads: NH,
+            kv_heads: NKV,
+            head_dim: HD,
+        }
+    }
+
+    #[test]
+    fn packed_attention_gives_the_per_sequence_bits_and_gradients() {
+        // Sequences across a key-block boundary, a one-token sequence, and
+        // the same sequence alone.
+        for lens in [vec![70usize, 1, 130, 9], vec![130]] {
+            let n: usize = lens.iter().sum();
+            let longest = *lens.iter().max().unwrap();
+            let q = Var::from_tensor(&rand((n, NH * HD), 1)).unwrap();
+            let k = Var::from_tensor(&rand((n, NKV * HD), 2)).unwrap();
+            let v = Var::from_tensor(&rand((n, NKV * HD), 3)).unwrap();
+            let w = rand((n, NH * HD), 4);
+            let (t, cos, sin) = tables(longest);
+            let scale = 1.0 / (HD as f64).sqrt();
+            let ours = packed_attention(
+                q.as_tensor(),
+                k.as_tensor(),
+                v.as_tensor(),
+                &lens,
+                shape(),
+                t,
+                scale,
+            )
+            .unwrap();
+            let theirs = per_sequence(
+                q.as_tensor(),
+                k.as_tensor(),
+                v.as_tensor(),
+                &lens,
+                &cos,
+                &sin,
+                scale,
+            );
+            assert_eq!(bits(&ours), bits(&theirs), "{lens:?}: outputs");
+            let ga = (ours * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let gb = (theirs * &w)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+                let a = v64(ga.get(x.as_tensor()).unwrap());
+                let b = v64(gb.get(x.as_tensor()).unwrap());
+                let scale = b.iter().fold(1e-3f64, |s, x| s.max(x.abs()));
+                let err = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0, f64::max);
+                assert!(err / scale < 1e-5, "{lens:?}: d{name} relative error {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn packed_attention_gradient_matches_finite_differences() {
+        let lens = [20usize, 33];
+        let n = 53;
+        let q = rand((n, NH * HD), 5);
+        let k = rand((n, NKV * HD), 6);
+        let v = rand((n, NKV * HD), 7);
+        let w = rand((n, NH * HD), 8);
+        let f = |q: &Tensor, k: &Tensor, v: &Tensor| -> Tensor {
+            let o = packed_attention(q, k, v, &lens, shape(), tables(33).0, 0.3).unwrap();
+            (o * &w).unwrap().sum_all().unwrap()
+        };
+        let vars = [
+            Var::from_tensor(&q).unwrap(),
+            Var::from_tensor(&k).unwrap(),
+            Var::from_tensor(&v).unwrap(),
+        ];
+        let g = f(
+            vars[0].as_tensor(),
+            vars[1].as_tensor(),
+            vars[2].as_tensor(),
+        )
+        .backward()
+        .unwrap();
+        let eps = 1e-2f32;
+        for (which, var) in vars.iter().enumerate() {
+            let grad = v64(g.get(var.as_tensor()).unwrap());
+            let base: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            for idx in [0usize, 7, base.len() / 2 + 5, base.len() - 1] {
+                let eval = |delta: f32| -> f64 {
+                    let mut x = base.clone();
+                    x[idx] += delta;
+                    let t = Tensor::from_vec(x, var.as_tensor().dims(), &Device::Cpu).unwrap();
+                    let mut args = [q.clone(), k.clone(), v.clone()];
+                    args[which] = t;
+                    v64(&f(&args[0], &args[1], &args[2]))[0]
+                };
+                let fd = (eval(eps) - eval(-eps)) / (2.0 * eps as f64);
+                let rel = (fd - grad[idx]).abs() / grad[idx].abs().max(1e-2);
+                assert!(
+                    rel < 2e-2,
+                    "input {which} element {idx}: fd {fd} vs grad {}",
+                    grad[idx]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn packed_attention_is_bit_identical_across_thread_counts() {
+        let lens = [40usize, 90, 3];
+        let n = 133;
+        let q = rand((n, NH * HD), 12);
+        let k = rand((n, NKV * HD), 13);
+        let v = rand((n, NKV * HD), 14);
+        let run = |threads: usize| -> Vec<u32> {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                bits(&packed_attention(&q, &k, &v, &lens, shape(), tables(90).0, 0.25).unwrap())
+            })
+        };
+        let one = run(1);
+        assert_eq!(one, run(2));
+        assert_eq!(one, run(3));
+    }
+
+    #[test]
+    fn packed_attention_rejects_inconsistent_inputs() {
+        let q = rand((10, NH * HD), 1);
+        let k = rand((10, NKV * HD), 2);
+        // Lengths that do not add up to the rows, an empty sequence, short
+        // rope tables.
+        assert!(packed_attention(&q, &k, &k, &[4, 5], shape(), tables(10).0, 1.0).is_err());
+        assert!(packed_attention(&q, &k, &k, &[10, 0], shape(), tables(10).0, 1.0).is_err());
+        assert!(packed_attention(&q, &k, &k, &[10], shape(), tables(9).0, 1.0).is_err());
+        assert!(packed_attention(&q, &k, &k, &[4, 6], shape(), tables(6).0, 1.0).is_ok());
+    }
+}
