@@ -75,7 +75,7 @@ impl Linear {
             && matches!(x.dtype(), DType::F32 | DType::F64);
         let mut y = if use_matmul_nt(x, &self.weight) {
             match &self.packed {
-                Some(p) => matmul_nt_packed(x, p, &self.weight)?,
+                Some(p) => matmul_nt_packed(x, p)?,
                 None => matmul_nt(x, &self.weight)?,
             }
         } else if self.weight.dtype() != x.dtype() {
@@ -701,7 +701,7 @@ impl Model {
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let head = self.head_weight();
         match &self.head_packed {
-            Some(p) if use_matmul_nt(hidden, head) => matmul_nt_packed(hidden, p, head),
+            Some(p) if use_matmul_nt(hidden, head) => matmul_nt_packed(hidden, p),
             _ => linear_nt(hidden, head),
         }
     }

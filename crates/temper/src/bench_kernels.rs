@@ -9,7 +9,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use temper_model::candle_core::{DType, Device, Tensor};
-use temper_model::kernels::{matmul_nn, matmul_nn_isa, matmul_nt, matmul_nt_packed, PackedBf16};
+use temper_model::kernels::{
+    grad_times_packed, matmul_nn, matmul_nn_isa, matmul_nt, matmul_nt_packed, PackedBf16,
+};
 
 /// Arguments of `temper bench kernels`.
 #[derive(Args)]
@@ -129,11 +131,11 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
                 Ok(())
             })?;
             let fwd_bf16 = time(args.seconds, cpu, || {
-                std::hint::black_box(matmul_nt_packed(&x, &wp, &wb)?);
+                std::hint::black_box(matmul_nt_packed(&x, &wp)?);
                 Ok(())
             })?;
             let bwd_bf16 = time(args.seconds, cpu, || {
-                std::hint::black_box(matmul_nn(&g, &wb)?);
+                std::hint::black_box(grad_times_packed(&g, &wp)?);
                 Ok(())
             })?;
             if !args.json {

@@ -290,7 +290,14 @@ impl LmHeadLogprobs {
     /// gradient `[rows, h]`. candle's `gemm` (deterministic for a shape): on
     /// this 49k-long reduction its packing beats `matmul_nn`.
     fn times_weight(&self, ds: Vec<f32>, rows: usize) -> candle_core::Result<Tensor> {
-        let (vocab, _) = self.weight.dims2()?;
+        let (vocab, h) = self.weight.dims2()?;
+        if let (Some(p), super::ForwardMatmul::BatchInvariant) =
+            (self.packed.as_ref(), super::forward_matmul())
+        {
+            // The packed bf16 head, transposed: `ds` rounded to bf16.
+            let y = super::matmul::rows_times_packed(&ds, rows, p.transposed());
+            return Tensor::from_vec(y, (rows, h), &Device::Cpu);
+        }
         let ds = Tensor::from_vec(ds, (rows, vocab), &Device::Cpu)?;
         if self.weight.dtype() == DType::BF16 {
             // gemm takes no mixed dtypes; ours widens the bf16 panels exactly.

@@ -179,10 +179,14 @@ impl CustomOp3 for LoraLinear {
         let dev = Device::Cpu;
         let dx = if x.track_op() {
             let mut dx = vec![0f32; n * k];
-            self.with_weight(|w| {
-                matmul_nn_rows(&g, w, n, out, k, &mut dx);
-                Ok(())
-            })?;
+            match &self.packed {
+                // bf16: `g` rounded to bf16 like the forward's inputs.
+                Some(p) => super::matmul_bf16::matmul_nt_packed(&g, p.transposed(), n, &mut dx),
+                None => self.with_weight(|w| {
+                    matmul_nn_rows(&g, w, n, out, k, &mut dx);
+                    Ok(())
+                })?,
+            }
             let mut lora_dx = vec![0f32; n * k];
             matmul_nn_rows(&gd, WeightRows::F32(&av), n, rank, k, &mut lora_dx);
             add_scaled(&mut dx, &lora_dx, 1.0);

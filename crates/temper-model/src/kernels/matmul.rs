@@ -412,28 +412,26 @@ mod avx2 {
 }
 
 /// `x·Wᵀ` for a frozen bf16 weight through its packed form: `x` `[m, k]`
-/// f32, `weight` the same weight as a bf16 tensor `[n, k]` (the backward's
-/// `g·W` reads it). Differentiable w.r.t. `x` only.
-pub fn matmul_nt_packed(x: &Tensor, packed: &Arc<PackedBf16>, weight: &Tensor) -> Result<Tensor> {
+/// f32, `packed` the weight `[n, k]`. Differentiable w.r.t. `x` (the input
+/// gradient runs the same kernel on the transposed packing, see
+/// [`PackedBf16::transposed`]).
+pub fn matmul_nt_packed(x: &Tensor, packed: &Arc<PackedBf16>) -> Result<Tensor> {
     let (_, k) = x.dims2()?;
     let (n, pk) = packed.dims();
-    if k != pk || weight.dims2()? != (n, pk) {
+    if k != pk {
         return Err(ModelError::InvalidInput(format!(
-            "matmul_nt_packed: x {:?}, packed weight [{n}, {pk}], weight {:?}",
+            "matmul_nt_packed: x {:?}, packed weight [{n}, {pk}]",
             x.dims(),
-            weight.dims()
         )));
     }
     let op = MatmulPacked {
         packed: packed.clone(),
-        weight: weight.detach(),
     };
     Ok(x.contiguous()?.apply_op1(op)?)
 }
 
 struct MatmulPacked {
     packed: Arc<PackedBf16>,
-    weight: Tensor,
 }
 
 impl candle_core::CustomOp1 for MatmulPacked {
@@ -456,8 +454,26 @@ impl candle_core::CustomOp1 for MatmulPacked {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(super::matmul_nn::matmul_nn(grad, &self.weight)?))
+        Ok(Some(grad_times_packed(grad, &self.packed)?))
     }
+}
+
+/// `g·W` for a packed bf16 `W` through its transposed packing (see
+/// [`PackedBf16::transposed`]): `g`'s rows are rounded to bf16, the products
+/// summed in f32, as in the forward.
+pub fn grad_times_packed(grad: &Tensor, packed: &PackedBf16) -> candle_core::Result<Tensor> {
+    let (m, _) = grad.dims2()?;
+    let g = grad.contiguous()?;
+    let (storage, layout) = g.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(candle_core::Error::Msg(
+            "g·W with a packed weight: the gradient is not on the CPU".into(),
+        ));
+    };
+    let gs = f32_slice("g·W", cpu, layout, "gradient")?;
+    let t = packed.transposed();
+    let y = rows_times_packed(gs, m, t);
+    Tensor::from_vec(y, (m, t.dims().0), &Device::Cpu)
 }
 
 /// `[rows, k]·Wᵀ` for f32 rows against a packed bf16 weight.

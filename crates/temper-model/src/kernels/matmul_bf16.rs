@@ -26,6 +26,8 @@
 //! rounding of each pair may differ from the instruction's; one process only
 //! ever uses one of the two).
 
+use std::sync::OnceLock;
+
 use rayon::prelude::*;
 
 use super::matmul::SendPtr;
@@ -89,6 +91,9 @@ pub struct PackedBf16 {
     k: usize,
     /// `[n / PANEL][k / 2][PANEL][2]`, zero-padded.
     data: Vec<u16>,
+    /// The transposed weight `[k, n]` packed the same way, for the input
+    /// gradient `g·W`; built on first use (only training needs it).
+    transposed: OnceLock<Box<PackedBf16>>,
 }
 
 impl PackedBf16 {
@@ -108,7 +113,12 @@ impl PackedBf16 {
                     }
                 }
             });
-        Self { n, k, data }
+        Self {
+            n,
+            k,
+            data,
+            transposed: OnceLock::new(),
+        }
     }
 
     /// Pack a CPU bf16 tensor `[n, k]`.
@@ -132,6 +142,29 @@ impl PackedBf16 {
     /// `[n, k]`.
     pub fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
+    }
+
+    /// The raw bits of element `(row, col)` of the `[n, k]` weight.
+    fn at(&self, row: usize, col: usize) -> u16 {
+        let k2 = self.k.div_ceil(2);
+        let (p, c) = (row / PANEL, row % PANEL);
+        self.data[p * k2 * PANEL * 2 + (col / 2) * PANEL * 2 + c * 2 + col % 2]
+    }
+
+    /// `Wᵀ` (`[k, n]`) packed for [`matmul_nt_packed`]: `g·W` as `g·(Wᵀ)ᵀ`,
+    /// with `g`'s rows rounded to bf16 like any input. Built from this
+    /// packing on first use and kept (as much memory again).
+    pub(crate) fn transposed(&self) -> &PackedBf16 {
+        self.transposed.get_or_init(|| {
+            let (n, k) = (self.n, self.k);
+            let mut t = vec![0u16; k * n];
+            t.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, row)| {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = self.at(j, i);
+                }
+            });
+            Box::new(Self::pack(&t, k, n))
+        })
     }
 }
 
