@@ -287,23 +287,21 @@ impl LmHeadLogprobs {
     }
 
     /// `ds·W` for a block's `[rows, vocab]` logit gradients: the hidden-space
-    /// gradient `[rows, h]`. candle's `gemm` (deterministic for a shape): on
-    /// this 49k-long reduction its packing beats `matmul_nn`.
+    /// gradient `[rows, h]`, through `matmul_nn` (on this 64-row, 49k-long
+    /// reduction 1.1× candle's `gemm`: `temper bench kernels --intermediate
+    /// 49152 --rows 64`, row `gate_up`), or for a packed bf16 head the
+    /// packed kernel on its transpose.
     fn times_weight(&self, ds: Vec<f32>, rows: usize) -> candle_core::Result<Tensor> {
         let (vocab, h) = self.weight.dims2()?;
         if let (Some(p), super::ForwardMatmul::BatchInvariant) =
             (self.packed.as_ref(), super::forward_matmul())
         {
-            // The packed bf16 head, transposed: `ds` rounded to bf16.
+            // `ds` rounded to bf16, as the forward rounds its inputs.
             let y = super::matmul::rows_times_packed(&ds, rows, p.transposed());
             return Tensor::from_vec(y, (rows, h), &Device::Cpu);
         }
         let ds = Tensor::from_vec(ds, (rows, vocab), &Device::Cpu)?;
-        if self.weight.dtype() == DType::BF16 {
-            // gemm takes no mixed dtypes; ours widens the bf16 panels exactly.
-            return super::matmul_nn(&ds, &self.weight);
-        }
-        ds.matmul(&self.weight)
+        super::matmul_nn(&ds, &self.weight)
     }
 }
 

@@ -4,9 +4,9 @@
 //! # Why our own
 //! A LoRA step spends a third of its time here. On a decoder's linear-layer
 //! shapes this kernel is 1.1× candle's `gemm` per core and scales to two
-//! threads without `gemm`'s pool overhead (`temper bench kernels`). For a
-//! very long `n` (the LM head's 49k-token vocabulary) `gemm`'s packing wins,
-//! so the LM head's backward keeps it. `W` is read in its stored layout: for one output tile, each
+//! threads without `gemm`'s pool overhead (`temper bench kernels`); the LM
+//! head's backward (64 rows against its 49k-token vocabulary) runs it too.
+//! `W` is read in its stored layout: for one output tile, each
 //! `n` broadcasts `R` values of `g` and multiplies them into `V` vectors of
 //! `W[n, k..k+16·V]`, accumulating in registers, so nothing is packed or
 //! transposed per call.
