@@ -297,8 +297,13 @@ mod tests {
                     &v64(g.get(ours.as_tensor()).unwrap()),
                     &v64(rg.get(theirs.as_tensor()).unwrap()),
                 );
-                // Gradients use the stored weight exactly (no rounding).
-                assert!(e < 1e-5, "bf16={bf16}: d{name} relative error {e}");
+                // With bf16 weights `dx = g·W` rounds `g` to bf16 (as the
+                // forward rounds `x`); the adapter's gradients stay f32.
+                let tol = if bf16 && name == "x" { 2e-2 } else { 1e-5 };
+                assert!(e < tol, "bf16={bf16}: d{name} relative error {e}");
+                if bf16 && name == "x" {
+                    assert!(e > 1e-6, "dx with bf16 weights was not rounded");
+                }
             }
         }
     }
