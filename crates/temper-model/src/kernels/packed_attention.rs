@@ -228,6 +228,107 @@ impl PackedAttention {
     }
 }
 
+/// Sequences up to this long take [`dense_backward`]: its `[groups·len,
+/// len]` score matrices (3 × 1,024² floats, 12 MB, per kv head in flight)
+/// stay small; longer ones run the per-row loops of `attention.rs`.
+const DENSE_BACKWARD_MAX_LEN: usize = 1024;
+
+/// The attention backward of one sequence through matmuls: per kv head, the
+/// scores `S = Q·Kᵀ` and `dP = dO·Vᵀ` of its query heads, `P = exp(S·scale −
+/// lse)` and `dS = P∘(dP − D)` under the causal mask, then `dQ = dS·K`,
+/// `dK = dSᵀ·Q`, `dV = Pᵀ·dO` (times the scale where due). The per-row
+/// loops compute each (query, key) pair's two dot products twice (once for
+/// `dQ`, once for `dK`/`dV`), a horizontal sum each; here the batch-invariant
+/// matmul kernels do the arithmetic (`temper bench model` on SmolLM2 spent
+/// 15% of a bf16 step in the row loops). Deterministic: each kv head's
+/// gradients depend only on its inputs. Inputs are head-major `[heads, len,
+/// hd]` (q, dO) and `[kv_heads, len, hd]` (k, v), rotated as in the forward;
+/// `lse` and `dsum` are per query row, head-major.
+#[allow(clippy::too_many_arguments)]
+fn dense_backward(
+    d: &Dims,
+    kv_heads: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    go: &[f32],
+    lse: &[f32],
+    dsum: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    use super::matmul::matmul_nt_rows;
+    use super::matmul_nn::matmul_nn_rows;
+    use super::WeightRows::F32;
+    let (len, hd, groups, scale) = (d.lq, d.hd, d.groups, d.scale);
+    let rows = groups * len;
+    let per_head: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..kv_heads)
+        .into_par_iter()
+        .map(|g| {
+            let qg = &q[g * rows * hd..(g + 1) * rows * hd];
+            let gog = &go[g * rows * hd..(g + 1) * rows * hd];
+            let kg = &k[g * len * hd..(g + 1) * len * hd];
+            let vg = &v[g * len * hd..(g + 1) * len * hd];
+            let mut p = vec![0f32; rows * len];
+            let mut ds = vec![0f32; rows * len];
+            matmul_nt_rows(qg, F32(kg), rows, len, hd, &mut p);
+            matmul_nt_rows(gog, F32(vg), rows, len, hd, &mut ds);
+            p.chunks_mut(len)
+                .zip(ds.chunks_mut(len))
+                .enumerate()
+                .for_each(|(rr, (pr, dr))| {
+                    let r = g * rows + rr;
+                    probs_and_grads(pr, dr, rr % len, scale, lse[r], dsum[r]);
+                });
+            let mut dq = vec![0f32; rows * hd];
+            matmul_nn_rows(&ds, F32(kg), rows, len, hd, &mut dq);
+            dq.iter_mut().for_each(|x| *x *= scale);
+            let (dst, pt) = (transpose(&ds, rows, len), transpose(&p, rows, len));
+            let mut dk = vec![0f32; len * hd];
+            matmul_nn_rows(&dst, F32(qg), len, rows, hd, &mut dk);
+            dk.iter_mut().for_each(|x| *x *= scale);
+            let mut dv = vec![0f32; len * hd];
+            matmul_nn_rows(&pt, F32(gog), len, rows, hd, &mut dv);
+            (dq, dk, dv)
+        })
+        .collect();
+    let mut dq = Vec::with_capacity(kv_heads * rows * hd);
+    let mut dk = Vec::with_capacity(kv_heads * len * hd);
+    let mut dv = Vec::with_capacity(kv_heads * len * hd);
+    for (a, b, c) in per_head {
+        dq.extend_from_slice(&a);
+        dk.extend_from_slice(&b);
+        dv.extend_from_slice(&c);
+    }
+    (dq, dk, dv)
+}
+
+twice_compiled! {
+    /// One query row `i` of [`dense_backward`]: `p` holds its scores and
+    /// becomes `P`, `dp` holds `dO·vⱼ` and becomes `dS`; keys after `i` are 0.
+    fn probs_and_grads / probs_and_grads_body(p: &mut [f32], dp: &mut [f32], i: usize, scale: f32, lse: f32, dsum: f32)
+}
+
+#[inline(always)]
+fn probs_and_grads_body(p: &mut [f32], dp: &mut [f32], i: usize, scale: f32, lse: f32, dsum: f32) {
+    let seen = (i + 1).min(p.len());
+    for (s, g) in p[..seen].iter_mut().zip(&mut dp[..seen]) {
+        *s = super::exp::exp(*s * scale - lse);
+        *g = *s * (*g - dsum);
+    }
+    p[seen..].fill(0.0);
+    dp[seen..].fill(0.0);
+}
+
+/// `[rows, cols]` → `[cols, rows]`.
+fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; rows * cols];
+    for (r, row) in x.chunks(cols).enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            t[c * rows + r] = v;
+        }
+    }
+    t
+}
+
 impl CustomOp3 for PackedAttention {
     fn name(&self) -> &'static str {
         "packed-attention"
@@ -338,25 +439,30 @@ impl CustomOp3 for PackedAttention {
             let dsum: Vec<f32> = (0..heads * len)
                 .map(|r| dot(&go[r * hd..(r + 1) * hd], &oh[r * hd..(r + 1) * hd]))
                 .collect();
-            let b = Bwd {
-                d: &d,
-                q: &qh,
-                k: &kh,
-                v: &vh,
-                go: &go,
-                lse: &lse_h,
-                dsum: &dsum,
+            let (dqh, dkh, dvh) = if len <= DENSE_BACKWARD_MAX_LEN {
+                dense_backward(&d, kv_heads, &qh, &kh, &vh, &go, &lse_h, &dsum)
+            } else {
+                let b = Bwd {
+                    d: &d,
+                    q: &qh,
+                    k: &kh,
+                    v: &vh,
+                    go: &go,
+                    lse: &lse_h,
+                    dsum: &dsum,
+                };
+                let mut dqh = vec![0f32; heads * len * hd];
+                dqh.par_chunks_mut(hd)
+                    .enumerate()
+                    .for_each(|(r, dqr)| dq_row(&b, r, dqr));
+                let mut dkh = vec![0f32; kv_heads * len * hd];
+                let mut dvh = vec![0f32; kv_heads * len * hd];
+                dkh.par_chunks_mut(hd)
+                    .zip(dvh.par_chunks_mut(hd))
+                    .enumerate()
+                    .for_each(|(kr, (dkr, dvr))| dkv_row(&b, kr, dkr, dvr));
+                (dqh, dkh, dvh)
             };
-            let mut dqh = vec![0f32; heads * len * hd];
-            dqh.par_chunks_mut(hd)
-                .enumerate()
-                .for_each(|(r, dqr)| dq_row(&b, r, dqr));
-            let mut dkh = vec![0f32; kv_heads * len * hd];
-            let mut dvh = vec![0f32; kv_heads * len * hd];
-            dkh.par_chunks_mut(hd)
-                .zip(dvh.par_chunks_mut(hd))
-                .enumerate()
-                .for_each(|(kr, (dkr, dvr))| dkv_row(&b, kr, dkr, dvr));
             scatter_heads(&dqh, &mut dq, off, len, heads, hd, rope);
             scatter_heads(&dkh, &mut dk, off, len, kv_heads, hd, rope);
             scatter_heads(&dvh, &mut dv, off, len, kv_heads, hd, None);
@@ -476,9 +582,13 @@ mod tests {
 
     #[test]
     fn packed_attention_gives_the_per_sequence_bits_and_gradients() {
-        // Sequences across a key-block boundary, a one-token sequence, and
-        // the same sequence alone.
-        for lens in [vec![70usize, 1, 130, 9], vec![130]] {
+        // Sequences across a key-block boundary, a one-token sequence, the
+        // same sequence alone, and one too long for the dense backward.
+        for lens in [
+            vec![70usize, 1, 130, 9],
+            vec![130],
+            vec![5, DENSE_BACKWARD_MAX_LEN + 3],
+        ] {
             let n: usize = lens.iter().sum();
             let longest = *lens.iter().max().unwrap();
             let q = Var::from_tensor(&rand((n, NH * HD), 1)).unwrap();
