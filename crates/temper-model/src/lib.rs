@@ -8,7 +8,8 @@
 //!   quantisation, dequantised), tokenizer and chat template it rebuilds as
 //!   transformers' GGUF loader does ([`GgufFile`]).
 //! - [`Model::forward_hidden`] is the only forward. Training
-//!   ([`Model::score`]: per-token logprobs and entropy of target tokens),
+//!   ([`Model::score`]: per-token logprobs and entropy of target tokens;
+//!   [`Model::score_batch`]: a batch as one packed forward),
 //!   prefill and KV-cached decode ([`Sampler`]) all go through it, and it is
 //!   built from differentiable ops only (candle's, and [`kernels`] with their
 //!   own backward).
