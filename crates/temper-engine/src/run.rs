@@ -258,7 +258,7 @@ impl TrainingRun {
     /// Loss and logprobs without touching gradients.
     pub fn forward(&self, data: &[Datum], loss: &Loss) -> Result<ForwardOutput> {
         self.validate(data, loss)?;
-        let (out, _) = self.run(data, loss, |_| Ok(()))?;
+        let (out, _) = temper_model::in_pool(|| self.run(data, loss, |_| Ok(())))?;
         Ok(out)
     }
 
@@ -271,6 +271,11 @@ impl TrainingRun {
     /// [`temper_model::PACK_TOKENS`] tokens, or one longer datum), not the
     /// batch's.
     pub fn forward_backward(&mut self, data: &[Datum], loss: &Loss) -> Result<ForwardOutput> {
+        // On a worker of the kernels' pool (see `temper_model::in_pool`).
+        temper_model::in_pool(|| self.forward_backward_in_pool(data, loss))
+    }
+
+    fn forward_backward_in_pool(&mut self, data: &[Datum], loss: &Loss) -> Result<ForwardOutput> {
         self.validate(data, loss)?;
         let named = self.named_params();
         let mut batch_grads: HashMap<String, Tensor> = HashMap::new();

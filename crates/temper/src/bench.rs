@@ -214,7 +214,8 @@ fn model(args: ModelBenchArgs) -> Result<()> {
     // Training step: forward + backward of a summed token NLL over 8 × 128,
     // as the engine's `forward_backward` runs it: the sequences in packs of
     // up to `PACK_TOKENS` tokens, each pack one forward and its backward
-    // right after (the loss is a sum), gradients accumulated.
+    // right after (the loss is a sum), gradients accumulated, on a worker of
+    // the kernels' pool.
     let inputs: Vec<ScoreInput<'_>> = seqs
         .iter()
         .map(|s| ScoreInput {
@@ -250,9 +251,9 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         Ok((t.elapsed().as_secs_f64(), rss::cpu_seconds() - c))
     };
     let peak_reset = rss::reset_peak();
-    step(&lora)?;
+    temper_model::in_pool(|| step(&lora))?;
     let timed = (0..iters)
-        .map(|_| step(&lora))
+        .map(|_| temper_model::in_pool(|| step(&lora)))
         .collect::<Result<Vec<_>>>()?;
     let train_s = median(timed.iter().map(|t| t.0).collect());
     let train_cpu_s = median(timed.iter().map(|t| t.1).collect());
