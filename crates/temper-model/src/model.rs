@@ -53,16 +53,19 @@ impl Linear {
 
     /// `x`: `[n, in]` → `[n, out]`.
     fn forward(&self, x: &Tensor, lora: Option<(&LoraPair, f64, bool)>) -> Result<Tensor> {
-        if let Some((p, scale, track)) = lora {
-            // Untracked (inference) adapters run the same op on detached
-            // tensors: same numbers, no autograd graph.
-            let (a, b) = if track {
-                (p.a.as_tensor().clone(), p.b.as_tensor().clone())
+        // Untracked (inference) adapters run the same ops on detached
+        // tensors: same numbers, no autograd graph.
+        let adapter = lora.map(|(p, scale, track)| {
+            if track {
+                (p.a.as_tensor().clone(), p.b.as_tensor().clone(), scale)
             } else {
-                (p.a.as_tensor().detach(), p.b.as_tensor().detach())
-            };
-            if lora_linear_supported(x, &self.weight, &a, &b) {
-                let y = lora_linear(x, &self.weight, self.packed.as_ref(), &a, &b, scale)?;
+                (p.a.as_tensor().detach(), p.b.as_tensor().detach(), scale)
+            }
+        });
+        if let Some((a, b, scale)) = &adapter {
+            if lora_linear_supported(x, &self.weight, a, b) {
+                // The base matmul and the update in one op (`kernels`).
+                let y = lora_linear(x, &self.weight, self.packed.as_ref(), a, b, *scale)?;
                 return Ok(match &self.bias {
                     Some(bias) => y.broadcast_add(bias)?,
                     None => y,
@@ -91,14 +94,8 @@ impl Linear {
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }
-        if let Some((p, scale, track)) = lora {
-            // Untracked (inference) adapters run the same ops on detached
-            // tensors: same numbers, no autograd graph.
-            let (a, b) = if track {
-                (p.a.as_tensor().clone(), p.b.as_tensor().clone())
-            } else {
-                (p.a.as_tensor().detach(), p.b.as_tensor().detach())
-            };
+        if let Some((a, b, scale)) = adapter {
+            // Composed: off the CPU, or with `TEMPER_MATMUL=candle`.
             let down = linear_nt(x, &a)?;
             let up = linear_nt(&down, &b)?;
             y = (y + up.affine(scale, 0.0)?)?;
