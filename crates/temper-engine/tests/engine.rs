@@ -668,3 +668,25 @@ fn temperature_scaled_loss_gradient_matches_finite_differences() {
         "only {checked} parameters had a usable gradient"
     );
 }
+
+/// `forward_backward` scores consecutive datums as one packed forward; each
+/// datum's reported logprobs and entropies are still those of scoring it
+/// alone, bit for bit, and a datum with another scoring temperature starts a
+/// new pack.
+#[test]
+fn a_packed_batch_reports_each_datums_numbers_as_scored_alone() {
+    let b = base("tiny-llama");
+    let mut data = sft_batch(&b);
+    data[3].loss_fn_inputs.temperature = Some(0.7);
+    let mut run = TrainingRun::lora(b, lora(4), 7).unwrap();
+    let packed = run.forward_backward(&data, &Loss::CrossEntropy).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (i, d) in data.iter().enumerate() {
+        let alone = run
+            .forward(std::slice::from_ref(d), &Loss::CrossEntropy)
+            .unwrap();
+        let (p, a) = (&packed.loss_fn_outputs[i], &alone.loss_fn_outputs[0]);
+        assert_eq!(bits(&p.logprobs), bits(&a.logprobs), "datum {i}: logprobs");
+        assert_eq!(bits(&p.entropy), bits(&a.entropy), "datum {i}: entropy");
+    }
+}
