@@ -454,14 +454,11 @@ impl CustomOp3 for CausalAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_util::{rel_err, v64};
     use candle_core::{Device, Var};
 
     fn rand(shape: (usize, usize, usize), seed: u64) -> Tensor {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let n = shape.0 * shape.1 * shape.2;
-        let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+        crate::kernels::test_util::rand_tensor(&[shape.0, shape.1, shape.2], seed)
     }
 
     /// The composed candle version (as `Model::attention` had it): full
@@ -493,24 +490,6 @@ mod tests {
             .unwrap();
         let p = crate::model::softmax_last(&s).unwrap();
         p.matmul(v).unwrap().reshape((nh, lq, hd)).unwrap()
-    }
-
-    fn v64(t: &Tensor) -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    }
-
-    fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-        let scale = b.iter().fold(1e-3f64, |s, x| s.max(x.abs()));
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max)
-            / scale
     }
 
     const NH: usize = 6;

@@ -451,6 +451,7 @@ impl CustomOp1 for LmHeadLogprobs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_util::v64;
     use candle_core::{Var, D};
 
     const N: usize = 150; // two full blocks and a partial one
@@ -496,15 +497,6 @@ mod tests {
         (g, ent)
     }
 
-    fn vec64(t: &Tensor) -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    }
-
     fn max_abs_diff(x: &[f64], y: &[f64]) -> f64 {
         assert_eq!(x.len(), y.len());
         x.iter()
@@ -528,15 +520,15 @@ mod tests {
             let (lp, ent) =
                 lm_head_logprobs(hidden.as_tensor(), &weight, &targets, t, None).unwrap();
             let (rlp, rent) = composed(hidden.as_tensor(), &weight, &targets, t);
-            assert!(max_abs_diff(&vec64(&lp), &vec64(&rlp)) < 1e-5);
-            assert!(max_abs_diff(&vec64(&ent), &vec64(&rent)) < 1e-5);
+            assert!(max_abs_diff(&v64(&lp), &v64(&rlp)) < 1e-5);
+            assert!(max_abs_diff(&v64(&ent), &v64(&rent)) < 1e-5);
 
             let g = loss(&lp, &ent, &a, &b).backward().unwrap();
-            let g = vec64(g.get(hidden.as_tensor()).expect("hidden grad"));
+            let g = v64(g.get(hidden.as_tensor()).expect("hidden grad"));
             let h64 = Var::from_tensor(&hidden.as_tensor().to_dtype(DType::F64).unwrap()).unwrap();
             let (rlp, rent) = composed(h64.as_tensor(), &weight, &targets, t);
             let rg = loss(&rlp, &rent, &a, &b).backward().unwrap();
-            let rg = vec64(rg.get(h64.as_tensor()).expect("reference grad"));
+            let rg = v64(rg.get(h64.as_tensor()).expect("reference grad"));
             let scale = rg.iter().fold(1e-3f64, |s, x| s.max(x.abs()));
             let err = max_abs_diff(&g, &rg) / scale;
             assert!(err < 1e-5, "temperature {t}: relative grad error {err}");
@@ -549,7 +541,7 @@ mod tests {
         let t = 0.9;
         let (lp, ent) = lm_head_logprobs(hidden.as_tensor(), &weight, &targets, t, None).unwrap();
         let g = loss(&lp, &ent, &a, &b).backward().unwrap();
-        let g = vec64(g.get(hidden.as_tensor()).expect("hidden grad"));
+        let g = v64(g.get(hidden.as_tensor()).expect("hidden grad"));
         let base: Vec<f32> = hidden.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         let eps = 1e-2f32;
         let eval = |v: Vec<f32>| -> f64 {
@@ -576,8 +568,8 @@ mod tests {
         // Logprob-only loss: the first backward uses the stored gradient, the
         // second (stored one consumed) recomputes it from the logits.
         let l = (lp * &a).unwrap().sum_all().unwrap();
-        let g1 = vec64(l.backward().unwrap().get(hidden.as_tensor()).unwrap());
-        let g2 = vec64(l.backward().unwrap().get(hidden.as_tensor()).unwrap());
+        let g1 = v64(l.backward().unwrap().get(hidden.as_tensor()).unwrap());
+        let g2 = v64(l.backward().unwrap().get(hidden.as_tensor()).unwrap());
         let scale = g1.iter().fold(1e-3f64, |s, x| s.max(x.abs()));
         assert!(max_abs_diff(&g1, &g2) / scale < 1e-5);
         drop((ent, b));

@@ -214,29 +214,11 @@ impl CustomOp3 for LoraLinear {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_util::{bits, rel_err, v64};
     use candle_core::Var;
 
     fn rand(shape: (usize, usize), seed: u64) -> Tensor {
-        let v = super::super::test_util::rand_vec(shape.0 * shape.1, seed);
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    fn v64(t: &Tensor) -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    }
-
-    fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-        let scale = b.iter().fold(1e-3f64, |s, x| s.max(x.abs()));
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max)
-            / scale
+        crate::kernels::test_util::rand_tensor(&[shape.0, shape.1], seed)
     }
 
     const N: usize = 37;
@@ -314,19 +296,10 @@ mod tests {
         let x = rand((N, IN), 12);
         let a = rand((R, IN), 13);
         let b = rand((OUT, R), 14);
-        let bits = |t: Tensor| -> Vec<u32> {
-            t.flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .into_iter()
-                .map(f32::to_bits)
-                .collect()
-        };
-        let all = bits(lora_linear(&x, &w, None, &a, &b, 2.0).unwrap());
+        let all = bits(&lora_linear(&x, &w, None, &a, &b, 2.0).unwrap());
         for (start, len) in [(0usize, 1usize), (5, 9), (36, 1)] {
             let part = bits(
-                lora_linear(&x.narrow(0, start, len).unwrap(), &w, None, &a, &b, 2.0).unwrap(),
+                &lora_linear(&x.narrow(0, start, len).unwrap(), &w, None, &a, &b, 2.0).unwrap(),
             );
             assert_eq!(
                 part,

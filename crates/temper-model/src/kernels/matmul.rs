@@ -521,25 +521,11 @@ pub(crate) fn rows_times_weight(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_util::bits;
     use candle_core::Var;
 
     fn rand(shape: (usize, usize), seed: u64) -> Tensor {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let v: Vec<f32> = (0..shape.0 * shape.1)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u32> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f32::to_bits)
-            .collect()
+        crate::kernels::test_util::rand_tensor(&[shape.0, shape.1], seed)
     }
 
     #[test]

@@ -479,16 +479,16 @@ impl CustomOp3 for PackedAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, Var};
+    use crate::kernels::test_util::{bits, rel_err, v64};
+    use candle_core::{Device, Var};
+
+    fn rand(shape: (usize, usize), seed: u64) -> Tensor {
+        crate::kernels::test_util::rand_tensor(&[shape.0, shape.1], seed)
+    }
 
     const NH: usize = 6;
     const NKV: usize = 2;
     const HD: usize = 12;
-
-    fn rand(shape: (usize, usize), seed: u64) -> Tensor {
-        let v = super::super::test_util::rand_vec(shape.0 * shape.1, seed);
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
 
     /// Tables as `Rope::new` builds them (angles `p·f`, both halves equal).
     fn tables(len: usize) -> (RopeTables, Tensor, Tensor) {
@@ -553,25 +553,6 @@ mod tests {
         Tensor::cat(&outs, 0).unwrap()
     }
 
-    fn bits(t: &Tensor) -> Vec<u32> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f32::to_bits)
-            .collect()
-    }
-
-    fn v64(t: &Tensor) -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    }
-
     fn shape() -> PackedHeads {
         PackedHeads {
             heads: NH,
@@ -625,15 +606,11 @@ mod tests {
                 .backward()
                 .unwrap();
             for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
-                let a = v64(ga.get(x.as_tensor()).unwrap());
-                let b = v64(gb.get(x.as_tensor()).unwrap());
-                let scale = b.iter().fold(1e-3f64, |s, x| s.max(x.abs()));
-                let err = a
-                    .iter()
-                    .zip(&b)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0.0, f64::max);
-                assert!(err / scale < 1e-5, "{lens:?}: d{name} relative error {err}");
+                let err = rel_err(
+                    &v64(ga.get(x.as_tensor()).unwrap()),
+                    &v64(gb.get(x.as_tensor()).unwrap()),
+                );
+                assert!(err < 1e-5, "{lens:?}: d{name} relative error {err}");
             }
         }
     }
