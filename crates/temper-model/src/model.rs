@@ -19,7 +19,7 @@ use crate::error::{ModelError, Result};
 use crate::kernels::{
     causal_attention, fused_attention_supported, fused_rms_norm_supported, fused_swiglu_supported,
     linear_nt, lora_linear, lora_linear_supported, matmul_nt, matmul_nt_packed, packed_attention,
-    use_matmul_nt, PackedBf16, PackedHeads,
+    use_matmul_nt, PackedBf16, PackedHeads, RopeTables,
 };
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::precision::Precision;
@@ -678,9 +678,18 @@ impl Model {
         self.check_ids(ids)?;
         let idx = Tensor::new(ids, &self.device)?;
         let mut x = self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?;
+        // Whole sequences on the CPU take `packed_attention`: its rotary
+        // tables, read once for every layer.
+        let packed = if fused_attention_supported(&x) && segments.iter().all(|s| s.cache.is_none())
+        {
+            let longest = segments.iter().map(|s| s.len).max().unwrap_or(0);
+            Some(Arc::new(self.rope.tables(longest)?))
+        } else {
+            None
+        };
         for (li, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps)?;
-            let a = self.attention(li, &layer.attn, &h, segments, lora)?;
+            let a = self.attention(li, &layer.attn, &h, segments, packed.as_ref(), lora)?;
             x = (x + a)?;
             let h = rms_norm(&x, &layer.post_norm, self.cfg.rms_norm_eps)?;
             let m = self.mlp(li, &layer.mlp, &h, lora)?;
@@ -741,6 +750,7 @@ impl Model {
         at: &Attention,
         x: &Tensor,
         segments: &mut [Segment<'_>],
+        packed: Option<&Arc<RopeTables>>,
         lora: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
         let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
@@ -750,7 +760,7 @@ impl Model {
         let v = at.v.forward(x, Self::lora_of(lora, li, Target::V))?;
         let scale = 1.0 / (hd as f64).sqrt();
         let fused = fused_attention_supported(&q);
-        if fused && segments.iter().all(|s| s.cache.is_none()) {
+        if let Some(tables) = packed {
             // Whole sequences (training, scoring): every sequence's rotation
             // and attention in one op on the packed rows, the same bits as
             // the per-sequence path below.
@@ -762,13 +772,12 @@ impl Model {
                 k = rms_norm(&k.reshape((n, nkv, hd))?, kn, eps)?.reshape((n, nkv * hd))?;
             }
             let lens: Vec<usize> = segments.iter().map(|s| s.len).collect();
-            let longest = lens.iter().copied().max().unwrap_or(0);
             let shape = PackedHeads {
                 heads: nh,
                 kv_heads: nkv,
                 head_dim: hd,
             };
-            let o = packed_attention(&q, &k, &v, &lens, shape, self.rope.tables(longest)?, scale)?;
+            let o = packed_attention(&q, &k, &v, &lens, shape, tables.clone(), scale)?;
             return at.o.forward(&o, Self::lora_of(lora, li, Target::O));
         }
         let mut pending = Vec::new();

@@ -64,7 +64,7 @@ pub fn packed_attention(
     v: &Tensor,
     lens: &[usize],
     shape: PackedHeads,
-    rope: RopeTables,
+    rope: Arc<RopeTables>,
     scale: f64,
 ) -> Result<Tensor> {
     let PackedHeads {
@@ -96,7 +96,7 @@ pub fn packed_attention(
         lens: lens.to_vec(),
         shape,
         scale: scale as f32,
-        rope: Arc::new(rope),
+        rope,
         lse: Arc::new(Mutex::new(None)),
     };
     Ok(q.contiguous()?
@@ -260,9 +260,14 @@ fn dense_backward(
     use super::WeightRows::F32;
     let (len, hd, groups, scale) = (d.lq, d.hd, d.groups, d.scale);
     let rows = groups * len;
-    let per_head: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..kv_heads)
-        .into_par_iter()
-        .map(|g| {
+    let mut dq = vec![0f32; kv_heads * rows * hd];
+    let mut dk = vec![0f32; kv_heads * len * hd];
+    let mut dv = vec![0f32; kv_heads * len * hd];
+    dq.par_chunks_mut(rows * hd)
+        .zip(dk.par_chunks_mut(len * hd))
+        .zip(dv.par_chunks_mut(len * hd))
+        .enumerate()
+        .for_each(|(g, ((dq, dk), dv))| {
             let qg = &q[g * rows * hd..(g + 1) * rows * hd];
             let gog = &go[g * rows * hd..(g + 1) * rows * hd];
             let kg = &k[g * len * hd..(g + 1) * len * hd];
@@ -278,26 +283,13 @@ fn dense_backward(
                     let r = g * rows + rr;
                     probs_and_grads(pr, dr, rr % len, scale, lse[r], dsum[r]);
                 });
-            let mut dq = vec![0f32; rows * hd];
-            matmul_nn_rows(&ds, F32(kg), rows, len, hd, &mut dq);
+            matmul_nn_rows(&ds, F32(kg), rows, len, hd, dq);
             dq.iter_mut().for_each(|x| *x *= scale);
             let (dst, pt) = (transpose(&ds, rows, len), transpose(&p, rows, len));
-            let mut dk = vec![0f32; len * hd];
-            matmul_nn_rows(&dst, F32(qg), len, rows, hd, &mut dk);
+            matmul_nn_rows(&dst, F32(qg), len, rows, hd, dk);
             dk.iter_mut().for_each(|x| *x *= scale);
-            let mut dv = vec![0f32; len * hd];
-            matmul_nn_rows(&pt, F32(gog), len, rows, hd, &mut dv);
-            (dq, dk, dv)
-        })
-        .collect();
-    let mut dq = Vec::with_capacity(kv_heads * rows * hd);
-    let mut dk = Vec::with_capacity(kv_heads * len * hd);
-    let mut dv = Vec::with_capacity(kv_heads * len * hd);
-    for (a, b, c) in per_head {
-        dq.extend_from_slice(&a);
-        dk.extend_from_slice(&b);
-        dv.extend_from_slice(&c);
-    }
+            matmul_nn_rows(&pt, F32(gog), len, rows, hd, dv);
+        });
     (dq, dk, dv)
 }
 
@@ -584,7 +576,7 @@ mod tests {
                 v.as_tensor(),
                 &lens,
                 shape(),
-                t,
+                Arc::new(t),
                 scale,
             )
             .unwrap();
@@ -624,7 +616,7 @@ mod tests {
         let v = rand((n, NKV * HD), 7);
         let w = rand((n, NH * HD), 8);
         let f = |q: &Tensor, k: &Tensor, v: &Tensor| -> Tensor {
-            let o = packed_attention(q, k, v, &lens, shape(), tables(33).0, 0.3).unwrap();
+            let o = packed_attention(q, k, v, &lens, shape(), Arc::new(tables(33).0), 0.3).unwrap();
             (o * &w).unwrap().sum_all().unwrap()
         };
         let vars = [
@@ -676,7 +668,10 @@ mod tests {
                 .build()
                 .unwrap();
             pool.install(|| {
-                bits(&packed_attention(&q, &k, &v, &lens, shape(), tables(90).0, 0.25).unwrap())
+                bits(
+                    &packed_attention(&q, &k, &v, &lens, shape(), Arc::new(tables(90).0), 0.25)
+                        .unwrap(),
+                )
             })
         };
         let one = run(1);
@@ -690,9 +685,13 @@ mod tests {
         let k = rand((10, NKV * HD), 2);
         // Lengths that do not add up to the rows, an empty sequence, short
         // rope tables.
-        assert!(packed_attention(&q, &k, &k, &[4, 5], shape(), tables(10).0, 1.0).is_err());
-        assert!(packed_attention(&q, &k, &k, &[10, 0], shape(), tables(10).0, 1.0).is_err());
-        assert!(packed_attention(&q, &k, &k, &[10], shape(), tables(9).0, 1.0).is_err());
-        assert!(packed_attention(&q, &k, &k, &[4, 6], shape(), tables(6).0, 1.0).is_ok());
+        assert!(
+            packed_attention(&q, &k, &k, &[4, 5], shape(), Arc::new(tables(10).0), 1.0).is_err()
+        );
+        assert!(
+            packed_attention(&q, &k, &k, &[10, 0], shape(), Arc::new(tables(10).0), 1.0).is_err()
+        );
+        assert!(packed_attention(&q, &k, &k, &[10], shape(), Arc::new(tables(9).0), 1.0).is_err());
+        assert!(packed_attention(&q, &k, &k, &[4, 6], shape(), Arc::new(tables(6).0), 1.0).is_ok());
     }
 }
