@@ -23,9 +23,9 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::matmul::matmul_nt_rows;
-use super::matmul_bf16::PackedBf16;
+use super::matmul_bf16::{matmul_nt_packed_low_rank, padded_cols, LowRank, PackedBf16};
 use super::matmul_nn::matmul_nn_rows;
-use super::{f32_slice, weight_rows, WeightRows};
+use super::{f32_slice, weight_rows, with_f32, WeightRows};
 use crate::error::{ModelError, Result};
 
 /// Elements per parallel chunk of the element-wise adds.
@@ -130,19 +130,38 @@ impl CustomOp3 for LoraLinear {
         let (n, k) = xl.shape().dims2()?;
         let (rank, _) = al.shape().dims2()?;
         let (out, _) = bl.shape().dims2()?;
+        // x·Aᵀ as x times Aᵀ `[in, rank]`: rank-wide rows, one vector each.
+        let mut down = vec![0f32; n * rank];
+        matmul_nn_rows(
+            x,
+            WeightRows::F32(&transposed(a, rank, k, 1.0, rank)),
+            n,
+            k,
+            rank,
+            &mut down,
+        );
         let mut y = vec![0f32; n * out];
         match &self.packed {
-            Some(p) => super::matmul_bf16::matmul_nt_packed(x, p, n, &mut y),
-            None => self.with_weight(|w| {
-                matmul_nt_rows(x, w, n, out, k, &mut y);
-                Ok(())
-            })?,
+            // The update joins each output's accumulator after its bf16 sum.
+            Some(p) => {
+                let ft = transposed(b, out, rank, self.scale, padded_cols(out));
+                let low = LowRank {
+                    e: &down,
+                    ft: &ft,
+                    rank,
+                };
+                matmul_nt_packed_low_rank(x, p, n, &mut y, Some(low));
+            }
+            None => {
+                self.with_weight(|w| {
+                    matmul_nt_rows(x, w, n, out, k, &mut y);
+                    Ok(())
+                })?;
+                let mut up = vec![0f32; n * out];
+                matmul_nt_rows(&down, WeightRows::F32(b), n, out, rank, &mut up);
+                add_scaled(&mut y, &up, self.scale);
+            }
         }
-        let mut down = vec![0f32; n * rank];
-        matmul_nt_rows(x, WeightRows::F32(a), n, rank, k, &mut down);
-        let mut up = vec![0f32; n * out];
-        matmul_nt_rows(&down, WeightRows::F32(b), n, out, rank, &mut up);
-        add_scaled(&mut y, &up, self.scale);
         *self
             .down
             .lock()
@@ -169,46 +188,97 @@ impl CustomOp3 for LoraLinear {
             .ok_or_else(|| {
                 candle_core::Error::Msg("lora_linear: backward before forward".into())
             })?;
-        let g: Vec<f32> = grad.contiguous()?.flatten_all()?.to_vec1()?;
         let av: Vec<f32> = a.flatten_all()?.to_vec1()?;
         let bv: Vec<f32> = b.flatten_all()?.to_vec1()?;
-        // d(x·Aᵀ) = s·(g·B), [n, rank].
-        let mut gd = vec![0f32; n * rank];
-        matmul_nn_rows(&g, WeightRows::F32(&bv), n, out, rank, &mut gd);
-        gd.iter_mut().for_each(|v| *v *= self.scale);
         let dev = Device::Cpu;
-        let dx = if x.track_op() {
-            let mut dx = vec![0f32; n * k];
-            match &self.packed {
-                // bf16: `g` rounded to bf16 like the forward's inputs.
-                Some(p) => super::matmul_bf16::matmul_nt_packed(&g, p.transposed(), n, &mut dx),
-                None => self.with_weight(|w| {
-                    matmul_nn_rows(&g, w, n, out, k, &mut dx);
+        with_f32("lora_linear", grad, |g| {
+            // d(x·Aᵀ) = s·(g·B), [n, rank].
+            let mut gd = vec![0f32; n * rank];
+            matmul_nn_rows(g, WeightRows::F32(&bv), n, out, rank, &mut gd);
+            gd.iter_mut().for_each(|v| *v *= self.scale);
+            let dx = if x.track_op() {
+                let mut dx = vec![0f32; n * k];
+                match &self.packed {
+                    // bf16: `g` rounded to bf16 like the forward's inputs;
+                    // the update's `(s·g·B)·A` joins each accumulator.
+                    Some(p) => {
+                        let ft = padded(&av, rank, k);
+                        let low = LowRank {
+                            e: &gd,
+                            ft: &ft,
+                            rank,
+                        };
+                        matmul_nt_packed_low_rank(g, p.transposed(), n, &mut dx, Some(low));
+                    }
+                    None => {
+                        self.with_weight(|w| {
+                            matmul_nn_rows(g, w, n, out, k, &mut dx);
+                            Ok(())
+                        })?;
+                        let mut lora_dx = vec![0f32; n * k];
+                        matmul_nn_rows(&gd, WeightRows::F32(&av), n, rank, k, &mut lora_dx);
+                        add_scaled(&mut dx, &lora_dx, 1.0);
+                    }
+                }
+                Some(Tensor::from_vec(dx, (n, k), &dev)?)
+            } else {
+                None
+            };
+            // dA = (s·g·B)ᵀ·x, [rank, in].
+            let da = if a.track_op() {
+                let gdt = transposed(&gd, n, rank, 1.0, n);
+                let mut da = vec![0f32; rank * k];
+                with_f32("lora_linear", x, |xv| {
+                    matmul_nn_rows(&gdt, WeightRows::F32(xv), rank, n, k, &mut da);
                     Ok(())
-                })?,
-            }
-            let mut lora_dx = vec![0f32; n * k];
-            matmul_nn_rows(&gd, WeightRows::F32(&av), n, rank, k, &mut lora_dx);
-            add_scaled(&mut dx, &lora_dx, 1.0);
-            Some(Tensor::from_vec(dx, (n, k), &dev)?)
-        } else {
-            None
-        };
-        let gd = Tensor::from_vec(gd, (n, rank), &dev)?;
-        let da = if a.track_op() {
-            Some(gd.t()?.matmul(&x.detach())?)
-        } else {
-            None
-        };
-        let db = if b.track_op() {
-            let down = Tensor::from_vec(down, (n, rank), &dev)?.affine(self.scale as f64, 0.0)?;
-            let g = Tensor::from_vec(g, (n, out), &dev)?;
-            Some(g.t()?.matmul(&down)?)
-        } else {
-            None
-        };
-        Ok((dx, da, db))
+                })?;
+                Some(Tensor::from_vec(da, (rank, k), &dev)?)
+            } else {
+                None
+            };
+            // dB = s·gᵀ·(x·Aᵀ), [out, rank]: computed as its transpose
+            // (s·(x·Aᵀ))ᵀ·g, rank-row products like dA.
+            let db = if b.track_op() {
+                let downt = transposed(&down, n, rank, self.scale, n);
+                let mut dbt = vec![0f32; rank * out];
+                matmul_nn_rows(&downt, WeightRows::F32(g), rank, n, out, &mut dbt);
+                Some(Tensor::from_vec(
+                    transposed(&dbt, rank, out, 1.0, rank),
+                    (out, rank),
+                    &dev,
+                )?)
+            } else {
+                None
+            };
+            Ok((dx, da, db))
+        })
     }
+}
+
+/// `s·Mᵀ` for a row-major `m` `[rows, cols]`: `[cols, ld]` row-major, zero
+/// past column `rows` (`ld ≥ rows`).
+fn transposed(m: &[f32], rows: usize, cols: usize, s: f32, ld: usize) -> Vec<f32> {
+    let mut t = vec![0f32; cols * ld];
+    for (r, row) in m.chunks_exact(cols).take(rows).enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            t[c * ld + r] = v * s;
+        }
+    }
+    t
+}
+
+/// A row-major `[rows, cols]` matrix with each row zero-padded to
+/// [`padded_cols`]`(cols)`: a [`LowRank`] factor.
+fn padded(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let ld = padded_cols(cols);
+    if ld == cols {
+        return m[..rows * cols].to_vec();
+    }
+    let mut t = vec![0f32; rows * ld];
+    for (d, s) in t.chunks_exact_mut(ld).zip(m.chunks_exact(cols)) {
+        d[..cols].copy_from_slice(s);
+    }
+    t
 }
 
 #[cfg(test)]

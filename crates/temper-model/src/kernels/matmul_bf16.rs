@@ -171,8 +171,49 @@ impl PackedBf16 {
 /// `y[m, n] = Σ_t bf16(x[m, 2t])·w[n, 2t] + bf16(x[m, 2t+1])·w[n, 2t+1]`,
 /// one f32 accumulator per output, `t` in order.
 pub(crate) fn matmul_nt_packed(x: &[f32], w: &PackedBf16, m: usize, y: &mut [f32]) {
+    matmul_nt_packed_low_rank(x, w, m, y, None)
+}
+
+/// An f32 term `E·Fᵀ` (`E` `[m, rank]`, `F` `[n, rank]`) that
+/// [`matmul_nt_packed_low_rank`] adds to each output's accumulator after its
+/// bf16 sum: a LoRA update `s·(x·Aᵀ)·Bᵀ` (`E = x·Aᵀ`, `F = s·B`) or its input
+/// gradient `(s·g·B)·A` (`F = Aᵀ`), without a second `[m, n]` pass.
+#[derive(Clone, Copy)]
+pub(crate) struct LowRank<'a> {
+    /// `E`, `[m, rank]` row-major.
+    pub e: &'a [f32],
+    /// `Fᵀ`, `[rank, padded_cols(n)]` row-major, zero past column `n`.
+    pub ft: &'a [f32],
+    pub rank: usize,
+}
+
+/// Columns a [`LowRank`] factor's rows hold for an `n`-column output: `n`
+/// rounded up to whole panels.
+pub(crate) fn padded_cols(n: usize) -> usize {
+    n.div_ceil(PANEL) * PANEL
+}
+
+/// Rows per work item: a multiple of the register tile's rows, few enough
+/// that a layer with few panels (a 192-wide k/v projection is 3) still gives
+/// every thread a share.
+const ROW_BLOCK: usize = 96;
+
+/// [`matmul_nt_packed`], then `y[i, c] += Σ_j E[i, j]·F[c, j]` (`j` in order,
+/// one fused multiply-add each) in the same accumulator. Work items are
+/// (panel, row block) pairs; they only decide which outputs a thread
+/// computes, never an output's order of operations.
+pub(crate) fn matmul_nt_packed_low_rank(
+    x: &[f32],
+    w: &PackedBf16,
+    m: usize,
+    y: &mut [f32],
+    low: Option<LowRank<'_>>,
+) {
     let (n, k) = (w.n, w.k);
     assert!(x.len() >= m * k && y.len() >= m * n);
+    if let Some(l) = &low {
+        assert!(l.e.len() >= m * l.rank && l.ft.len() >= l.rank * padded_cols(n));
+    }
     if m == 0 || n == 0 {
         return;
     }
@@ -180,15 +221,19 @@ pub(crate) fn matmul_nt_packed(x: &[f32], w: &PackedBf16, m: usize, y: &mut [f32
     let kernel = packed_kernel();
     let out = SendPtr(y.as_mut_ptr());
     let panels = n.div_ceil(PANEL);
-    let run = |p: usize| {
-        // SAFETY: panel `p` writes only columns `p·PANEL..` of `y`, disjoint
-        // from every other panel's; `y` outlives the loop.
-        unsafe { kernel(&xb, w, m, p, out.get()) };
+    let blocks = m.div_ceil(ROW_BLOCK);
+    let run = |item: usize| {
+        let (p, b) = (item / blocks, item % blocks);
+        let rows = b * ROW_BLOCK..((b + 1) * ROW_BLOCK).min(m);
+        // SAFETY: item (p, b) writes only panel `p`'s columns of rows
+        // `rows` of `y`, disjoint from every other item's; `y` outlives the
+        // loop.
+        unsafe { kernel(&xb, w, rows, p, out.get(), low) };
     };
     if m * n * k < SEQUENTIAL_WORK || rayon::current_num_threads() == 1 {
-        (0..panels).for_each(run);
+        (0..panels * blocks).for_each(run);
     } else {
-        (0..panels).into_par_iter().for_each(run);
+        (0..panels * blocks).into_par_iter().for_each(run);
     }
 }
 
@@ -233,8 +278,10 @@ unsafe fn portable_round_row(x: &[f32], out: &mut [u16]) {
     }
 }
 
-/// Computes panel `p`'s columns of `y` for every row (`x` as bf16 pairs).
-type PackedKernel = unsafe fn(&[u16], &PackedBf16, usize, usize, *mut f32);
+/// Computes panel `p`'s columns of `y` for rows `rows` (`x` as bf16 pairs),
+/// plus the low-rank term if any.
+type PackedKernel =
+    unsafe fn(&[u16], &PackedBf16, std::ops::Range<usize>, usize, *mut f32, Option<LowRank<'_>>);
 
 fn packed_kernel() -> PackedKernel {
     #[cfg(target_arch = "x86_64")]
@@ -245,7 +292,7 @@ fn packed_kernel() -> PackedKernel {
 }
 
 mod portable_packed {
-    use super::{PackedBf16, PANEL};
+    use super::{padded_cols, LowRank, PackedBf16, PANEL};
 
     #[inline]
     fn f(b: u16) -> f32 {
@@ -253,19 +300,32 @@ mod portable_packed {
     }
 
     /// # Safety
-    /// `y` must point to `m·n` writable floats; no other thread writes
-    /// panel `p`'s columns.
-    pub(super) unsafe fn panel(x: &[u16], w: &PackedBf16, m: usize, p: usize, y: *mut f32) {
+    /// `y` must point to `m·n` writable floats for every row in `rows`; no
+    /// other thread writes panel `p`'s columns of those rows.
+    pub(super) unsafe fn panel(
+        x: &[u16],
+        w: &PackedBf16,
+        rows: std::ops::Range<usize>,
+        p: usize,
+        y: *mut f32,
+        low: Option<LowRank<'_>>,
+    ) {
         let (n, k2) = (w.n, w.k.div_ceil(2));
         let data = &w.data[p * k2 * PANEL * 2..(p + 1) * k2 * PANEL * 2];
         let cols = PANEL.min(n - p * PANEL);
-        for i in 0..m {
+        let ld = padded_cols(n);
+        for i in rows {
             let xr = &x[i * k2 * 2..(i + 1) * k2 * 2];
             for c in 0..cols {
                 let mut acc = 0f32;
                 for t in 0..k2 {
                     let wp = &data[t * PANEL * 2 + c * 2..];
                     acc += f(xr[2 * t]) * f(wp[0]) + f(xr[2 * t + 1]) * f(wp[1]);
+                }
+                if let Some(l) = &low {
+                    for j in 0..l.rank {
+                        acc = l.e[i * l.rank + j].mul_add(l.ft[j * ld + p * PANEL + c], acc);
+                    }
                 }
                 *y.add(i * n + p * PANEL + c) = acc;
             }
@@ -277,7 +337,7 @@ mod portable_packed {
 mod avx512_packed {
     use std::arch::x86_64::*;
 
-    use super::{PackedBf16, PANEL};
+    use super::{padded_cols, LowRank, PackedBf16, PANEL};
 
     /// Rows per register tile: 6 rows × 4 vectors = 24 accumulators.
     const MR: usize = 6;
@@ -301,6 +361,16 @@ mod avx512_packed {
         }
     }
 
+    /// The low-rank term's pointers for one tile: `e` at the tile's first
+    /// row (stride `rank`), `ft` at the panel's first column (stride `ld`).
+    #[derive(Clone, Copy)]
+    struct TileLow {
+        e: *const f32,
+        ft: *const f32,
+        rank: usize,
+        ld: usize,
+    }
+
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     unsafe fn tile<const R: usize>(
@@ -310,6 +380,7 @@ mod avx512_packed {
         y: *mut f32,
         ldy: usize,
         cols: usize,
+        low: Option<TileLow>,
     ) {
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         for t in 0..k2 {
@@ -328,6 +399,18 @@ mod avx512_packed {
                 }
             }
         }
+        if let Some(l) = low {
+            for j in 0..l.rank {
+                let fp = l.ft.add(j * l.ld);
+                let fv: [__m512; 4] = std::array::from_fn(|v| _mm512_loadu_ps(fp.add(v * 16)));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let ev = _mm512_set1_ps(*l.e.add(r * l.rank + j));
+                    for (a, f) in row.iter_mut().zip(&fv) {
+                        *a = _mm512_fmadd_ps(ev, *f, *a);
+                    }
+                }
+            }
+        }
         for (r, row) in acc.iter().enumerate() {
             for (v, a) in row.iter().enumerate() {
                 let lanes = cols.saturating_sub(v * 16).min(16);
@@ -343,24 +426,40 @@ mod avx512_packed {
     /// # Safety
     /// The CPU must have AVX-512 BF16; see [`super::portable_packed::panel`].
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn panel(x: &[u16], w: &PackedBf16, m: usize, p: usize, y: *mut f32) {
+    pub(super) unsafe fn panel(
+        x: &[u16],
+        w: &PackedBf16,
+        rows: std::ops::Range<usize>,
+        p: usize,
+        y: *mut f32,
+        low: Option<LowRank<'_>>,
+    ) {
         let (n, k2) = (w.n, w.k.div_ceil(2));
         let data = w.data.as_ptr().add(p * k2 * PANEL * 2);
         let cols = PANEL.min(n - p * PANEL);
         let x = x.as_ptr() as *const u32;
         let y = y.add(p * PANEL);
-        let mut i = 0;
-        while i + MR <= m {
-            tile::<MR>(x.add(i * k2), k2, data, y.add(i * n), n, cols);
+        let ld = padded_cols(n);
+        let at = |i: usize| {
+            low.map(|l| TileLow {
+                e: l.e.as_ptr().add(i * l.rank),
+                ft: l.ft.as_ptr().add(p * PANEL),
+                rank: l.rank,
+                ld,
+            })
+        };
+        let mut i = rows.start;
+        while i + MR <= rows.end {
+            tile::<MR>(x.add(i * k2), k2, data, y.add(i * n), n, cols, at(i));
             i += MR;
         }
-        let (xr, yr) = (x.add(i * k2), y.add(i * n));
-        match m - i {
-            5 => tile::<5>(xr, k2, data, yr, n, cols),
-            4 => tile::<4>(xr, k2, data, yr, n, cols),
-            3 => tile::<3>(xr, k2, data, yr, n, cols),
-            2 => tile::<2>(xr, k2, data, yr, n, cols),
-            1 => tile::<1>(xr, k2, data, yr, n, cols),
+        let (xr, yr, lr) = (x.add(i * k2), y.add(i * n), at(i));
+        match rows.end - i {
+            5 => tile::<5>(xr, k2, data, yr, n, cols, lr),
+            4 => tile::<4>(xr, k2, data, yr, n, cols, lr),
+            3 => tile::<3>(xr, k2, data, yr, n, cols, lr),
+            2 => tile::<2>(xr, k2, data, yr, n, cols, lr),
+            1 => tile::<1>(xr, k2, data, yr, n, cols, lr),
             _ => {}
         }
     }
@@ -405,17 +504,105 @@ mod tests {
         }
     }
 
+    /// `Fᵀ` `[rank, padded_cols(n)]` for a random `F` `[n, rank]`.
+    fn factor(n: usize, rank: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+        let f = rand(n * rank, seed);
+        let ld = padded_cols(n);
+        let mut ft = vec![0f32; rank * ld];
+        for c in 0..n {
+            for j in 0..rank {
+                ft[j * ld + c] = f[c * rank + j];
+            }
+        }
+        (f, ft)
+    }
+
+    #[test]
+    fn the_low_rank_term_is_added_to_each_output() {
+        for &(m, n, k, rank) in &[
+            (1, 1, 1, 1),
+            (13, 97, 576, 16),
+            (100, 200, 64, 8),
+            (7, 64, 9, 3),
+        ] {
+            let x = rand(m * k, 11);
+            let w = round_to_bf16(&rand(n * k, 12));
+            let e = rand(m * rank, 13);
+            let (f, ft) = factor(n, rank, 14);
+            let mut y = vec![0f32; m * n];
+            let low = LowRank {
+                e: &e,
+                ft: &ft,
+                rank,
+            };
+            let packed = PackedBf16::pack(&w, n, k);
+            matmul_nt_packed_low_rank(&x, &packed, m, &mut y, Some(low));
+            let (xr, wr) = (to_f32(&round_to_bf16(&x)), to_f32(&w));
+            for i in 0..m {
+                for c in 0..n {
+                    let r: f64 = (0..k)
+                        .map(|t| xr[i * k + t] as f64 * wr[c * k + t] as f64)
+                        .sum::<f64>()
+                        + (0..rank)
+                            .map(|j| e[i * rank + j] as f64 * f[c * rank + j] as f64)
+                            .sum::<f64>();
+                    let d = (y[i * n + c] as f64 - r).abs();
+                    assert!(
+                        d < 1e-5 * ((k + rank) as f64).sqrt(),
+                        "{m}x{n}x{k} r{rank} ({i},{c}): {d}"
+                    );
+                }
+            }
+            // The portable loop: same order of operations.
+            let k2 = k.div_ceil(2);
+            let mut xb = vec![0u16; m * k2 * 2];
+            for (d, s) in xb.chunks_exact_mut(k2 * 2).zip(round_to_bf16(&x).chunks(k)) {
+                d[..k].copy_from_slice(s);
+            }
+            let mut p = vec![0f32; m * n];
+            for panel in 0..n.div_ceil(PANEL) {
+                // SAFETY: `p` holds m·n floats; one thread.
+                unsafe {
+                    portable_packed::panel(&xb, &packed, 0..m, panel, p.as_mut_ptr(), Some(low))
+                };
+            }
+            for (i, (a, b)) in y.iter().zip(&p).enumerate() {
+                assert!((a - b).abs() < 1e-4, "output {i}: {a} vs {b}");
+            }
+        }
+    }
+
     #[test]
     fn a_rows_result_does_not_depend_on_the_call() {
-        for &(n, k) in &[(53, 37), (97, 576), (300, 64)] {
-            let m = 160;
+        for &(n, k) in &[(53, 37), (97, 576), (300, 64), (192, 576)] {
+            let m = 400;
             let x = rand(m * k, 3);
             let w = round_to_bf16(&rand(n * k, 4));
+            let rank = 5;
+            let e = rand(m * rank, 5);
+            let (_, ft) = factor(n, rank, 6);
+            let packed = PackedBf16::pack(&w, n, k);
+            let call = |start: usize, len: usize, y: &mut [f32]| {
+                let low = LowRank {
+                    e: &e[start * rank..(start + len) * rank],
+                    ft: &ft,
+                    rank,
+                };
+                matmul_nt_packed_low_rank(&x[start * k..], &packed, len, y, Some(low));
+            };
             let mut full = vec![0f32; m * n];
-            matmul_nt_bf16(&x, &w, m, n, k, &mut full);
-            for &(start, len) in &[(0, 1), (7, 1), (159, 1), (3, 2), (10, 5), (1, 150)] {
+            call(0, m, &mut full);
+            for &(start, len) in &[
+                (0, 1),
+                (7, 1),
+                (399, 1),
+                (3, 2),
+                (10, 5),
+                (1, 150),
+                (95, 200),
+            ] {
                 let mut part = vec![0f32; len * n];
-                matmul_nt_bf16(&x[start * k..(start + len) * k], &w, len, n, k, &mut part);
+                call(start, len, &mut part);
                 let want = &full[start * n..(start + len) * n];
                 assert!(
                     part.iter()
@@ -431,7 +618,7 @@ mod tests {
                     .build()
                     .unwrap();
                 let mut y = vec![0f32; m * n];
-                pool.install(|| matmul_nt_bf16(&x, &w, m, n, k, &mut y));
+                pool.install(|| call(0, m, &mut y));
                 assert!(
                     y.iter().zip(&full).all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{threads} threads"
@@ -457,7 +644,7 @@ mod tests {
         let mut p = vec![0f32; m * n];
         for panel in 0..n.div_ceil(PANEL) {
             // SAFETY: `p` holds m·n floats; one thread.
-            unsafe { portable_packed::panel(&xb, &w, m, panel, p.as_mut_ptr()) };
+            unsafe { portable_packed::panel(&xb, &w, 0..m, panel, p.as_mut_ptr(), None) };
         }
         for (i, (a, b)) in y.iter().zip(&p).enumerate() {
             assert!((a - b).abs() < 1e-5, "output {i}: {a} vs {b}");

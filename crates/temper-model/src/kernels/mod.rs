@@ -94,6 +94,24 @@ fn f32_slice<'a>(
     }
 }
 
+/// Run `f` on a CPU f32 tensor's values without copying them (a backward's
+/// saved inputs and incoming gradient); a non-contiguous tensor is made
+/// contiguous first.
+fn with_f32<R>(
+    op: &str,
+    t: &candle_core::Tensor,
+    f: impl FnOnce(&[f32]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(candle_core::Error::Msg(format!(
+            "{op}: tensor not on the CPU"
+        )));
+    };
+    f(f32_slice(op, cpu, layout, "tensor")?)
+}
+
 /// A weight matrix's rows in the dtype they are stored in.
 #[derive(Clone, Copy)]
 pub(crate) enum WeightRows<'a> {
