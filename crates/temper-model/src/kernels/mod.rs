@@ -102,14 +102,33 @@ fn with_f32<R>(
     t: &candle_core::Tensor,
     f: impl FnOnce(&[f32]) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else {
-        return Err(candle_core::Error::Msg(format!(
-            "{op}: tensor not on the CPU"
-        )));
-    };
-    f(f32_slice(op, cpu, layout, "tensor")?)
+    with_f32s(op, [t], |[x]| f(x))
+}
+
+/// [`with_f32`] for several tensors at once.
+fn with_f32s<R, const N: usize>(
+    op: &str,
+    ts: [&candle_core::Tensor; N],
+    f: impl FnOnce([&[f32]; N]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let ts = ts
+        .iter()
+        .map(|t| t.contiguous())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let mut slices = Vec::with_capacity(N);
+    for (storage, layout) in &guards {
+        let candle_core::Storage::Cpu(cpu) = &**storage else {
+            return Err(candle_core::Error::Msg(format!(
+                "{op}: tensor not on the CPU"
+            )));
+        };
+        slices.push(f32_slice(op, cpu, layout, "tensor")?);
+    }
+    let slices: [&[f32]; N] = slices
+        .try_into()
+        .map_err(|_| candle_core::Error::Msg(format!("{op}: tensor count")))?;
+    f(slices)
 }
 
 /// A weight matrix's rows in the dtype they are stored in.

@@ -30,7 +30,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::attention::{dkv_row, dot, dq_row, row_forward, Bwd, Dims};
-use super::f32_slice;
+use super::{f32_slice, with_f32s};
 use crate::error::{ModelError, Result};
 
 /// The rotary tables for positions `0..len`: `cos`, `sin`, each
@@ -310,12 +310,18 @@ fn probs_and_grads_body(p: &mut [f32], dp: &mut [f32], i: usize, scale: f32, lse
     dp[seen..].fill(0.0);
 }
 
-/// `[rows, cols]` → `[cols, rows]`.
+/// `[rows, cols]` → `[cols, rows]`, in square tiles so the strided writes
+/// stay in a few cache lines.
 fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    const TILE: usize = 16;
     let mut t = vec![0f32; rows * cols];
-    for (r, row) in x.chunks(cols).enumerate() {
-        for (c, &v) in row.iter().enumerate() {
-            t[c * rows + r] = v;
+    for r0 in (0..rows).step_by(TILE) {
+        for c0 in (0..cols).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    t[c * rows + r] = x[r * cols + c];
+                }
+            }
         }
     }
     t
@@ -405,60 +411,58 @@ impl CustomOp3 for PackedAttention {
             .ok_or_else(|| {
                 candle_core::Error::Msg("packed_attention: backward before forward".into())
             })?;
-        let flat =
-            |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.flatten_all()?.to_vec1::<f32>() };
-        let (qv, kv, vv, ov, gv) = (
-            flat(q)?,
-            flat(k)?,
-            flat(v)?,
-            flat(res)?,
-            flat(&grad.contiguous()?)?,
-        );
-        let rope = Some(self.rope.as_ref());
-        let mut dq = vec![0f32; n * heads * hd];
-        let mut dk = vec![0f32; n * kv_heads * hd];
-        let mut dv = vec![0f32; n * kv_heads * hd];
-        for (off, &len) in self.offsets().into_iter().zip(&self.lens) {
-            let d = self.dims(len);
-            let qh = gather_heads(&qv, off, len, heads, hd, rope);
-            let kh = gather_heads(&kv, off, len, kv_heads, hd, rope);
-            let vh = gather_heads(&vv, off, len, kv_heads, hd, None);
-            let go = gather_heads(&gv, off, len, heads, hd, None);
-            let oh = gather_heads(&ov, off, len, heads, hd, None);
-            let lse_h: Vec<f32> = (0..heads * len)
-                .map(|r| lse[(off + r % len) * heads + r / len])
-                .collect();
-            let dsum: Vec<f32> = (0..heads * len)
-                .map(|r| dot(&go[r * hd..(r + 1) * hd], &oh[r * hd..(r + 1) * hd]))
-                .collect();
-            let (dqh, dkh, dvh) = if len <= DENSE_BACKWARD_MAX_LEN {
-                dense_backward(&d, kv_heads, &qh, &kh, &vh, &go, &lse_h, &dsum)
-            } else {
-                let b = Bwd {
-                    d: &d,
-                    q: &qh,
-                    k: &kh,
-                    v: &vh,
-                    go: &go,
-                    lse: &lse_h,
-                    dsum: &dsum,
-                };
-                let mut dqh = vec![0f32; heads * len * hd];
-                dqh.par_chunks_mut(hd)
-                    .enumerate()
-                    .for_each(|(r, dqr)| dq_row(&b, r, dqr));
-                let mut dkh = vec![0f32; kv_heads * len * hd];
-                let mut dvh = vec![0f32; kv_heads * len * hd];
-                dkh.par_chunks_mut(hd)
-                    .zip(dvh.par_chunks_mut(hd))
-                    .enumerate()
-                    .for_each(|(kr, (dkr, dvr))| dkv_row(&b, kr, dkr, dvr));
-                (dqh, dkh, dvh)
-            };
-            scatter_heads(&dqh, &mut dq, off, len, heads, hd, rope);
-            scatter_heads(&dkh, &mut dk, off, len, kv_heads, hd, rope);
-            scatter_heads(&dvh, &mut dv, off, len, kv_heads, hd, None);
-        }
+        let (dq, dk, dv) = with_f32s(
+            "packed_attention",
+            [q, k, v, res, grad],
+            |[qv, kv, vv, ov, gv]| {
+                let rope = Some(self.rope.as_ref());
+                let mut dq = vec![0f32; n * heads * hd];
+                let mut dk = vec![0f32; n * kv_heads * hd];
+                let mut dv = vec![0f32; n * kv_heads * hd];
+                for (off, &len) in self.offsets().into_iter().zip(&self.lens) {
+                    let d = self.dims(len);
+                    let qh = gather_heads(qv, off, len, heads, hd, rope);
+                    let kh = gather_heads(kv, off, len, kv_heads, hd, rope);
+                    let vh = gather_heads(vv, off, len, kv_heads, hd, None);
+                    let go = gather_heads(gv, off, len, heads, hd, None);
+                    let oh = gather_heads(ov, off, len, heads, hd, None);
+                    let lse_h: Vec<f32> = (0..heads * len)
+                        .map(|r| lse[(off + r % len) * heads + r / len])
+                        .collect();
+                    let dsum: Vec<f32> = (0..heads * len)
+                        .map(|r| dot(&go[r * hd..(r + 1) * hd], &oh[r * hd..(r + 1) * hd]))
+                        .collect();
+                    let (dqh, dkh, dvh) = if len <= DENSE_BACKWARD_MAX_LEN {
+                        dense_backward(&d, kv_heads, &qh, &kh, &vh, &go, &lse_h, &dsum)
+                    } else {
+                        let b = Bwd {
+                            d: &d,
+                            q: &qh,
+                            k: &kh,
+                            v: &vh,
+                            go: &go,
+                            lse: &lse_h,
+                            dsum: &dsum,
+                        };
+                        let mut dqh = vec![0f32; heads * len * hd];
+                        dqh.par_chunks_mut(hd)
+                            .enumerate()
+                            .for_each(|(r, dqr)| dq_row(&b, r, dqr));
+                        let mut dkh = vec![0f32; kv_heads * len * hd];
+                        let mut dvh = vec![0f32; kv_heads * len * hd];
+                        dkh.par_chunks_mut(hd)
+                            .zip(dvh.par_chunks_mut(hd))
+                            .enumerate()
+                            .for_each(|(kr, (dkr, dvr))| dkv_row(&b, kr, dkr, dvr));
+                        (dqh, dkh, dvh)
+                    };
+                    scatter_heads(&dqh, &mut dq, off, len, heads, hd, rope);
+                    scatter_heads(&dkh, &mut dk, off, len, kv_heads, hd, rope);
+                    scatter_heads(&dvh, &mut dv, off, len, kv_heads, hd, None);
+                }
+                Ok((dq, dk, dv))
+            },
+        )?;
         let dev = q.device();
         Ok((
             Some(Tensor::from_vec(dq, (n, heads * hd), dev)?),

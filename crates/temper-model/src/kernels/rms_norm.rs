@@ -13,7 +13,7 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::f32_slice;
+use super::{f32_slice, with_f32};
 use crate::error::Result;
 
 /// Below this many elements a call runs on the calling thread.
@@ -92,38 +92,49 @@ impl CustomOp2 for RmsNorm {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let h = w.elem_count();
-        let xv: Vec<f32> = x.flatten_all()?.to_vec1()?;
         let wv: Vec<f32> = w.flatten_all()?.to_vec1()?;
-        let gv: Vec<f32> = grad.contiguous()?.flatten_all()?.to_vec1()?;
-        // Each row's 1/rms once, for dx and dw both.
-        let r: Vec<f32> = xv.chunks(h).map(|row| inv_rms(row, self.eps)).collect();
-        // dx = r·(g·w) − x·r³·Σ(g·w·x)/h, per row.
-        let mut dx = vec![0f32; xv.len()];
-        for_rows(&mut dx, h, |i, out| {
-            let (row, g, r) = (&xv[i * h..(i + 1) * h], &gv[i * h..(i + 1) * h], r[i]);
-            let dot: f32 = row
-                .iter()
-                .zip(g)
-                .zip(&wv)
-                .map(|((a, b), c)| a * b * c)
-                .sum();
-            let c = r * r * r * dot / h as f32;
-            for (((o, a), b), wc) in out.iter_mut().zip(row).zip(g).zip(&wv) {
-                *o = r * b * wc - a * c;
-            }
-        });
+        let (dx, dw) = with_f32("rms_norm", x, |xv| {
+            with_f32("rms_norm", grad, |gv| {
+                // Each row's 1/rms once, for dx and dw both.
+                let r: Vec<f32> = if xv.len() < SEQUENTIAL_WORK {
+                    xv.chunks(h).map(|row| inv_rms(row, self.eps)).collect()
+                } else {
+                    xv.par_chunks(h).map(|row| inv_rms(row, self.eps)).collect()
+                };
+                // dx = r·(g·w) − x·r³·Σ(g·w·x)/h, per row.
+                let mut dx = vec![0f32; xv.len()];
+                for_rows(&mut dx, h, |i, out| {
+                    let (row, g, r) = (&xv[i * h..(i + 1) * h], &gv[i * h..(i + 1) * h], r[i]);
+                    let dot: f32 = row
+                        .iter()
+                        .zip(g)
+                        .zip(&wv)
+                        .map(|((a, b), c)| a * b * c)
+                        .sum();
+                    let c = r * r * r * dot / h as f32;
+                    for (((o, a), b), wc) in out.iter_mut().zip(row).zip(g).zip(&wv) {
+                        *o = r * b * wc - a * c;
+                    }
+                });
+                let dw = if w.track_op() {
+                    // dw = Σ_rows g·x·r, rows summed in order.
+                    let mut dw = vec![0f32; h];
+                    for ((row, g), r) in xv.chunks(h).zip(gv.chunks(h)).zip(&r) {
+                        for ((d, a), b) in dw.iter_mut().zip(row).zip(g) {
+                            *d += b * a * r;
+                        }
+                    }
+                    Some(dw)
+                } else {
+                    None
+                };
+                Ok((dx, dw))
+            })
+        })?;
         let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
-        let dw = if w.track_op() {
-            // dw = Σ_rows g·x·r, rows summed in order.
-            let mut dw = vec![0f32; h];
-            for ((row, g), r) in xv.chunks(h).zip(gv.chunks(h)).zip(&r) {
-                for ((d, a), b) in dw.iter_mut().zip(row).zip(g) {
-                    *d += b * a * r;
-                }
-            }
-            Some(Tensor::from_vec(dw, w.shape(), w.device())?)
-        } else {
-            None
+        let dw = match dw {
+            Some(dw) => Some(Tensor::from_vec(dw, w.shape(), w.device())?),
+            None => None,
         };
         Ok((Some(dx), dw))
     }

@@ -6,7 +6,7 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::f32_slice;
+use super::{f32_slice, with_f32};
 use crate::error::{ModelError, Result};
 
 /// Elements per parallel chunk.
@@ -92,18 +92,29 @@ impl CustomOp2 for SwiGlu {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let g: Vec<f32> = gate.flatten_all()?.to_vec1()?;
-        let u: Vec<f32> = up.flatten_all()?.to_vec1()?;
-        let d: Vec<f32> = grad.contiguous()?.flatten_all()?.to_vec1()?;
-        let mut dg = vec![0f32; g.len()];
-        let mut du = vec![0f32; g.len()];
-        dg.par_chunks_mut(CHUNK)
-            .zip(du.par_chunks_mut(CHUNK))
-            .enumerate()
-            .for_each(|(c, (dgc, duc))| {
-                let (o, len) = (c * CHUNK, dgc.len());
-                backward_chunk(&g[o..o + len], &u[o..o + len], &d[o..o + len], dgc, duc);
-            });
+        let n = gate.elem_count();
+        let mut dg = vec![0f32; n];
+        let mut du = vec![0f32; n];
+        with_f32("swiglu", gate, |g| {
+            with_f32("swiglu", up, |u| {
+                with_f32("swiglu", grad, |d| {
+                    dg.par_chunks_mut(CHUNK)
+                        .zip(du.par_chunks_mut(CHUNK))
+                        .enumerate()
+                        .for_each(|(c, (dgc, duc))| {
+                            let (o, len) = (c * CHUNK, dgc.len());
+                            backward_chunk(
+                                &g[o..o + len],
+                                &u[o..o + len],
+                                &d[o..o + len],
+                                dgc,
+                                duc,
+                            );
+                        });
+                    Ok(())
+                })
+            })
+        })?;
         Ok((
             Some(Tensor::from_vec(dg, gate.shape(), gate.device())?),
             Some(Tensor::from_vec(du, up.shape(), up.device())?),
