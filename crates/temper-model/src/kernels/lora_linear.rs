@@ -23,7 +23,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::matmul::matmul_nt_rows;
-use super::matmul_bf16::{matmul_nt_packed_low_rank, padded_cols, LowRank, PackedBf16};
+use super::matmul_bf16::{packed_product, padded_cols, LowRank, PackedBf16};
 use super::matmul_nn::matmul_nn_rows;
 use super::{f32_slice, weight_rows, with_f32, WeightRows};
 use crate::error::{ModelError, Result};
@@ -140,8 +140,7 @@ impl CustomOp3 for LoraLinear {
             rank,
             &mut down,
         );
-        let mut y = vec![0f32; n * out];
-        match &self.packed {
+        let y = match &self.packed {
             // The update joins each output's accumulator after its bf16 sum.
             Some(p) => {
                 let ft = transposed(b, out, rank, self.scale, padded_cols(out));
@@ -150,9 +149,10 @@ impl CustomOp3 for LoraLinear {
                     ft: &ft,
                     rank,
                 };
-                matmul_nt_packed_low_rank(x, p, n, &mut y, Some(low));
+                packed_product(x, p, n, Some(low))
             }
             None => {
+                let mut y = vec![0f32; n * out];
                 self.with_weight(|w| {
                     matmul_nt_rows(x, w, n, out, k, &mut y);
                     Ok(())
@@ -160,8 +160,9 @@ impl CustomOp3 for LoraLinear {
                 let mut up = vec![0f32; n * out];
                 matmul_nt_rows(&down, WeightRows::F32(b), n, out, rank, &mut up);
                 add_scaled(&mut y, &up, self.scale);
+                y
             }
-        }
+        };
         *self
             .down
             .lock()
@@ -197,8 +198,7 @@ impl CustomOp3 for LoraLinear {
             matmul_nn_rows(g, WeightRows::F32(&bv), n, out, rank, &mut gd);
             gd.iter_mut().for_each(|v| *v *= self.scale);
             let dx = if x.track_op() {
-                let mut dx = vec![0f32; n * k];
-                match &self.packed {
+                let dx = match &self.packed {
                     // bf16: `g` rounded to bf16 like the forward's inputs;
                     // the update's `(s·g·B)·A` joins each accumulator.
                     Some(p) => {
@@ -208,9 +208,10 @@ impl CustomOp3 for LoraLinear {
                             ft: &ft,
                             rank,
                         };
-                        matmul_nt_packed_low_rank(g, p.transposed(), n, &mut dx, Some(low));
+                        packed_product(g, p.transposed(), n, Some(low))
                     }
                     None => {
+                        let mut dx = vec![0f32; n * k];
                         self.with_weight(|w| {
                             matmul_nn_rows(g, w, n, out, k, &mut dx);
                             Ok(())
@@ -218,8 +219,9 @@ impl CustomOp3 for LoraLinear {
                         let mut lora_dx = vec![0f32; n * k];
                         matmul_nn_rows(&gd, WeightRows::F32(&av), n, rank, k, &mut lora_dx);
                         add_scaled(&mut dx, &lora_dx, 1.0);
+                        dx
                     }
-                }
+                };
                 Some(Tensor::from_vec(dx, (n, k), &dev)?)
             } else {
                 None

@@ -443,8 +443,7 @@ impl candle_core::CustomOp1 for MatmulPacked {
         let x = f32_slice("matmul_nt_packed", xs, xl, "x")?;
         let (m, _) = xl.shape().dims2()?;
         let (n, _) = self.packed.dims();
-        let mut y = vec![0f32; m * n];
-        super::matmul_bf16::matmul_nt_packed(x, &self.packed, m, &mut y);
+        let y = rows_times_packed(x, m, &self.packed);
         Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 
@@ -478,10 +477,7 @@ pub fn grad_times_packed(grad: &Tensor, packed: &PackedBf16) -> candle_core::Res
 
 /// `[rows, k]·Wᵀ` for f32 rows against a packed bf16 weight.
 pub(crate) fn rows_times_packed(xb: &[f32], rows: usize, packed: &PackedBf16) -> Vec<f32> {
-    let (n, _) = packed.dims();
-    let mut y = vec![0f32; rows * n];
-    super::matmul_bf16::matmul_nt_packed(xb, packed, rows, &mut y);
-    y
+    super::matmul_bf16::packed_product(xb, packed, rows, None)
 }
 
 /// `x·Wᵀ` through [`matmul_nt`] when the forward uses it (see

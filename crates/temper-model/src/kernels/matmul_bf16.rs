@@ -209,8 +209,36 @@ pub(crate) fn matmul_nt_packed_low_rank(
     y: &mut [f32],
     low: Option<LowRank<'_>>,
 ) {
+    assert!(y.len() >= m * w.n);
+    // SAFETY: `y` holds `m·n` floats.
+    unsafe { packed_into(x, w, m, y.as_mut_ptr(), low) }
+}
+
+/// [`matmul_nt_packed_low_rank`] into a new `[m, n]` buffer, which the
+/// kernel writes whole: no zero-filling first.
+pub(crate) fn packed_product(
+    x: &[f32],
+    w: &PackedBf16,
+    m: usize,
+    low: Option<LowRank<'_>>,
+) -> Vec<f32> {
+    let len = m * w.n;
+    let mut y: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(len);
+    // SAFETY: `MaybeUninit` needs no initialization; the capacity is `len`.
+    unsafe { y.set_len(len) };
+    // SAFETY: `y` holds `m·n` floats.
+    unsafe { packed_into(x, w, m, y.as_mut_ptr().cast(), low) };
+    let mut y = std::mem::ManuallyDrop::new(y);
+    // SAFETY: the work items cover every (row, column) of `y` exactly once,
+    // so all `len` floats are initialized; same allocation, same layout.
+    unsafe { Vec::from_raw_parts(y.as_mut_ptr().cast(), len, y.capacity()) }
+}
+
+/// # Safety
+/// `y` must point to `m·n` writable floats.
+unsafe fn packed_into(x: &[f32], w: &PackedBf16, m: usize, y: *mut f32, low: Option<LowRank<'_>>) {
     let (n, k) = (w.n, w.k);
-    assert!(x.len() >= m * k && y.len() >= m * n);
+    assert!(x.len() >= m * k);
     if let Some(l) = &low {
         assert!(l.e.len() >= m * l.rank && l.ft.len() >= l.rank * padded_cols(n));
     }
@@ -219,7 +247,7 @@ pub(crate) fn matmul_nt_packed_low_rank(
     }
     let xb = rows_as_pairs(&x[..m * k], m, k);
     let kernel = packed_kernel();
-    let out = SendPtr(y.as_mut_ptr());
+    let out = SendPtr(y);
     let panels = n.div_ceil(PANEL);
     let blocks = m.div_ceil(ROW_BLOCK);
     let run = |item: usize| {
