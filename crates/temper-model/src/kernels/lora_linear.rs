@@ -11,25 +11,29 @@
 //! `dB = s·gᵀ·(x·Aᵀ)`.
 //!
 //! # Numbers
-//! The forward runs the same batch-invariant kernels as the plain linear
-//! layer (`matmul_nt` for f32 and the adapter, the packed bf16 kernel for
-//! bf16 weights), so a token's output depends only on its own row. Every
-//! path of the model (training, prefill, decode, the server's batched
+//! Every product runs a batch-invariant kernel, so a token's output depends
+//! only on its own row:
+//! - `x·Aᵀ` (and in the backward `g·B`, `dA`, `dB`) runs `matmul_nn` on
+//!   rank-wide rows;
+//! - with a bf16 weight, the update `(x·Aᵀ)·(s·B)ᵀ` joins each output's
+//!   accumulator after its bf16 sum inside the packed kernel (no `[tokens,
+//!   out]` buffer for it, no second pass), and the input gradient's
+//!   `(s·g·B)·A` joins `g·W` the same way;
+//! - with an f32 weight, `x·Wᵀ` runs `matmul_nt` and the update continues
+//!   each output's sum in place (`matmul_nn`'s accumulate form).
+//!
+//! Every path of the model (training, prefill, decode, the server's batched
 //! decode) computes a LoRA layer through this op, so they agree bit for bit.
 
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
-use rayon::prelude::*;
 
 use super::matmul::matmul_nt_rows;
 use super::matmul_bf16::{packed_product, padded_cols, LowRank, PackedBf16};
-use super::matmul_nn::matmul_nn_rows;
+use super::matmul_nn::{matmul_nn_rows, matmul_nn_rows_add};
 use super::{f32_slice, weight_rows, with_f32, WeightRows};
 use crate::error::{ModelError, Result};
-
-/// Elements per parallel chunk of the element-wise adds.
-const CHUNK: usize = 1 << 14;
 
 /// Whether [`lora_linear`] handles these operands: f32 input and adapter on
 /// the CPU, a frozen f32 or bf16 weight, and the batch-invariant forward
@@ -99,17 +103,6 @@ impl LoraLinear {
     }
 }
 
-/// `y[i] += s·u[i]`, in parallel chunks.
-fn add_scaled(y: &mut [f32], u: &[f32], s: f32) {
-    y.par_chunks_mut(CHUNK)
-        .zip(u.par_chunks(CHUNK))
-        .for_each(|(y, u)| {
-            for (y, u) in y.iter_mut().zip(u) {
-                *y += u * s;
-            }
-        });
-}
-
 impl CustomOp3 for LoraLinear {
     fn name(&self) -> &'static str {
         "lora-linear"
@@ -157,9 +150,9 @@ impl CustomOp3 for LoraLinear {
                     matmul_nt_rows(x, w, n, out, k, &mut y);
                     Ok(())
                 })?;
-                let mut up = vec![0f32; n * out];
-                matmul_nt_rows(&down, WeightRows::F32(b), n, out, rank, &mut up);
-                add_scaled(&mut y, &up, self.scale);
+                // y += (x·Aᵀ)·(s·Bᵀ), continuing each output's sum.
+                let sbt = transposed(b, out, rank, self.scale, out);
+                matmul_nn_rows_add(&down, WeightRows::F32(&sbt), n, rank, out, &mut y);
                 y
             }
         };
@@ -216,9 +209,7 @@ impl CustomOp3 for LoraLinear {
                             matmul_nn_rows(g, w, n, out, k, &mut dx);
                             Ok(())
                         })?;
-                        let mut lora_dx = vec![0f32; n * k];
-                        matmul_nn_rows(&gd, WeightRows::F32(&av), n, rank, k, &mut lora_dx);
-                        add_scaled(&mut dx, &lora_dx, 1.0);
+                        matmul_nn_rows_add(&gd, WeightRows::F32(&av), n, rank, k, &mut dx);
                         dx
                     }
                 };

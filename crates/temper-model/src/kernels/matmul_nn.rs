@@ -89,12 +89,40 @@ pub(crate) fn matmul_nn_rows(
     k: usize,
     y: &mut [f32],
 ) {
+    nn_rows(g, w, m, n, k, y, false)
+}
+
+/// `y += g·W`: each output's sum continues from `y`'s value, one fused
+/// multiply-add per term in `n` order (a LoRA update added to the base
+/// product in place).
+pub(crate) fn matmul_nn_rows_add(
+    g: &[f32],
+    w: WeightRows<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+) {
+    nn_rows(g, w, m, n, k, y, true)
+}
+
+fn nn_rows(
+    g: &[f32],
+    w: WeightRows<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+    accumulate: bool,
+) {
     assert!(g.len() >= m * n && w.len() >= n * k && y.len() >= m * k);
     if m == 0 || k == 0 {
         return;
     }
     if n == 0 {
-        y[..m * k].fill(0.0);
+        if !accumulate {
+            y[..m * k].fill(0.0);
+        }
         return;
     }
     let chunk = chunk_kernel();
@@ -108,8 +136,12 @@ pub(crate) fn matmul_nn_rows(
         // `y`, disjoint from every other item's; `y` outlives the loop.
         unsafe {
             match w {
-                WeightRows::F32(w) => strided_block(chunk, g, w, n, k, m0, m1, k0, k1, out.get()),
-                WeightRows::Bf16(w) => bf16_block(g, w, n, k, m0, m1, k0, k1, out.get()),
+                WeightRows::F32(w) => {
+                    strided_block(chunk, g, w, n, k, m0, m1, k0, k1, out.get(), accumulate)
+                }
+                WeightRows::Bf16(w) => {
+                    bf16_block(g, w, n, k, m0, m1, k0, k1, out.get(), accumulate)
+                }
             }
         };
     };
@@ -245,6 +277,7 @@ unsafe fn strided_block<T>(
     k0: usize,
     k1: usize,
     y: *mut f32,
+    accumulate: bool,
 ) {
     let (gp, wp) = (g.as_ptr(), w.as_ptr());
     let mut n0 = 0;
@@ -261,7 +294,7 @@ unsafe fn strided_block<T>(
             k1 - k0,
             y.add(k0),
             k,
-            n0 == 0,
+            n0 == 0 && !accumulate,
         );
         n0 += nc;
     }
@@ -282,10 +315,23 @@ unsafe fn bf16_block(
     k0: usize,
     k1: usize,
     y: *mut f32,
+    accumulate: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
     if matmul_nn_isa() == "avx512" {
-        strided_block(avx512::chunk::<u16>, g, w, n, k, m0, m1, k0, k1, y);
+        strided_block(
+            avx512::chunk::<u16>,
+            g,
+            w,
+            n,
+            k,
+            m0,
+            m1,
+            k0,
+            k1,
+            y,
+            accumulate,
+        );
         return;
     }
     let chunk = chunk_kernel();
@@ -312,7 +358,7 @@ unsafe fn bf16_block(
             cols,
             y.add(k0),
             k,
-            n0 == 0,
+            n0 == 0 && !accumulate,
         );
         n0 += nc;
     }
