@@ -386,18 +386,9 @@ pub fn sample_token(logits: &[f32], p: &SamplingParams, rng: &mut impl Rng) -> u
     let inv_t = 1.0 / p.temperature;
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     if p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0 {
-        let weights: Vec<f64> = logits
-            .iter()
-            .map(|&x| ((x as f64 - max) * inv_t).exp())
-            .collect();
-        let total: f64 = weights.iter().sum();
-        return pick(
-            &weights,
-            (0..logits.len()).collect::<Vec<_>>().as_slice(),
-            total,
-            rng,
-        )
-        .unwrap_or_else(argmax);
+        // The whole vocabulary: f32 weights from the vectorized exp, summed
+        // per block so the draw scans one block, not the whole vocabulary.
+        return pick_all(logits, max as f32, inv_t as f32, rng).unwrap_or_else(argmax);
     }
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
@@ -434,6 +425,43 @@ pub fn sample_token(logits: &[f32], p: &SamplingParams, rng: &mut impl Rng) -> u
 }
 
 /// Inverse-CDF draw: `weights[k]` is the mass of token `ids[k]`.
+/// Logits per block of [`pick_all`]'s weights.
+const PICK_BLOCK: usize = 512;
+
+/// Draw from `e^((logit − max)·inv_t)` over every token: each block's
+/// weights and f64 sum, then one draw `u` against the running sum of the
+/// blocks and, within the block where it lands, of its weights.
+fn pick_all(logits: &[f32], max: f32, inv_t: f32, rng: &mut impl Rng) -> Option<u32> {
+    let mut weights = vec![0f32; logits.len()];
+    let sums: Vec<f64> = logits
+        .chunks(PICK_BLOCK)
+        .zip(weights.chunks_mut(PICK_BLOCK))
+        .map(|(x, w)| crate::kernels::exp_weights(x, max, inv_t, w))
+        .collect();
+    let total: f64 = sums.iter().sum();
+    if !(total > 0.0 && total.is_finite()) {
+        return None;
+    }
+    let u = rng.random::<f64>() * total;
+    let mut cum = 0.0;
+    for (b, &s) in sums.iter().enumerate() {
+        if u < cum + s {
+            let block = &weights[b * PICK_BLOCK..(b * PICK_BLOCK + PICK_BLOCK).min(logits.len())];
+            for (i, &w) in block.iter().enumerate() {
+                cum += w as f64;
+                if u < cum {
+                    return Some((b * PICK_BLOCK + i) as u32);
+                }
+            }
+            // Rounding: the block's running sum fell short of `cum + s`;
+            // go on from where it ended.
+            continue;
+        }
+        cum += s;
+    }
+    weights.iter().rposition(|&w| w > 0.0).map(|i| i as u32)
+}
+
 fn pick(weights: &[f64], ids: &[usize], total: f64, rng: &mut impl Rng) -> Option<u32> {
     if !(total > 0.0 && total.is_finite()) {
         return None;
@@ -495,6 +523,38 @@ mod tests {
         for (c, want) in counts.iter().zip([1.0 / 6.0, 2.0 / 6.0, 3.0 / 6.0]) {
             let f = *c as f64 / 60_000.0;
             assert!((f - want).abs() < 0.01, "{counts:?}");
+        }
+    }
+
+    /// A vocabulary of several draw blocks, the mass spread over three of
+    /// them (the first, a middle one, the last token), at temperature 0.5.
+    #[test]
+    fn a_large_vocabulary_draws_with_softmax_frequencies() {
+        let mut logits = vec![-40.0f32; 3 * PICK_BLOCK + 7];
+        let last = logits.len() - 1;
+        let picks = [(0, 0.0f32), (PICK_BLOCK + 100, 0.5), (last, 1.0)];
+        for &(i, l) in &picks {
+            logits[i] = l;
+        }
+        let w: Vec<f64> = picks.iter().map(|&(_, l)| (l as f64 / 0.5).exp()).collect();
+        let z: f64 = w.iter().sum();
+        let p = SamplingParams {
+            temperature: 0.5,
+            ..Default::default()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut counts = [0usize; 3];
+        for _ in 0..60_000 {
+            let t = sample_token(&logits, &p, &mut rng) as usize;
+            let k = picks
+                .iter()
+                .position(|&(i, _)| i == t)
+                .expect("an unlikely token");
+            counts[k] += 1;
+        }
+        for (c, wi) in counts.iter().zip(&w) {
+            let f = *c as f64 / 60_000.0;
+            assert!((f - wi / z).abs() < 0.01, "{counts:?}");
         }
     }
 

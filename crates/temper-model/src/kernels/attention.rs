@@ -168,9 +168,114 @@ impl Dims {
     }
 }
 
+/// One query row: output into `o`, returns the log-sum-exp. With AVX2 and
+/// a head size of 64 or 128, explicit vectors ([`avx2_rows`]); otherwise the
+/// loops below, compiled twice. Both give the same bits.
+pub(super) fn row_forward(
+    d: &Dims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    h: usize,
+    i: usize,
+    o: &mut [f32],
+) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::use_avx2() {
+        // SAFETY: the CPU has AVX2 (checked at run time).
+        match d.hd {
+            64 => return unsafe { avx2_rows::row_forward::<8>(d, q, k, v, h, i, o) },
+            128 => return unsafe { avx2_rows::row_forward::<16>(d, q, k, v, h, i, o) },
+            _ => {}
+        }
+    }
+    row_forward_loops(d, q, k, v, h, i, o)
+}
+
 twice_compiled! {
-    /// One query row: output into `o`, returns the log-sum-exp.
-    fn row_forward / row_forward_body(d: &Dims, q: &[f32], k: &[f32], v: &[f32], h: usize, i: usize, o: &mut [f32]) -> f32
+    /// [`row_forward`] as plain loops.
+    fn row_forward_loops / row_forward_body(d: &Dims, q: &[f32], k: &[f32], v: &[f32], h: usize, i: usize, o: &mut [f32]) -> f32
+}
+
+/// [`online_softmax_rows`] in AVX2 vectors for head sizes of `8·V`: the
+/// query and the output row live in registers, a score is [`dot`]'s eight
+/// lane sums (a multiply, then an add, per term) reduced by its tree, and
+/// the output update is a multiply then an add per element — the loops'
+/// operations in their order, so the same bits.
+#[cfg(target_arch = "x86_64")]
+mod avx2_rows {
+    use std::arch::x86_64::*;
+
+    use super::{exp, Dims, KEY_BLOCK};
+
+    /// `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`, [`super::dot`]'s tree.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn tree(a: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)))
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2; `q` and `o` hold `8·V` floats and `k`, `v`
+    /// the rows `d` addresses.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn row_forward<const V: usize>(
+        d: &Dims,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        h: usize,
+        i: usize,
+        o: &mut [f32],
+    ) -> f32 {
+        let hd = 8 * V;
+        assert!(d.hd == hd && q.len() >= hd && o.len() >= hd);
+        let p_end = d.pos(i) + 1;
+        assert!(d.k_at(h, p_end - 1) + hd <= k.len() && d.v_at(h, p_end - 1) + hd <= v.len());
+        let qv: [__m256; V] = std::array::from_fn(|c| _mm256_loadu_ps(q.as_ptr().add(8 * c)));
+        let mut acc = [_mm256_setzero_ps(); V];
+        let mut m = f32::NEG_INFINITY;
+        let mut l = 0f32;
+        let mut s = [0f32; KEY_BLOCK];
+        for b0 in (0..p_end).step_by(KEY_BLOCK) {
+            let b1 = (b0 + KEY_BLOCK).min(p_end);
+            let mut bm = f32::NEG_INFINITY;
+            for j in b0..b1 {
+                let kp = k.as_ptr().add(d.k_at(h, j));
+                let mut a = _mm256_setzero_ps();
+                for (c, qc) in qv.iter().enumerate() {
+                    a = _mm256_add_ps(a, _mm256_mul_ps(*qc, _mm256_loadu_ps(kp.add(8 * c))));
+                }
+                let x = tree(a) * d.scale;
+                s[j - b0] = x;
+                bm = bm.max(x);
+            }
+            let m_new = m.max(bm);
+            let c = exp(m - m_new);
+            l *= c;
+            let cv = _mm256_set1_ps(c);
+            for a in acc.iter_mut() {
+                *a = _mm256_mul_ps(*a, cv);
+            }
+            let s = &mut s[..b1 - b0];
+            s.iter_mut().for_each(|x| *x = exp(*x - m_new));
+            for (j, &p) in (b0..b1).zip(s.iter()) {
+                l += p;
+                let (pv, vp) = (_mm256_set1_ps(p), v.as_ptr().add(d.v_at(h, j)));
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(pv, _mm256_loadu_ps(vp.add(8 * c))));
+                }
+            }
+            m = m_new;
+        }
+        let inv = _mm256_set1_ps(1.0 / l);
+        for (c, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), _mm256_mul_ps(*a, inv));
+        }
+        m + l.ln()
+    }
 }
 
 #[inline(always)]
@@ -183,10 +288,102 @@ fn row_forward_body(
     i: usize,
     o: &mut [f32],
 ) -> f32 {
+    // The common head sizes keep the output row in registers across a key
+    // block (a fixed-size array); the operations, and so the bits, are the
+    // same as the general loop's.
+    match d.hd {
+        64 => row_forward_fixed::<64>(d, q, k, v, h, i, o),
+        128 => row_forward_fixed::<128>(d, q, k, v, h, i, o),
+        _ => {
+            o.iter_mut().for_each(|x| *x = 0.0);
+            online_softmax_rows(d, q, k, v, h, i, o)
+        }
+    }
+}
+
+/// [`online_softmax_rows`] for a head size known at compile time: the
+/// output row and the query stay in registers, and each score is
+/// [`dot_fixed`]. The same operations in the same order, so the same bits.
+#[inline(always)]
+fn row_forward_fixed<const HD: usize>(
+    d: &Dims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    h: usize,
+    i: usize,
+    o: &mut [f32],
+) -> f32 {
+    let q: &[f32; HD] = q[..HD].try_into().expect("a head-sized query row");
+    #[inline(always)]
+    fn row<const HD: usize>(x: &[f32], at: usize) -> &[f32; HD] {
+        x[at..at + HD]
+            .try_into()
+            .expect("a head-sized key/value row")
+    }
     let p_end = d.pos(i) + 1;
     let mut m = f32::NEG_INFINITY;
     let mut l = 0f32;
-    o.iter_mut().for_each(|x| *x = 0.0);
+    let mut acc = [0f32; HD];
+    let mut s = [0f32; KEY_BLOCK];
+    for b0 in (0..p_end).step_by(KEY_BLOCK) {
+        let b1 = (b0 + KEY_BLOCK).min(p_end);
+        let mut bm = f32::NEG_INFINITY;
+        for j in b0..b1 {
+            let x = dot_fixed(q, row::<HD>(k, d.k_at(h, j))) * d.scale;
+            s[j - b0] = x;
+            bm = bm.max(x);
+        }
+        let m_new = m.max(bm);
+        let c = exp(m - m_new);
+        l *= c;
+        acc.iter_mut().for_each(|x| *x *= c);
+        let s = &mut s[..b1 - b0];
+        s.iter_mut().for_each(|x| *x = exp(*x - m_new));
+        for (j, &p) in (b0..b1).zip(s.iter()) {
+            l += p;
+            let vj = row::<HD>(v, d.v_at(h, j));
+            for (a, x) in acc.iter_mut().zip(vj) {
+                *a += p * x;
+            }
+        }
+        m = m_new;
+    }
+    let inv = 1.0 / l;
+    for (o, a) in o[..HD].iter_mut().zip(&acc) {
+        *o = a * inv;
+    }
+    m + l.ln()
+}
+
+/// [`dot`] for rows of a compile-time length (a multiple of 8): the same
+/// eight lane sums and the same tree, in whole vectors.
+#[inline(always)]
+fn dot_fixed<const HD: usize>(a: &[f32; HD], b: &[f32; HD]) -> f32 {
+    let mut acc = [0f32; 8];
+    for c in 0..HD / 8 {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+}
+
+/// The online softmax of one query row over its key blocks, accumulating
+/// into `o` (zero on entry); returns the log-sum-exp.
+#[inline(always)]
+fn online_softmax_rows(
+    d: &Dims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    h: usize,
+    i: usize,
+    o: &mut [f32],
+) -> f32 {
+    let p_end = d.pos(i) + 1;
+    let mut m = f32::NEG_INFINITY;
+    let mut l = 0f32;
     let mut s = [0f32; KEY_BLOCK];
     for b0 in (0..p_end).step_by(KEY_BLOCK) {
         let b1 = (b0 + KEY_BLOCK).min(p_end);
@@ -640,6 +837,48 @@ mod tests {
         let one = run(1);
         assert_eq!(one, run(2));
         assert_eq!(one, run(3));
+    }
+
+    /// The fixed head sizes' path (64, 128) gives the general loop's bits,
+    /// in both compilations, over more than one key block.
+    #[test]
+    fn fixed_head_sizes_give_the_general_loops_bits() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for hd in [64, 128] {
+            let (lq, lk) = (5, 150);
+            let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let q = flat(rand((2, lq, hd), 31));
+            let k = flat(rand((1, lk, hd), 32));
+            let v = flat(rand((1, lk, hd), 33));
+            let d = Dims {
+                scale: 0.125,
+                lq,
+                hd,
+                lk,
+                groups: 2,
+                k_stride: lk * hd,
+                v_stride: lk * hd,
+            };
+            for r in 0..2 * lq {
+                let (h, i) = (r / lq, r % lq);
+                let qr = &q[r * hd..(r + 1) * hd];
+                let mut general = vec![0f32; hd];
+                let a = online_softmax_rows(&d, qr, &k, &v, h, i, &mut general);
+                let (mut wide, mut base) = (vec![0f32; hd], vec![0f32; hd]);
+                let b = row_forward(&d, qr, &k, &v, h, i, &mut wide);
+                let c = row_forward_body(&d, qr, &k, &v, h, i, &mut base);
+                assert_eq!(
+                    (a.to_bits(), bits(&general)),
+                    (b.to_bits(), bits(&wide)),
+                    "hd {hd} row {r}"
+                );
+                assert_eq!(
+                    (a.to_bits(), bits(&general)),
+                    (c.to_bits(), bits(&base)),
+                    "hd {hd} row {r}"
+                );
+            }
+        }
     }
 
     /// The AVX2 copies of the row loops give the baseline copies' bits.

@@ -47,6 +47,38 @@ pub(crate) fn exp(x: f32) -> f32 {
     }
 }
 
+twice_compiled! {
+    /// `out[i] = e^((x[i] − shift)·scale)` (a sampling distribution's
+    /// unnormalised weights); returns their sum in f64, eight interleaved
+    /// lanes added in a fixed order.
+    fn exp_scaled / exp_scaled_body(x: &[f32], shift: f32, scale: f32, out: &mut [f32]) -> f64
+}
+
+#[inline(always)]
+fn exp_scaled_body(x: &[f32], shift: f32, scale: f32, out: &mut [f32]) -> f64 {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = exp((v - shift) * scale);
+    }
+    let mut lanes = [0f64; 8];
+    let chunks = out.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l += v as f64;
+        }
+    }
+    for (l, &v) in lanes.iter_mut().zip(rest) {
+        *l += v as f64;
+    }
+    ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+        + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+}
+
+/// [`exp_scaled`] for callers outside the kernels.
+pub(crate) fn exp_weights(x: &[f32], shift: f32, scale: f32, out: &mut [f32]) -> f64 {
+    exp_scaled(x, shift, scale, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::exp;
@@ -63,6 +95,21 @@ mod tests {
             x += 0.0137;
         }
         assert!(worst <= 2.0, "worst error {worst} ulp");
+    }
+
+    #[test]
+    fn exp_weights_match_f64_and_sum_them() {
+        let x: Vec<f32> = (0..1003).map(|i| (i as f32 * 0.37).sin() * 20.0).collect();
+        let mut out = vec![0f32; x.len()];
+        let total = super::exp_weights(&x, 20.0, 0.7, &mut out);
+        let mut want_total = 0f64;
+        for (&v, &o) in x.iter().zip(&out) {
+            let want = ((v as f64 - 20.0) * 0.7).exp();
+            want_total += want;
+            // The f32 argument `(v − 20)·0.7` is within half an ulp of 28.
+            assert!((o as f64 - want).abs() <= want * 5e-6, "{v}: {o} vs {want}");
+        }
+        assert!((total - want_total).abs() <= want_total * 5e-6);
     }
 
     #[test]

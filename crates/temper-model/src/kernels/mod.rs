@@ -56,6 +56,8 @@ mod test_util;
 
 pub use attention::{causal_attention, fused_attention_supported, KEY_BLOCK};
 
+pub(crate) use exp::exp_weights;
+
 pub use lm_head::{
     for_each_logprob_row, fused_lm_head_supported, lm_head_logprobs, row_log_softmax, row_logprob,
     ROW_BLOCK,
