@@ -169,7 +169,7 @@ impl Dims {
 }
 
 /// One query row: output into `o`, returns the log-sum-exp. With AVX2 and
-/// a head size of 64 or 128, explicit vectors ([`avx2_rows`]); otherwise the
+/// a head size of 32, 64, 96 or 128, explicit vectors ([`avx2_rows`]); otherwise the
 /// loops below, compiled twice. Both give the same bits.
 pub(super) fn row_forward(
     d: &Dims,
@@ -184,7 +184,9 @@ pub(super) fn row_forward(
     if super::use_avx2() {
         // SAFETY: the CPU has AVX2 (checked at run time).
         match d.hd {
+            32 => return unsafe { avx2_rows::row_forward::<4>(d, q, k, v, h, i, o) },
             64 => return unsafe { avx2_rows::row_forward::<8>(d, q, k, v, h, i, o) },
+            96 => return unsafe { avx2_rows::row_forward::<12>(d, q, k, v, h, i, o) },
             128 => return unsafe { avx2_rows::row_forward::<16>(d, q, k, v, h, i, o) },
             _ => {}
         }
@@ -839,12 +841,13 @@ mod tests {
         assert_eq!(one, run(3));
     }
 
-    /// The fixed head sizes' path (64, 128) gives the general loop's bits,
+    /// The explicit vectors (head sizes 32, 64, 96, 128) and the fixed-size
+    /// loops (64, 128) give the general loop's bits,
     /// in both compilations, over more than one key block.
     #[test]
     fn fixed_head_sizes_give_the_general_loops_bits() {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for hd in [64, 128] {
+        for hd in [32, 64, 96, 128] {
             let (lq, lk) = (5, 150);
             let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let q = flat(rand((2, lq, hd), 31));
