@@ -255,7 +255,6 @@ fn dense_backward(
     lse: &[f32],
     dsum: &[f32],
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    use super::matmul::matmul_nt_rows;
     use super::matmul_nn::matmul_nn_rows;
     use super::WeightRows::F32;
     let (len, hd, groups, scale) = (d.lq, d.hd, d.groups, d.scale);
@@ -274,8 +273,11 @@ fn dense_backward(
             let vg = &v[g * len * hd..(g + 1) * len * hd];
             let mut p = vec![0f32; rows * len];
             let mut ds = vec![0f32; rows * len];
-            matmul_nt_rows(qg, F32(kg), rows, len, hd, &mut p);
-            matmul_nt_rows(gog, F32(vg), rows, len, hd, &mut ds);
+            // Q·Kᵀ and dO·Vᵀ as products with Kᵀ and Vᵀ: a 64-term dot per
+            // output is mostly horizontal sum; broadcast-and-multiply is not.
+            let (kt, vt) = (transpose(kg, len, hd), transpose(vg, len, hd));
+            matmul_nn_rows(qg, F32(&kt), rows, hd, len, &mut p);
+            matmul_nn_rows(gog, F32(&vt), rows, hd, len, &mut ds);
             p.chunks_mut(len)
                 .zip(ds.chunks_mut(len))
                 .enumerate()
