@@ -199,7 +199,7 @@ twice_compiled! {
     fn row_forward_loops / row_forward_body(d: &Dims, q: &[f32], k: &[f32], v: &[f32], h: usize, i: usize, o: &mut [f32]) -> f32
 }
 
-/// [`online_softmax_rows`] in AVX2 vectors for head sizes of `8·V`: the
+/// [`row_forward_body`] in AVX2 vectors for head sizes of `8·V`: the
 /// query and the output row live in registers, a score is [`dot`]'s eight
 /// lane sums (a multiply, then an add, per term) reduced by its tree, and
 /// the output update is a multiply then an add per element — the loops'
@@ -280,6 +280,8 @@ mod avx2_rows {
     }
 }
 
+/// The online softmax of one query row over its key blocks into `o`;
+/// returns the log-sum-exp.
 #[inline(always)]
 fn row_forward_body(
     d: &Dims,
@@ -290,99 +292,7 @@ fn row_forward_body(
     i: usize,
     o: &mut [f32],
 ) -> f32 {
-    // The common head sizes keep the output row in registers across a key
-    // block (a fixed-size array); the operations, and so the bits, are the
-    // same as the general loop's.
-    match d.hd {
-        64 => row_forward_fixed::<64>(d, q, k, v, h, i, o),
-        128 => row_forward_fixed::<128>(d, q, k, v, h, i, o),
-        _ => {
-            o.iter_mut().for_each(|x| *x = 0.0);
-            online_softmax_rows(d, q, k, v, h, i, o)
-        }
-    }
-}
-
-/// [`online_softmax_rows`] for a head size known at compile time: the
-/// output row and the query stay in registers, and each score is
-/// [`dot_fixed`]. The same operations in the same order, so the same bits.
-#[inline(always)]
-fn row_forward_fixed<const HD: usize>(
-    d: &Dims,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    h: usize,
-    i: usize,
-    o: &mut [f32],
-) -> f32 {
-    let q: &[f32; HD] = q[..HD].try_into().expect("a head-sized query row");
-    #[inline(always)]
-    fn row<const HD: usize>(x: &[f32], at: usize) -> &[f32; HD] {
-        x[at..at + HD]
-            .try_into()
-            .expect("a head-sized key/value row")
-    }
-    let p_end = d.pos(i) + 1;
-    let mut m = f32::NEG_INFINITY;
-    let mut l = 0f32;
-    let mut acc = [0f32; HD];
-    let mut s = [0f32; KEY_BLOCK];
-    for b0 in (0..p_end).step_by(KEY_BLOCK) {
-        let b1 = (b0 + KEY_BLOCK).min(p_end);
-        let mut bm = f32::NEG_INFINITY;
-        for j in b0..b1 {
-            let x = dot_fixed(q, row::<HD>(k, d.k_at(h, j))) * d.scale;
-            s[j - b0] = x;
-            bm = bm.max(x);
-        }
-        let m_new = m.max(bm);
-        let c = exp(m - m_new);
-        l *= c;
-        acc.iter_mut().for_each(|x| *x *= c);
-        let s = &mut s[..b1 - b0];
-        s.iter_mut().for_each(|x| *x = exp(*x - m_new));
-        for (j, &p) in (b0..b1).zip(s.iter()) {
-            l += p;
-            let vj = row::<HD>(v, d.v_at(h, j));
-            for (a, x) in acc.iter_mut().zip(vj) {
-                *a += p * x;
-            }
-        }
-        m = m_new;
-    }
-    let inv = 1.0 / l;
-    for (o, a) in o[..HD].iter_mut().zip(&acc) {
-        *o = a * inv;
-    }
-    m + l.ln()
-}
-
-/// [`dot`] for rows of a compile-time length (a multiple of 8): the same
-/// eight lane sums and the same tree, in whole vectors.
-#[inline(always)]
-fn dot_fixed<const HD: usize>(a: &[f32; HD], b: &[f32; HD]) -> f32 {
-    let mut acc = [0f32; 8];
-    for c in 0..HD / 8 {
-        for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l];
-        }
-    }
-    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
-}
-
-/// The online softmax of one query row over its key blocks, accumulating
-/// into `o` (zero on entry); returns the log-sum-exp.
-#[inline(always)]
-fn online_softmax_rows(
-    d: &Dims,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    h: usize,
-    i: usize,
-    o: &mut [f32],
-) -> f32 {
+    o.iter_mut().for_each(|x| *x = 0.0);
     let p_end = d.pos(i) + 1;
     let mut m = f32::NEG_INFINITY;
     let mut l = 0f32;
@@ -841,11 +751,10 @@ mod tests {
         assert_eq!(one, run(3));
     }
 
-    /// The explicit vectors (head sizes 32, 64, 96, 128) and the fixed-size
-    /// loops (64, 128) give the general loop's bits,
-    /// in both compilations, over more than one key block.
+    /// The explicit vectors (head sizes 32, 64, 96, 128) give the loops'
+    /// bits, in both of their compilations, over more than one key block.
     #[test]
-    fn fixed_head_sizes_give_the_general_loops_bits() {
+    fn the_avx2_rows_give_the_loops_bits() {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for hd in [32, 64, 96, 128] {
             let (lq, lk) = (5, 150);
@@ -866,7 +775,7 @@ mod tests {
                 let (h, i) = (r / lq, r % lq);
                 let qr = &q[r * hd..(r + 1) * hd];
                 let mut general = vec![0f32; hd];
-                let a = online_softmax_rows(&d, qr, &k, &v, h, i, &mut general);
+                let a = row_forward_loops(&d, qr, &k, &v, h, i, &mut general);
                 let (mut wide, mut base) = (vec![0f32; hd], vec![0f32; hd]);
                 let b = row_forward(&d, qr, &k, &v, h, i, &mut wide);
                 let c = row_forward_body(&d, qr, &k, &v, h, i, &mut base);
