@@ -735,15 +735,7 @@ mod tests {
                 .build()
                 .unwrap();
             pool.install(|| {
-                causal_attention(&q, &k, &v, 0.25)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .into_iter()
-                    .map(f32::to_bits)
-                    .collect()
+                crate::kernels::test_util::bits(&causal_attention(&q, &k, &v, 0.25).unwrap())
             })
         };
         let one = run(1);
@@ -755,7 +747,7 @@ mod tests {
     /// bits, in both of their compilations, over more than one key block.
     #[test]
     fn the_avx2_rows_give_the_loops_bits() {
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let bits = crate::kernels::test_util::slice_bits;
         for hd in [32, 64, 96, 128] {
             let (lq, lk) = (5, 150);
             let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -811,7 +803,7 @@ mod tests {
             k_stride: lk * HD,
             v_stride: lk * HD,
         };
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let bits = crate::kernels::test_util::slice_bits;
         let (mut o1, mut o2) = (vec![0f32; HD], vec![0f32; HD]);
         let mut lse = Vec::new();
         for r in 0..NH * lq {

@@ -32,7 +32,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use super::matmul::matmul_nt_rows;
 use super::matmul_bf16::{packed_product, padded_cols, LowRank, PackedBf16};
 use super::matmul_nn::{matmul_nn_rows, matmul_nn_rows_add};
-use super::{f32_slice, weight_rows, with_f32, WeightRows};
+use super::{f32_slice, transposed, weight_rows, with_f32s, WeightRows};
 use crate::error::{ModelError, Result};
 
 /// Whether [`lora_linear`] handles these operands: f32 input and adapter on
@@ -182,20 +182,18 @@ impl CustomOp3 for LoraLinear {
             .ok_or_else(|| {
                 candle_core::Error::Msg("lora_linear: backward before forward".into())
             })?;
-        let av: Vec<f32> = a.flatten_all()?.to_vec1()?;
-        let bv: Vec<f32> = b.flatten_all()?.to_vec1()?;
         let dev = Device::Cpu;
-        with_f32("lora_linear", grad, |g| {
+        with_f32s("lora_linear", [grad, x, a, b], |[g, xv, av, bv]| {
             // d(x·Aᵀ) = s·(g·B), [n, rank].
             let mut gd = vec![0f32; n * rank];
-            matmul_nn_rows(g, WeightRows::F32(&bv), n, out, rank, &mut gd);
+            matmul_nn_rows(g, WeightRows::F32(bv), n, out, rank, &mut gd);
             gd.iter_mut().for_each(|v| *v *= self.scale);
             let dx = if x.track_op() {
                 let dx = match &self.packed {
                     // bf16: `g` rounded to bf16 like the forward's inputs;
                     // the update's `(s·g·B)·A` joins each accumulator.
                     Some(p) => {
-                        let ft = padded(&av, rank, k);
+                        let ft = padded(av, rank, k);
                         let low = LowRank {
                             e: &gd,
                             ft: &ft,
@@ -209,7 +207,7 @@ impl CustomOp3 for LoraLinear {
                             matmul_nn_rows(g, w, n, out, k, &mut dx);
                             Ok(())
                         })?;
-                        matmul_nn_rows_add(&gd, WeightRows::F32(&av), n, rank, k, &mut dx);
+                        matmul_nn_rows_add(&gd, WeightRows::F32(av), n, rank, k, &mut dx);
                         dx
                     }
                 };
@@ -221,10 +219,7 @@ impl CustomOp3 for LoraLinear {
             let da = if a.track_op() {
                 let gdt = transposed(&gd, n, rank, 1.0, n);
                 let mut da = vec![0f32; rank * k];
-                with_f32("lora_linear", x, |xv| {
-                    matmul_nn_rows(&gdt, WeightRows::F32(xv), rank, n, k, &mut da);
-                    Ok(())
-                })?;
+                matmul_nn_rows(&gdt, WeightRows::F32(xv), rank, n, k, &mut da);
                 Some(Tensor::from_vec(da, (rank, k), &dev)?)
             } else {
                 None
@@ -246,18 +241,6 @@ impl CustomOp3 for LoraLinear {
             Ok((dx, da, db))
         })
     }
-}
-
-/// `s·Mᵀ` for a row-major `m` `[rows, cols]`: `[cols, ld]` row-major, zero
-/// past column `rows` (`ld ≥ rows`).
-fn transposed(m: &[f32], rows: usize, cols: usize, s: f32, ld: usize) -> Vec<f32> {
-    let mut t = vec![0f32; cols * ld];
-    for (r, row) in m.chunks_exact(cols).take(rows).enumerate() {
-        for (c, &v) in row.iter().enumerate() {
-            t[c * ld + r] = v * s;
-        }
-    }
-    t
 }
 
 /// A row-major `[rows, cols]` matrix with each row zero-padded to

@@ -133,6 +133,25 @@ fn with_f32s<R, const N: usize>(
     f(slices)
 }
 
+/// `s·Mᵀ` for a row-major `m` `[rows, cols]`: `[cols, ld]` row-major, zero
+/// past column `rows` (`ld ≥ rows`). Square tiles keep the strided writes
+/// in a few cache lines.
+fn transposed(m: &[f32], rows: usize, cols: usize, s: f32, ld: usize) -> Vec<f32> {
+    const TILE: usize = 16;
+    assert!(ld >= rows && m.len() >= rows * cols);
+    let mut t = vec![0f32; cols * ld];
+    for r0 in (0..rows).step_by(TILE) {
+        for c0 in (0..cols).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    t[c * ld + r] = m[r * cols + c] * s;
+                }
+            }
+        }
+    }
+    t
+}
+
 /// A weight matrix's rows in the dtype they are stored in.
 #[derive(Clone, Copy)]
 pub(crate) enum WeightRows<'a> {

@@ -30,7 +30,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::attention::{dkv_row, dot, dq_row, row_forward, Bwd, Dims};
-use super::{f32_slice, with_f32s};
+use super::{f32_slice, transposed, with_f32s};
 use crate::error::{ModelError, Result};
 
 /// The rotary tables for positions `0..len`: `cos`, `sin`, each
@@ -275,7 +275,10 @@ fn dense_backward(
             let mut ds = vec![0f32; rows * len];
             // Q·Kᵀ and dO·Vᵀ as products with Kᵀ and Vᵀ: a 64-term dot per
             // output is mostly horizontal sum; broadcast-and-multiply is not.
-            let (kt, vt) = (transpose(kg, len, hd), transpose(vg, len, hd));
+            let (kt, vt) = (
+                transposed(kg, len, hd, 1.0, len),
+                transposed(vg, len, hd, 1.0, len),
+            );
             matmul_nn_rows(qg, F32(&kt), rows, hd, len, &mut p);
             matmul_nn_rows(gog, F32(&vt), rows, hd, len, &mut ds);
             p.chunks_mut(len)
@@ -287,7 +290,10 @@ fn dense_backward(
                 });
             matmul_nn_rows(&ds, F32(kg), rows, len, hd, dq);
             dq.iter_mut().for_each(|x| *x *= scale);
-            let (dst, pt) = (transpose(&ds, rows, len), transpose(&p, rows, len));
+            let (dst, pt) = (
+                transposed(&ds, rows, len, 1.0, rows),
+                transposed(&p, rows, len, 1.0, rows),
+            );
             matmul_nn_rows(&dst, F32(qg), len, rows, hd, dk);
             dk.iter_mut().for_each(|x| *x *= scale);
             matmul_nn_rows(&pt, F32(gog), len, rows, hd, dv);
@@ -310,23 +316,6 @@ fn probs_and_grads_body(p: &mut [f32], dp: &mut [f32], i: usize, scale: f32, lse
     }
     p[seen..].fill(0.0);
     dp[seen..].fill(0.0);
-}
-
-/// `[rows, cols]` → `[cols, rows]`, in square tiles so the strided writes
-/// stay in a few cache lines.
-fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    const TILE: usize = 16;
-    let mut t = vec![0f32; rows * cols];
-    for r0 in (0..rows).step_by(TILE) {
-        for c0 in (0..cols).step_by(TILE) {
-            for r in r0..(r0 + TILE).min(rows) {
-                for c in c0..(c0 + TILE).min(cols) {
-                    t[c * rows + r] = x[r * cols + c];
-                }
-            }
-        }
-    }
-    t
 }
 
 impl CustomOp3 for PackedAttention {

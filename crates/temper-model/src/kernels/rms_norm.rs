@@ -244,15 +244,7 @@ mod tests {
         let x = rand(&[3000, 24], 8);
         let w = rand(&[24], 9);
         let full = rms_norm(&x, &w, 1e-6).unwrap();
-        let bits = |t: &Tensor| -> Vec<u32> {
-            t.flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .into_iter()
-                .map(f32::to_bits)
-                .collect()
-        };
+        let bits = crate::kernels::test_util::bits;
         for (s, l) in [(0, 1), (1499, 1), (10, 200), (2999, 1)] {
             let part = rms_norm(&x.narrow(0, s, l).unwrap(), &w, 1e-6).unwrap();
             assert_eq!(bits(&part), bits(&full.narrow(0, s, l).unwrap()));

@@ -50,6 +50,11 @@ pub(crate) fn rel_err(a: &[f64], b: &[f64]) -> f64 {
         / scale
 }
 
+/// The bits of every element of an f32 slice.
+pub(crate) fn slice_bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// The bits of every element of an f32 tensor, flattened.
 pub(crate) fn bits(t: &Tensor) -> Vec<u32> {
     t.flatten_all()
