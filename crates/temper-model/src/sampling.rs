@@ -1,9 +1,10 @@
 //! Batched generation with a KV cache.
 //!
-//! Prompts are prefilled together (one packed forward), the `n` samples of a
-//! prompt share its prefill (the cache is cloned, not recomputed), and every
-//! decode step runs all live sequences through one batched decode step
-//! ([`Model::forward_decode`], the server's).
+//! Prompts are prefilled together (one packed forward), each distinct prompt
+//! once: the `n` samples of a prompt, and requests that repeat a prompt (the
+//! rollouts of an RL group), share its prefill (the cache is cloned, not
+//! recomputed), and every decode step runs all live sequences through one
+//! batched decode step ([`Model::forward_decode`], the server's).
 //!
 //! Each token is drawn and each sequence ended by the shared rules of
 //! [`crate::decode`] (the server's scheduler uses the same functions).
@@ -22,6 +23,8 @@
 //! [`crate::kernels::row_logprob`]). Elsewhere (a GPU, bf16,
 //! `TEMPER_MATMUL=candle`, a trainable LM head) the finished sequence is
 //! re-scored by the training forward, one extra forward per sequence.
+
+use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
 use rand::{Rng, SeedableRng};
@@ -122,25 +125,36 @@ impl<'a> Sampler<'a> {
         let num_layers = self.model.config().num_layers;
         let decode_logprobs = self.model.decode_logits_are_exact()?;
 
-        // Prefill every prompt once, in one packed forward.
-        let mut caches: Vec<KvCache> = requests.iter().map(|_| KvCache::new(num_layers)).collect();
-        let ids: Vec<u32> = requests
+        // Prefill every distinct prompt once, in one packed forward. The
+        // rollouts of an RL group arrive as separate requests with one
+        // prompt; with batch-invariant kernels a prompt's cache and first
+        // logits are the same bits however many requests share it.
+        let mut distinct: Vec<&[u32]> = Vec::new();
+        let mut index_of: HashMap<&[u32], usize> = HashMap::new();
+        let prompt_of: Vec<usize> = requests
             .iter()
-            .flat_map(|r| r.prompt.iter().copied())
+            .map(|r| {
+                *index_of.entry(r.prompt.as_slice()).or_insert_with(|| {
+                    distinct.push(r.prompt.as_slice());
+                    distinct.len() - 1
+                })
+            })
             .collect();
-        let last_rows: Vec<u32> = requests
+        let mut caches: Vec<KvCache> = distinct.iter().map(|_| KvCache::new(num_layers)).collect();
+        let ids: Vec<u32> = distinct.iter().flat_map(|p| p.iter().copied()).collect();
+        let last_rows: Vec<u32> = distinct
             .iter()
-            .scan(0usize, |end, r| {
-                *end += r.prompt.len();
+            .scan(0usize, |end, p| {
+                *end += p.len();
                 Some((*end - 1) as u32)
             })
             .collect();
         let first_logits = {
-            let mut segs: Vec<Segment<'_>> = requests
+            let mut segs: Vec<Segment<'_>> = distinct
                 .iter()
                 .zip(caches.iter_mut())
-                .map(|(r, c)| Segment {
-                    len: r.prompt.len(),
+                .map(|(p, c)| Segment {
+                    len: p.len(),
                     cache: Some(c),
                 })
                 .collect();
@@ -156,13 +170,14 @@ impl<'a> Sampler<'a> {
         let mut lives = Vec::new();
         for (ri, r) in requests.iter().enumerate() {
             let seed = r.params.seed.unwrap_or_else(|| rand::rng().random());
+            let pi = prompt_of[ri];
             for j in 0..r.n {
                 let mut rng = ChaCha8Rng::seed_from_u64(seed);
                 rng.set_stream(j as u64);
                 lives.push(Live {
                     req: ri,
-                    cache: caches[ri].truncated(caches[ri].len())?,
-                    logits: first_logits[ri].clone(),
+                    cache: caches[pi].truncated(caches[pi].len())?,
+                    logits: first_logits[pi].clone(),
                     tokens: Vec::new(),
                     rng,
                     finish: None,

@@ -46,6 +46,36 @@ fn same_seed_same_tokens_regardless_of_batch() {
 }
 
 #[test]
+fn requests_that_repeat_a_prompt_match_each_request_alone() {
+    // The sampler prefills a repeated prompt once (an RL group's rollouts
+    // are separate requests with one prompt); every request must still get
+    // what it would get on its own, logprobs included.
+    let p = load("tiny-qwen3");
+    let (g, _) = golden("tiny-qwen3");
+    let (a, b) = (ids(&g["inputs"][0]), ids(&g["inputs"][1]));
+    let s = Sampler::new(&p.model, &p.tokenizer, vec![]);
+    let params = |seed| SamplingParams {
+        max_tokens: 10,
+        seed: Some(seed),
+        logprobs: true,
+        temperature: 0.7,
+        ..Default::default()
+    };
+    let reqs = vec![
+        req(a.clone(), 2, params(1)),
+        req(b.clone(), 1, params(2)),
+        req(a.clone(), 1, params(3)),
+        req(a, 3, params(4)),
+        req(b, 2, params(5)),
+    ];
+    let together = s.generate(&reqs, None).unwrap();
+    for (r, got) in reqs.iter().zip(&together) {
+        let alone = s.generate(std::slice::from_ref(r), None).unwrap();
+        assert_eq!(&alone[0], got);
+    }
+}
+
+#[test]
 fn stop_token_ids_and_strings_end_generation() {
     let p = load("tiny-qwen2");
     let (g, _) = golden("tiny-qwen2");
