@@ -307,7 +307,7 @@ impl TrainingRun {
     /// Score every datum and compute its loss; `each` sees the summed loss
     /// of every pack of datums (with its graph) before the graph is dropped.
     /// Consecutive datums with one scoring temperature are scored as one
-    /// packed forward of up to [`temper_model::PACK_TOKENS`] tokens
+    /// packed forward of up to [`temper_model::PACK_TOKENS`] rows
     /// ([`temper_model::Model::score_batch`]: the same logprobs as scoring
     /// each alone). Returns the outputs and the summed loss (detached).
     fn run(
@@ -679,7 +679,9 @@ fn sample_with(
 }
 
 /// Consecutive datums that share a scoring temperature, in packs of at most
-/// [`temper_model::PACK_TOKENS`] tokens (see [`temper_model::pack_sequences`]).
+/// [`temper_model::PACK_TOKENS`] rows (see [`temper_model::pack_batch`]: a
+/// prefix that consecutive datums share, such as an RL group's prompt,
+/// counts once).
 fn packs(data: &[Datum]) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0;
@@ -690,12 +692,15 @@ fn packs(data: &[Datum]) -> Vec<std::ops::Range<usize>> {
                 .iter()
                 .take_while(|d| d.loss_fn_inputs.scoring_temperature() == t)
                 .count();
-        let lens: Vec<usize> = data[start..end]
+        let inputs: Vec<ScoreInput<'_>> = data[start..end]
             .iter()
-            .map(|d| d.model_input.len())
+            .map(|d| ScoreInput {
+                input: &d.model_input,
+                targets: &d.loss_fn_inputs.target_tokens,
+            })
             .collect();
         out.extend(
-            temper_model::pack_sequences(&lens, temper_model::PACK_TOKENS)
+            temper_model::pack_batch(&inputs, temper_model::PACK_TOKENS)
                 .into_iter()
                 .map(|r| start + r.start..start + r.end),
         );

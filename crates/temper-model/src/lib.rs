@@ -73,7 +73,7 @@ pub use pretrained::{GenerationDefaults, LoadOptions, Pretrained};
 pub use random::{random_weights, write_random_model, RandomInit};
 pub use rope::{inv_freq, Rope};
 pub use sampling::{Completion, GenerationRequest, Sampler};
-pub use scoring::{pack_sequences, ScoreInput, TokenScores, PACK_TOKENS};
+pub use scoring::{pack_batch, ScoreInput, TokenScores, MIN_SHARED_PREFIX, PACK_TOKENS};
 pub use tokenizer::{chat_template_source, load_chat_template, Tokenizer};
 pub use top_logprobs::{top_k, TopLogprobs};
 pub use weights::Checkpoint;

@@ -19,7 +19,7 @@ use crate::error::{ModelError, Result};
 use crate::kernels::{
     causal_attention, fused_attention_supported, fused_rms_norm_supported, fused_swiglu_supported,
     linear_nt, lora_linear, lora_linear_supported, matmul_nt, matmul_nt_packed, packed_attention,
-    use_matmul_nt, PackedBf16, PackedHeads, RopeTables,
+    use_matmul_nt, PackedBf16, PackedHeads, PackedSeq, RopeTables,
 };
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::precision::Precision;
@@ -362,6 +362,12 @@ impl KvCache {
     }
 }
 
+/// The packed attention's plan for one whole-sequence forward.
+struct Packed {
+    seqs: Vec<PackedSeq>,
+    tables: Arc<RopeTables>,
+}
+
 /// One sequence's slice of a packed forward: `len` new tokens, appended to
 /// `cache` when given (positions continue from `cache.len()`); without a
 /// cache the tokens are a whole sequence starting at position 0.
@@ -677,30 +683,95 @@ impl Model {
         }
         self.check_ids(ids)?;
         let idx = Tensor::new(ids, &self.device)?;
-        let mut x = self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?;
+        let x = self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?;
         // Whole sequences on the CPU take `packed_attention`: its rotary
         // tables, read once for every layer.
         let packed = if fused_attention_supported(&x) && segments.iter().all(|s| s.cache.is_none())
         {
-            let longest = segments.iter().map(|s| s.len).max().unwrap_or(0);
-            Some(Arc::new(self.rope.tables(longest)?))
+            let seqs: Vec<PackedSeq> = segments.iter().map(|s| PackedSeq::whole(s.len)).collect();
+            Some(self.packed(seqs)?)
         } else {
             None
         };
-        for (li, layer) in self.layers.iter().enumerate() {
-            let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps)?;
-            let a = self.attention(li, &layer.attn, &h, segments, packed.as_ref(), lora)?;
-            x = (x + a)?;
-            let h = rms_norm(&x, &layer.post_norm, self.cfg.rms_norm_eps)?;
-            let m = self.mlp(li, &layer.mlp, &h, lora)?;
-            x = (x + m)?;
-        }
+        let x = self.layers_forward(x, segments, packed.as_ref(), lora)?;
         for s in segments.iter_mut() {
             if let Some(c) = s.cache.as_deref_mut() {
                 c.len += s.len;
             }
         }
         rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
+    }
+
+    /// [`Model::forward_hidden`] for whole sequences of which some continue
+    /// an earlier one of the call ([`PackedSeq::after`]: an RL group's
+    /// completions after their one prompt): `ids` holds each sequence's own
+    /// tokens, a continuation's rows are the positions after its prefix's,
+    /// and every row gets the bits it has in the unshared sequence. Needs the
+    /// fused CPU attention ([`crate::kernels::fused_attention_supported`]).
+    pub fn forward_packed(
+        &self,
+        ids: &[u32],
+        seqs: &[PackedSeq],
+        lora: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        let total: usize = seqs.iter().map(|s| s.len).sum();
+        if total != ids.len() || ids.is_empty() || seqs.iter().any(|s| s.len == 0) {
+            return Err(ModelError::InvalidInput(format!(
+                "packed forward: {} ids for sequences {seqs:?}",
+                ids.len()
+            )));
+        }
+        self.check_ids(ids)?;
+        let idx = Tensor::new(ids, &self.device)?;
+        let x = self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?;
+        if !fused_attention_supported(&x) {
+            return Err(ModelError::InvalidInput(
+                "sequences that share a prefix need the fused CPU attention".into(),
+            ));
+        }
+        let packed = self.packed(seqs.to_vec())?;
+        let mut segments: Vec<Segment<'_>> = seqs
+            .iter()
+            .map(|s| Segment {
+                len: s.len,
+                cache: None,
+            })
+            .collect();
+        let x = self.layers_forward(x, &mut segments, Some(&packed), lora)?;
+        rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
+    }
+
+    /// The packed attention's plan: the sequences and rotary tables for the
+    /// longest one (a continuation's prefix counted).
+    fn packed(&self, seqs: Vec<PackedSeq>) -> Result<Packed> {
+        let longest = seqs
+            .iter()
+            .map(|s| s.len + s.after.and_then(|p| seqs.get(p)).map_or(0, |p| p.len))
+            .max()
+            .unwrap_or(0);
+        Ok(Packed {
+            tables: Arc::new(self.rope.tables(longest)?),
+            seqs,
+        })
+    }
+
+    /// Every decoder layer over the embedded rows `x`.
+    fn layers_forward(
+        &self,
+        mut x: Tensor,
+        segments: &mut [Segment<'_>],
+        packed: Option<&Packed>,
+        lora: Option<&LoraAdapter>,
+    ) -> Result<Tensor> {
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps)?;
+            let a = self.attention(li, &layer.attn, &h, segments, packed, lora)?;
+            x = (x + a)?;
+            let h = rms_norm(&x, &layer.post_norm, self.cfg.rms_norm_eps)?;
+            let m = self.mlp(li, &layer.mlp, &h, lora)?;
+            x = (x + m)?;
+        }
+        Ok(x)
     }
 
     /// Logits `[n, vocab]` for hidden states `[n, hidden]`.
@@ -750,7 +821,7 @@ impl Model {
         at: &Attention,
         x: &Tensor,
         segments: &mut [Segment<'_>],
-        packed: Option<&Arc<RopeTables>>,
+        packed: Option<&Packed>,
         lora: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
         let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
@@ -760,7 +831,7 @@ impl Model {
         let v = at.v.forward(x, Self::lora_of(lora, li, Target::V))?;
         let scale = 1.0 / (hd as f64).sqrt();
         let fused = fused_attention_supported(&q);
-        if let Some(tables) = packed {
+        if let Some(packed) = packed {
             // Whole sequences (training, scoring): every sequence's rotation
             // and attention in one op on the packed rows, the same bits as
             // the per-sequence path below.
@@ -771,13 +842,20 @@ impl Model {
                 q = rms_norm(&q.reshape((n, nh, hd))?, qn, eps)?.reshape((n, nh * hd))?;
                 k = rms_norm(&k.reshape((n, nkv, hd))?, kn, eps)?.reshape((n, nkv * hd))?;
             }
-            let lens: Vec<usize> = segments.iter().map(|s| s.len).collect();
             let shape = PackedHeads {
                 heads: nh,
                 kv_heads: nkv,
                 head_dim: hd,
             };
-            let o = packed_attention(&q, &k, &v, &lens, shape, tables.clone(), scale)?;
+            let o = packed_attention(
+                &q,
+                &k,
+                &v,
+                &packed.seqs,
+                shape,
+                packed.tables.clone(),
+                scale,
+            )?;
             return at.o.forward(&o, Self::lora_of(lora, li, Target::O));
         }
         let mut pending = Vec::new();

@@ -21,6 +21,7 @@ use crate::kernels::{
     fused_attention_supported, fused_lm_head_supported, lm_head_logprobs, use_matmul_nt,
 };
 use crate::lora::LoraAdapter;
+use crate::kernels::PackedSeq;
 use crate::model::{log_softmax_last, Model, Segment};
 
 /// Rows of `[len, vocab]` logits materialised at a time.
@@ -136,9 +137,13 @@ impl Model {
     /// ([`Model::decode_logits_are_exact`]): the sequences' tokens run through
     /// every layer together (one graph, weights read once, matmuls over all
     /// rows) and each sequence's numbers are bit-identical to scoring it
-    /// alone. Elsewhere each sequence is scored on its own, so its numbers
+    /// alone. Consecutive sequences that share a prefix of at least
+    /// [`MIN_SHARED_PREFIX`] positions (an RL group's completions of one
+    /// prompt) run it once ([`Model::forward_packed`]); their numbers are still
+    /// those of scoring each alone, and the prefix rows' gradients sum
+    /// theirs. Elsewhere each sequence is scored on its own, so its numbers
     /// still do not depend on what else is in the batch. Activation memory
-    /// grows with the batch's tokens: see [`pack_sequences`].
+    /// grows with the batch's rows: see [`pack_batch`].
     pub fn score_batch(
         &self,
         batch: &[ScoreInput<'_>],
@@ -153,9 +158,6 @@ impl Model {
         }
         check_temperature(temperature)?;
         let vocab = self.config().vocab_size;
-        let mut ids = Vec::new();
-        let mut targets = Vec::new();
-        let mut segs = Vec::with_capacity(batch.len());
         for (i, s) in batch.iter().enumerate() {
             if s.input.len() != s.targets.len() || s.input.is_empty() {
                 return Err(ModelError::InvalidInput(format!(
@@ -164,19 +166,14 @@ impl Model {
                     s.targets.len()
                 )));
             }
-            ids.extend_from_slice(s.input);
-            targets.extend_from_slice(s.targets);
-            segs.push(Segment {
-                len: s.input.len(),
-                cache: None,
-            });
+            if let Some(&bad) = s.targets.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ModelError::InvalidInput(format!(
+                    "target token {bad} out of range for vocabulary size {vocab}"
+                )));
+            }
         }
-        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::InvalidInput(format!(
-                "target token {bad} out of range for vocabulary size {vocab}"
-            )));
-        }
-        let hidden = self.forward_hidden(&ids, &mut segs, lora)?;
+        let (ids, targets, seqs, rows) = shared_layout(batch);
+        let hidden = self.forward_packed(&ids, &seqs, lora)?;
         let (logprobs, entropy) = lm_head_logprobs(
             &hidden,
             self.head_weight(),
@@ -184,21 +181,125 @@ impl Model {
             temperature,
             self.head_packed(),
         )?;
-        let mut out = Vec::with_capacity(batch.len());
-        let mut start = 0;
-        for s in batch {
-            let len = s.input.len();
-            out.push(TokenScores {
-                logprobs: logprobs.narrow(0, start, len)?,
-                entropy: entropy.narrow(0, start, len)?,
-            });
-            start += len;
-        }
-        Ok(out)
+        let pick = |t: &Tensor, parts: &[(usize, usize)]| -> Result<Tensor> {
+            let mut pieces = Vec::with_capacity(parts.len());
+            for &(start, len) in parts {
+                pieces.push(t.narrow(0, start, len)?);
+            }
+            Ok(if pieces.len() == 1 {
+                pieces.swap_remove(0)
+            } else {
+                Tensor::cat(&pieces, 0)?
+            })
+        };
+        rows.iter()
+            .map(|parts| {
+                Ok(TokenScores {
+                    logprobs: pick(&logprobs, parts)?,
+                    entropy: pick(&entropy, parts)?,
+                })
+            })
+            .collect()
     }
 }
 
-/// Tokens per packed training forward ([`pack_sequences`]). Measured on
+/// The shortest prefix that consecutive sequences of a batch must share for
+/// [`Model::score_batch`] to run it once for all of them.
+pub const MIN_SHARED_PREFIX: usize = 8;
+
+/// Positions `a` and `b` share from the start: input and target both equal.
+fn shared_positions(a: &ScoreInput<'_>, b: &ScoreInput<'_>) -> usize {
+    a.input
+        .iter()
+        .zip(a.targets)
+        .zip(b.input.iter().zip(b.targets))
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
+/// Runs of consecutive sequences that share a prefix (an RL group: one
+/// prompt, several completions), with the positions they share (0: none,
+/// a run of one). Each sequence keeps at least one position of its own. A
+/// run ends where the next sequence shares fewer than [`MIN_SHARED_PREFIX`]
+/// positions with its first, or less than half of what the run shares so
+/// far (the next prompt, after a common system prompt).
+fn prefix_runs(batch: &[ScoreInput<'_>]) -> Vec<(std::ops::Range<usize>, usize)> {
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < batch.len() {
+        let mut j = i + 1;
+        let mut shared = usize::MAX;
+        while j < batch.len() {
+            let own = |s: &ScoreInput<'_>| s.input.len().saturating_sub(1);
+            let next = shared
+                .min(shared_positions(&batch[i], &batch[j]))
+                .min(own(&batch[i]))
+                .min(own(&batch[j]));
+            if next < MIN_SHARED_PREFIX || (shared != usize::MAX && next < shared / 2) {
+                break;
+            }
+            shared = next;
+            j += 1;
+        }
+        runs.push((i..j, if j > i + 1 { shared } else { 0 }));
+        i = j;
+    }
+    runs
+}
+
+/// The rows [`Model::score_batch`] runs for `batch`: a shared prefix once.
+fn packed_rows(batch: &[ScoreInput<'_>]) -> usize {
+    prefix_runs(batch)
+        .into_iter()
+        .map(|(r, shared)| {
+            shared + batch[r].iter().map(|s| s.input.len() - shared).sum::<usize>()
+        })
+        .sum()
+}
+
+/// The packed forward of a batch: ids, targets, sequences (a run's shared
+/// prefix first, then each of its sequences' own rows after it), and where
+/// each input sequence's rows are, as (first row, rows) parts.
+#[allow(clippy::type_complexity)]
+fn shared_layout(
+    batch: &[ScoreInput<'_>],
+) -> (Vec<u32>, Vec<u32>, Vec<PackedSeq>, Vec<Vec<(usize, usize)>>) {
+    let (mut ids, mut targets, mut seqs, mut rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // Appends `s`'s positions from `from` as a sequence; returns its first
+    // row and its index.
+    let mut push = |s: &ScoreInput<'_>, from: usize, after: Option<usize>| {
+        let at = ids.len();
+        ids.extend_from_slice(&s.input[from..]);
+        targets.extend_from_slice(&s.targets[from..]);
+        seqs.push(PackedSeq {
+            len: s.input.len() - from,
+            after,
+        });
+        (at, seqs.len() - 1)
+    };
+    for (run, shared) in prefix_runs(batch) {
+        if shared == 0 {
+            for s in &batch[run] {
+                let (at, _) = push(s, 0, None);
+                rows.push(vec![(at, s.input.len())]);
+            }
+            continue;
+        }
+        let first = &batch[run.start];
+        let prefix = ScoreInput {
+            input: &first.input[..shared],
+            targets: &first.targets[..shared],
+        };
+        let (p_at, p_index) = push(&prefix, 0, None);
+        for s in &batch[run] {
+            let (at, _) = push(s, shared, Some(p_index));
+            rows.push(vec![(p_at, shared), (at, s.input.len() - shared)]);
+        }
+    }
+    (ids, targets, seqs, rows)
+}
+
+/// Tokens per packed training forward ([`pack_batch`]). Measured on
 /// SmolLM2 (LoRA r=16, 8×128 tokens, 2 threads, `temper bench model`):
 /// packs of 128 / 256 / 512 / 1,024 tokens train at 174 / 190 / 185 / 158
 /// tokens/s in f32 (252 / 269 / 266 / 236 in bf16), with peak RSS 754 /
@@ -206,21 +307,20 @@ impl Model {
 /// stay in cache and the allocator maps and faults in fresh pages.
 pub const PACK_TOKENS: usize = 256;
 
-/// Split sequences of lengths `lens` into consecutive packs of at most
-/// `max_tokens` tokens each (a longer sequence is a pack of its own), for
-/// [`Model::score_batch`]. Returns index ranges into `lens`.
-pub fn pack_sequences(lens: &[usize], max_tokens: usize) -> Vec<std::ops::Range<usize>> {
+/// Split a batch into consecutive packs of at most `max_tokens` rows each
+/// for [`Model::score_batch`] (a prefix that consecutive sequences share
+/// counted once; a sequence over the budget is a pack of its own). Returns
+/// index ranges into `batch`.
+pub fn pack_batch(batch: &[ScoreInput<'_>], max_tokens: usize) -> Vec<std::ops::Range<usize>> {
     let mut packs = Vec::new();
-    let (mut start, mut tokens) = (0, 0);
-    for (i, &len) in lens.iter().enumerate() {
-        if i > start && tokens + len > max_tokens {
-            packs.push(start..i);
-            (start, tokens) = (i, 0);
+    let mut start = 0;
+    while start < batch.len() {
+        let mut end = start + 1;
+        while end < batch.len() && packed_rows(&batch[start..end + 1]) <= max_tokens {
+            end += 1;
         }
-        tokens += len;
-    }
-    if start < lens.len() {
-        packs.push(start..lens.len());
+        packs.push(start..end);
+        start = end;
     }
     packs
 }
@@ -237,15 +337,70 @@ fn check_temperature(temperature: f64) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::pack_sequences;
+    use super::*;
+
+    /// Sequences of the given token lists (targets: the tokens shifted).
+    fn batch(seqs: &[Vec<u32>]) -> Vec<(Vec<u32>, Vec<u32>)> {
+        seqs.iter()
+            .map(|s| (s[..s.len() - 1].to_vec(), s[1..].to_vec()))
+            .collect()
+    }
+
+    fn inputs(b: &[(Vec<u32>, Vec<u32>)]) -> Vec<ScoreInput<'_>> {
+        b.iter()
+            .map(|(i, t)| ScoreInput {
+                input: i,
+                targets: t,
+            })
+            .collect()
+    }
+
+    fn distinct(len: usize, seed: u32) -> Vec<u32> {
+        (0..len as u32).map(|i| 1000 * seed + i).collect()
+    }
 
     #[test]
     fn packs_are_consecutive_and_within_the_budget() {
-        assert!(pack_sequences(&[], 10).is_empty());
-        assert_eq!(pack_sequences(&[4, 4, 4], 10), vec![0..2, 2..3]);
-        assert_eq!(pack_sequences(&[4, 6, 1], 10), vec![0..2, 2..3]);
+        let b = batch(&[distinct(5, 1), distinct(5, 2), distinct(5, 3)]);
+        assert!(pack_batch(&[], 10).is_empty());
+        assert_eq!(pack_batch(&inputs(&b), 10), vec![0..2, 2..3]);
+        let b = batch(&[distinct(5, 1), distinct(7, 2), distinct(2, 3)]);
+        assert_eq!(pack_batch(&inputs(&b), 10), vec![0..2, 2..3]);
         // A sequence over the budget is a pack of its own.
-        assert_eq!(pack_sequences(&[3, 20, 3], 10), vec![0..1, 1..2, 2..3]);
-        assert_eq!(pack_sequences(&[20], 10), vec![0..1]);
+        let b = batch(&[distinct(4, 1), distinct(21, 2), distinct(4, 3)]);
+        assert_eq!(pack_batch(&inputs(&b), 10), vec![0..1, 1..2, 2..3]);
+    }
+
+    #[test]
+    fn a_shared_prefix_counts_once_in_a_pack() {
+        // Three completions of one 20-token prompt: the 19 positions whose
+        // input and target lie in the prompt once, 19 + 3 × 7 = 40 rows, not
+        // 3 × 26 = 78; then an unrelated sequence.
+        let prompt = distinct(20, 1);
+        let with = |tail: &[u32]| [prompt.clone(), tail.to_vec()].concat();
+        let b = batch(&[
+            with(&[1, 2, 3, 4, 5, 6, 7]),
+            with(&[1, 2, 9, 9, 9, 9, 9]),
+            with(&[8, 8, 8, 8, 8, 8, 8]),
+            distinct(11, 2),
+        ]);
+        let b = inputs(&b);
+        assert_eq!(prefix_runs(&b), vec![(0..3, 19), (3..4, 0)]);
+        assert_eq!(packed_rows(&b[..3]), 40);
+        assert_eq!(pack_batch(&b, 40), vec![0..3, 3..4]);
+        assert_eq!(pack_batch(&b, 39), vec![0..2, 2..4]);
+        // Shared positions need equal targets too, and every sequence
+        // keeps a position of its own.
+        assert_eq!(shared_positions(&b[0], &b[1]), 21);
+        let short = batch(&[prompt.clone(), with(&[5, 5])]);
+        assert_eq!(prefix_runs(&inputs(&short)), vec![(0..2, 18)]);
+        // A common start shorter than `MIN_SHARED_PREFIX` is not shared,
+        // and a run ends where the next sequence shares less than half.
+        let b = batch(&[distinct(12, 1), distinct(12, 2)]);
+        assert_eq!(prefix_runs(&inputs(&b)), vec![(0..1, 0), (1..2, 0)]);
+        let system = distinct(10, 3);
+        let turn = |q: u32, a: u32| [system.clone(), distinct(12, q), vec![a; 3]].concat();
+        let b = batch(&[turn(4, 1), turn(4, 2), turn(5, 1), turn(5, 2)]);
+        assert_eq!(prefix_runs(&inputs(&b)), vec![(0..2, 21), (2..4, 21)]);
     }
 }

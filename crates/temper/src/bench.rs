@@ -223,7 +223,7 @@ fn model(args: ModelBenchArgs) -> Result<()> {
             targets: &s[1..],
         })
         .collect();
-    let packs = temper_model::pack_sequences(&[SEQ; BATCH], temper_model::PACK_TOKENS);
+    let packs = temper_model::pack_batch(&inputs, temper_model::PACK_TOKENS);
     let step = |lora: &LoraAdapter| -> Result<(f64, f64)> {
         let t = Instant::now();
         let c = rss::cpu_seconds();

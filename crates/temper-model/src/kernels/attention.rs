@@ -163,7 +163,7 @@ impl Dims {
         (h / self.groups) * self.v_stride + j * self.hd
     }
     /// Absolute position of query `i`.
-    fn pos(&self, i: usize) -> usize {
+    pub(super) fn pos(&self, i: usize) -> usize {
         self.lk - self.lq + i
     }
 }

@@ -69,7 +69,7 @@ pub use matmul_bf16::{bf16_dot_available, PackedBf16};
 
 pub use matmul_nn::{matmul_nn, matmul_nn_isa};
 
-pub use packed_attention::{packed_attention, PackedHeads, RopeTables};
+pub use packed_attention::{packed_attention, PackedHeads, PackedSeq, RopeTables};
 
 pub use rms_norm::{fused_rms_norm_supported, rms_norm};
 

@@ -19,6 +19,16 @@
 //! [`super::causal_attention`] — and so to a prefill chunk or a decode step
 //! against a KV cache (see `attention.rs`).
 //!
+//! # Shared prefixes
+//! A sequence may continue an earlier sequence of the call
+//! ([`PackedSeq::after`]): its rows are the positions after that prefix's,
+//! and its queries see the prefix's keys and values first, then its own. An
+//! RL group's completions of one prompt then carry the prompt once. The keys
+//! are gathered into one `[kv_heads, prefix + len, hd]` buffer, exactly what
+//! the whole sequence would have had, so every row gets the bits of the
+//! unshared sequence. The backward adds each continuation's key and value
+//! gradients of the prefix rows into the prefix's, in call order.
+//!
 //! # Backward
 //! The forward keeps only the per-row log-sum-exp. The backward rotates q
 //! and k again, runs the `dQ`/`dK`/`dV` row loops per sequence and rotates
@@ -54,15 +64,34 @@ pub struct PackedHeads {
     pub head_dim: usize,
 }
 
+/// One sequence of a packed call: `len` rows, which either start at
+/// position 0 or continue an earlier sequence of the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackedSeq {
+    /// Rows of this sequence in the packed input.
+    pub len: usize,
+    /// The index of an earlier sequence of the call (itself starting at
+    /// position 0) whose rows precede these: this sequence's rows are its
+    /// positions `prefix.len..prefix.len + len`.
+    pub after: Option<usize>,
+}
+
+impl PackedSeq {
+    /// A whole sequence of `len` rows from position 0.
+    pub fn whole(len: usize) -> Self {
+        Self { len, after: None }
+    }
+}
+
 /// Causal GQA attention with rotary embeddings over packed sequences.
 /// `q`: `[n, heads·hd]`, `k`, `v`: `[n, kv_heads·hd]`, not yet rotated; the
-/// rows hold the sequences of `lens` back to back, each starting at
-/// position 0. Returns `[n, heads·hd]`, differentiable w.r.t. q, k and v.
+/// rows hold the sequences of `seqs` back to back. Returns `[n, heads·hd]`,
+/// differentiable w.r.t. q, k and v.
 pub fn packed_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    lens: &[usize],
+    seqs: &[PackedSeq],
     shape: PackedHeads,
     rope: Arc<RopeTables>,
     scale: f64,
@@ -72,12 +101,21 @@ pub fn packed_attention(
         kv_heads,
         head_dim: hd,
     } = shape;
-    let n: usize = lens.iter().sum();
-    let longest = lens.iter().copied().max().unwrap_or(0);
+    let n: usize = seqs.iter().map(|s| s.len).sum();
+    let bad_prefix = seqs.iter().enumerate().any(|(i, s)| {
+        s.after
+            .is_some_and(|p| p >= i || seqs[p].after.is_some())
+    });
+    let longest = seqs
+        .iter()
+        .map(|s| s.len + s.after.map_or(0, |p| seqs[p].len))
+        .max()
+        .unwrap_or(0);
     let bad = kv_heads == 0
         || heads % kv_heads != 0
         || hd % 2 != 0
-        || lens.contains(&0)
+        || bad_prefix
+        || seqs.iter().any(|s| s.len == 0)
         || q.dims2()? != (n, heads * hd)
         || k.dims2()? != (n, kv_heads * hd)
         || v.dims2()? != (n, kv_heads * hd)
@@ -85,7 +123,7 @@ pub fn packed_attention(
         || rope.sin.len() < longest * hd;
     if bad {
         return Err(ModelError::InvalidInput(format!(
-            "packed_attention: q {:?}, k {:?}, v {:?}, sequences {lens:?}, {heads}/{kv_heads} heads of {hd}, rope tables for {} positions",
+            "packed_attention: q {:?}, k {:?}, v {:?}, sequences {seqs:?} (a prefix must be an earlier whole sequence), {heads}/{kv_heads} heads of {hd}, rope tables for {} positions",
             q.dims(),
             k.dims(),
             v.dims(),
@@ -93,7 +131,7 @@ pub fn packed_attention(
         )));
     }
     let op = PackedAttention {
-        lens: lens.to_vec(),
+        seqs: seqs.to_vec(),
         shape,
         scale: scale as f32,
         rope,
@@ -104,7 +142,7 @@ pub fn packed_attention(
 }
 
 struct PackedAttention {
-    lens: Vec<usize>,
+    seqs: Vec<PackedSeq>,
     shape: PackedHeads,
     scale: f32,
     rope: Arc<RopeTables>,
@@ -112,26 +150,34 @@ struct PackedAttention {
     lse: Arc<Mutex<Option<Vec<f32>>>>,
 }
 
-/// Rows of `[len, heads·hd]` starting at row `off` of `x`, as
-/// `[heads, len, hd]`, rotated for positions `0..len` when `rope` is given.
+/// The rows of `parts` (each `(first row, rows)` of the packed `[n,
+/// heads·hd]` buffer `x`), one after the other, as `[heads, rows, hd]`;
+/// rotated for positions `first_pos..` when `rope` is given.
 fn gather_heads(
     x: &[f32],
-    off: usize,
-    len: usize,
+    parts: &[(usize, usize)],
+    first_pos: usize,
     heads: usize,
     hd: usize,
     rope: Option<&RopeTables>,
 ) -> Vec<f32> {
     let width = heads * hd;
+    let len: usize = parts.iter().map(|p| p.1).sum();
+    let mut rows = Vec::with_capacity(len);
+    for &(off, n) in parts {
+        rows.extend(off..off + n);
+    }
     let mut out = vec![0f32; heads * len * hd];
     out.par_chunks_mut(hd).enumerate().for_each(|(r, o)| {
         let (h, i) = (r / len, r % len);
-        let src = &x[(off + i) * width + h * hd..(off + i) * width + (h + 1) * hd];
+        let row = rows[i];
+        let src = &x[row * width + h * hd..row * width + (h + 1) * hd];
+        let p = first_pos + i;
         match rope {
             Some(t) => rotate(
                 src,
-                &t.cos[i * hd..(i + 1) * hd],
-                &t.sin[i * hd..(i + 1) * hd],
+                &t.cos[p * hd..(p + 1) * hd],
+                &t.sin[p * hd..(p + 1) * hd],
                 o,
             ),
             None => o.copy_from_slice(src),
@@ -166,64 +212,93 @@ fn unrotate(dy: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Scatter `[heads, len, hd]` rows back to rows `off..off+len` of a packed
-/// `[n, heads·hd]` buffer, un-rotating them when `rope` is given.
+/// Rows `from..from + len` of `[heads, rows, hd]` (`rows` per head) into
+/// rows `off..off+len` of a packed `[n, heads·hd]` buffer, un-rotated for
+/// positions `first_pos..` when `rope` is given; added to what the rows
+/// hold when `add`, else written.
+#[allow(clippy::too_many_arguments)]
 fn scatter_heads(
     src: &[f32],
+    (rows, from): (usize, usize),
     dst: &mut [f32],
-    off: usize,
-    len: usize,
+    (off, len, first_pos): (usize, usize, usize),
     heads: usize,
     hd: usize,
     rope: Option<&RopeTables>,
+    add: bool,
 ) {
     let width = heads * hd;
     dst[off * width..(off + len) * width]
         .par_chunks_mut(width)
         .enumerate()
         .for_each(|(i, row)| {
+            let mut tmp = vec![0f32; hd];
             for h in 0..heads {
-                let s = &src[(h * len + i) * hd..(h * len + i + 1) * hd];
+                let at = (h * rows + from + i) * hd;
+                let s = &src[at..at + hd];
                 let o = &mut row[h * hd..(h + 1) * hd];
+                let p = first_pos + i;
+                let t = &mut tmp[..hd];
                 match rope {
-                    Some(t) => unrotate(
+                    Some(r) => unrotate(
                         s,
-                        &t.cos[i * hd..(i + 1) * hd],
-                        &t.sin[i * hd..(i + 1) * hd],
-                        o,
+                        &r.cos[p * hd..(p + 1) * hd],
+                        &r.sin[p * hd..(p + 1) * hd],
+                        t,
                     ),
-                    None => o.copy_from_slice(s),
+                    None => t.copy_from_slice(s),
+                }
+                if add {
+                    o.iter_mut().zip(t.iter()).for_each(|(o, t)| *o += t);
+                } else {
+                    o.copy_from_slice(t);
                 }
             }
         });
 }
 
 impl PackedAttention {
+    /// Each sequence's first row in the packed buffer.
     fn offsets(&self) -> Vec<usize> {
-        self.lens
+        self.seqs
             .iter()
-            .scan(0, |acc, &l| {
+            .scan(0, |acc, s| {
                 let o = *acc;
-                *acc += l;
+                *acc += s.len;
                 Some(o)
             })
             .collect()
     }
 
-    fn dims(&self, len: usize) -> Dims {
+    /// Positions before sequence `s`'s rows (its prefix's length).
+    fn start(&self, s: usize) -> usize {
+        self.seqs[s].after.map_or(0, |p| self.seqs[p].len)
+    }
+
+    /// The rows whose keys sequence `s` sees, in position order.
+    fn key_parts(&self, s: usize, offsets: &[usize]) -> Vec<(usize, usize)> {
+        let own = (offsets[s], self.seqs[s].len);
+        match self.seqs[s].after {
+            Some(p) => vec![(offsets[p], self.seqs[p].len), own],
+            None => vec![own],
+        }
+    }
+
+    fn dims(&self, s: usize) -> Dims {
         let PackedHeads {
             heads,
             kv_heads,
             head_dim: hd,
         } = self.shape;
+        let (lq, lk) = (self.seqs[s].len, self.start(s) + self.seqs[s].len);
         Dims {
             scale: self.scale,
-            lq: len,
+            lq,
             hd,
-            lk: len,
+            lk,
             groups: heads / kv_heads,
-            k_stride: len * hd,
-            v_stride: len * hd,
+            k_stride: lk * hd,
+            v_stride: lk * hd,
         }
     }
 }
@@ -257,53 +332,54 @@ fn dense_backward(
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     use super::matmul_nn::matmul_nn_rows;
     use super::WeightRows::F32;
-    let (len, hd, groups, scale) = (d.lq, d.hd, d.groups, d.scale);
-    let rows = groups * len;
+    let (lq, lk, hd, groups, scale) = (d.lq, d.lk, d.hd, d.groups, d.scale);
+    let rows = groups * lq;
     let mut dq = vec![0f32; kv_heads * rows * hd];
-    let mut dk = vec![0f32; kv_heads * len * hd];
-    let mut dv = vec![0f32; kv_heads * len * hd];
+    let mut dk = vec![0f32; kv_heads * lk * hd];
+    let mut dv = vec![0f32; kv_heads * lk * hd];
     dq.par_chunks_mut(rows * hd)
-        .zip(dk.par_chunks_mut(len * hd))
-        .zip(dv.par_chunks_mut(len * hd))
+        .zip(dk.par_chunks_mut(lk * hd))
+        .zip(dv.par_chunks_mut(lk * hd))
         .enumerate()
         .for_each(|(g, ((dq, dk), dv))| {
             let qg = &q[g * rows * hd..(g + 1) * rows * hd];
             let gog = &go[g * rows * hd..(g + 1) * rows * hd];
-            let kg = &k[g * len * hd..(g + 1) * len * hd];
-            let vg = &v[g * len * hd..(g + 1) * len * hd];
-            let mut p = vec![0f32; rows * len];
-            let mut ds = vec![0f32; rows * len];
+            let kg = &k[g * lk * hd..(g + 1) * lk * hd];
+            let vg = &v[g * lk * hd..(g + 1) * lk * hd];
+            let mut p = vec![0f32; rows * lk];
+            let mut ds = vec![0f32; rows * lk];
             // Q·Kᵀ and dO·Vᵀ as products with Kᵀ and Vᵀ: a 64-term dot per
             // output is mostly horizontal sum; broadcast-and-multiply is not.
             let (kt, vt) = (
-                transposed(kg, len, hd, 1.0, len),
-                transposed(vg, len, hd, 1.0, len),
+                transposed(kg, lk, hd, 1.0, lk),
+                transposed(vg, lk, hd, 1.0, lk),
             );
-            matmul_nn_rows(qg, F32(&kt), rows, hd, len, &mut p);
-            matmul_nn_rows(gog, F32(&vt), rows, hd, len, &mut ds);
-            p.chunks_mut(len)
-                .zip(ds.chunks_mut(len))
+            matmul_nn_rows(qg, F32(&kt), rows, hd, lk, &mut p);
+            matmul_nn_rows(gog, F32(&vt), rows, hd, lk, &mut ds);
+            p.chunks_mut(lk)
+                .zip(ds.chunks_mut(lk))
                 .enumerate()
                 .for_each(|(rr, (pr, dr))| {
                     let r = g * rows + rr;
-                    probs_and_grads(pr, dr, rr % len, scale, lse[r], dsum[r]);
+                    probs_and_grads(pr, dr, d.pos(rr % lq), scale, lse[r], dsum[r]);
                 });
-            matmul_nn_rows(&ds, F32(kg), rows, len, hd, dq);
+            matmul_nn_rows(&ds, F32(kg), rows, lk, hd, dq);
             dq.iter_mut().for_each(|x| *x *= scale);
             let (dst, pt) = (
-                transposed(&ds, rows, len, 1.0, rows),
-                transposed(&p, rows, len, 1.0, rows),
+                transposed(&ds, rows, lk, 1.0, rows),
+                transposed(&p, rows, lk, 1.0, rows),
             );
-            matmul_nn_rows(&dst, F32(qg), len, rows, hd, dk);
+            matmul_nn_rows(&dst, F32(qg), lk, rows, hd, dk);
             dk.iter_mut().for_each(|x| *x *= scale);
-            matmul_nn_rows(&pt, F32(gog), len, rows, hd, dv);
+            matmul_nn_rows(&pt, F32(gog), lk, rows, hd, dv);
         });
     (dq, dk, dv)
 }
 
 twice_compiled! {
     /// One query row `i` of [`dense_backward`]: `p` holds its scores and
-    /// becomes `P`, `dp` holds `dO·vⱼ` and becomes `dS`; keys after `i` are 0.
+    /// becomes `P`, `dp` holds `dO·vⱼ` and becomes `dS`; keys after position
+    /// `i` are 0.
     fn probs_and_grads / probs_and_grads_body(p: &mut [f32], dp: &mut [f32], i: usize, scale: f32, lse: f32, dsum: f32)
 }
 
@@ -340,26 +416,26 @@ impl CustomOp3 for PackedAttention {
             kv_heads,
             head_dim: hd,
         } = self.shape;
-        let n: usize = self.lens.iter().sum();
+        let n: usize = self.seqs.iter().map(|s| s.len).sum();
         let rope = Some(self.rope.as_ref());
-        // Rotated per-sequence operands, then every (token, head) row at once.
-        let per_seq: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = self
-            .offsets()
-            .into_iter()
-            .zip(&self.lens)
-            .map(|(off, &len)| {
+        let offsets = self.offsets();
+        // Rotated per-sequence operands (keys and values from position 0,
+        // a prefix's rows included), then every (token, head) row at once.
+        let per_seq: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..self.seqs.len())
+            .map(|s| {
+                let kp = self.key_parts(s, &offsets);
                 (
-                    gather_heads(q, off, len, heads, hd, rope),
-                    gather_heads(k, off, len, kv_heads, hd, rope),
-                    gather_heads(v, off, len, kv_heads, hd, None),
+                    gather_heads(q, &[(offsets[s], self.seqs[s].len)], self.start(s), heads, hd, rope),
+                    gather_heads(k, &kp, 0, kv_heads, hd, rope),
+                    gather_heads(v, &kp, 0, kv_heads, hd, None),
                 )
             })
             .collect();
         let mut seq_of = Vec::with_capacity(n);
-        for (s, &len) in self.lens.iter().enumerate() {
-            seq_of.extend((0..len).map(|i| (s, i)));
+        for (s, seq) in self.seqs.iter().enumerate() {
+            seq_of.extend((0..seq.len).map(|i| (s, i)));
         }
-        let dims: Vec<Dims> = self.lens.iter().map(|&l| self.dims(l)).collect();
+        let dims: Vec<Dims> = (0..self.seqs.len()).map(|s| self.dims(s)).collect();
         let mut out = vec![0f32; n * heads * hd];
         let mut lse = vec![0f32; n * heads];
         out.par_chunks_mut(hd)
@@ -369,7 +445,7 @@ impl CustomOp3 for PackedAttention {
                 let (t, h) = (r / heads, r % heads);
                 let (s, i) = seq_of[t];
                 let (qh, kh, vh) = &per_seq[s];
-                let len = self.lens[s];
+                let len = self.seqs[s].len;
                 let qr = &qh[(h * len + i) * hd..(h * len + i + 1) * hd];
                 *lse = row_forward(&dims[s], qr, kh, vh, h, i, o);
             });
@@ -393,7 +469,7 @@ impl CustomOp3 for PackedAttention {
             kv_heads,
             head_dim: hd,
         } = self.shape;
-        let n: usize = self.lens.iter().sum();
+        let n: usize = self.seqs.iter().map(|s| s.len).sum();
         let lse = self
             .lse
             .lock()
@@ -407,23 +483,29 @@ impl CustomOp3 for PackedAttention {
             [q, k, v, res, grad],
             |[qv, kv, vv, ov, gv]| {
                 let rope = Some(self.rope.as_ref());
+                let offsets = self.offsets();
                 let mut dq = vec![0f32; n * heads * hd];
                 let mut dk = vec![0f32; n * kv_heads * hd];
                 let mut dv = vec![0f32; n * kv_heads * hd];
-                for (off, &len) in self.offsets().into_iter().zip(&self.lens) {
-                    let d = self.dims(len);
-                    let qh = gather_heads(qv, off, len, heads, hd, rope);
-                    let kh = gather_heads(kv, off, len, kv_heads, hd, rope);
-                    let vh = gather_heads(vv, off, len, kv_heads, hd, None);
-                    let go = gather_heads(gv, off, len, heads, hd, None);
-                    let oh = gather_heads(ov, off, len, heads, hd, None);
+                // In call order: a prefix's own gradients are written before
+                // its continuations add theirs.
+                for (s, seq) in self.seqs.iter().enumerate() {
+                    let (off, len, start) = (offsets[s], seq.len, self.start(s));
+                    let d = self.dims(s);
+                    let kp = self.key_parts(s, &offsets);
+                    let own = [(off, len)];
+                    let qh = gather_heads(qv, &own, start, heads, hd, rope);
+                    let kh = gather_heads(kv, &kp, 0, kv_heads, hd, rope);
+                    let vh = gather_heads(vv, &kp, 0, kv_heads, hd, None);
+                    let go = gather_heads(gv, &own, 0, heads, hd, None);
+                    let oh = gather_heads(ov, &own, 0, heads, hd, None);
                     let lse_h: Vec<f32> = (0..heads * len)
                         .map(|r| lse[(off + r % len) * heads + r / len])
                         .collect();
                     let dsum: Vec<f32> = (0..heads * len)
                         .map(|r| dot(&go[r * hd..(r + 1) * hd], &oh[r * hd..(r + 1) * hd]))
                         .collect();
-                    let (dqh, dkh, dvh) = if len <= DENSE_BACKWARD_MAX_LEN {
+                    let (dqh, dkh, dvh) = if d.lk <= DENSE_BACKWARD_MAX_LEN {
                         dense_backward(&d, kv_heads, &qh, &kh, &vh, &go, &lse_h, &dsum)
                     } else {
                         let b = Bwd {
@@ -439,17 +521,23 @@ impl CustomOp3 for PackedAttention {
                         dqh.par_chunks_mut(hd)
                             .enumerate()
                             .for_each(|(r, dqr)| dq_row(&b, r, dqr));
-                        let mut dkh = vec![0f32; kv_heads * len * hd];
-                        let mut dvh = vec![0f32; kv_heads * len * hd];
+                        let mut dkh = vec![0f32; kv_heads * d.lk * hd];
+                        let mut dvh = vec![0f32; kv_heads * d.lk * hd];
                         dkh.par_chunks_mut(hd)
                             .zip(dvh.par_chunks_mut(hd))
                             .enumerate()
                             .for_each(|(kr, (dkr, dvr))| dkv_row(&b, kr, dkr, dvr));
                         (dqh, dkh, dvh)
                     };
-                    scatter_heads(&dqh, &mut dq, off, len, heads, hd, rope);
-                    scatter_heads(&dkh, &mut dk, off, len, kv_heads, hd, rope);
-                    scatter_heads(&dvh, &mut dv, off, len, kv_heads, hd, None);
+                    let lk = d.lk;
+                    scatter_heads(&dqh, (len, 0), &mut dq, (off, len, start), heads, hd, rope, false);
+                    scatter_heads(&dkh, (lk, start), &mut dk, (off, len, start), kv_heads, hd, rope, false);
+                    scatter_heads(&dvh, (lk, start), &mut dv, (off, len, start), kv_heads, hd, None, false);
+                    if let Some(p) = seq.after {
+                        let to = (offsets[p], start, 0);
+                        scatter_heads(&dkh, (lk, 0), &mut dk, to, kv_heads, hd, rope, true);
+                        scatter_heads(&dvh, (lk, 0), &mut dv, to, kv_heads, hd, None, true);
+                    }
                 }
                 Ok((dq, dk, dv))
             },
@@ -540,6 +628,10 @@ mod tests {
         Tensor::cat(&outs, 0).unwrap()
     }
 
+    fn whole(lens: &[usize]) -> Vec<PackedSeq> {
+        lens.iter().map(|&l| PackedSeq::whole(l)).collect()
+    }
+
     fn shape() -> PackedHeads {
         PackedHeads {
             heads: NH,
@@ -569,7 +661,7 @@ mod tests {
                 q.as_tensor(),
                 k.as_tensor(),
                 v.as_tensor(),
-                &lens,
+                &whole(&lens),
                 shape(),
                 Arc::new(t),
                 scale,
@@ -603,6 +695,74 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_prefix_gives_the_whole_sequences_bits_and_gradients() {
+        // Sequence 0 is a prefix of 70 rows (across a key-block boundary);
+        // 1 and 3 continue it, 2 is whole. Compared with the unshared batch
+        // [prefix + 1, 2, prefix + 3]: the same bits for every row, and the
+        // prefix's gradients are the sum of both copies'.
+        let after = |len| PackedSeq {
+            len,
+            after: Some(0),
+        };
+        for (cont, last) in [(9usize, 130usize), (1, DENSE_BACKWARD_MAX_LEN)] {
+            let seqs = [PackedSeq::whole(70), after(cont), PackedSeq::whole(20), after(last)];
+            let n = 70 + cont + 20 + last;
+            let q = Var::from_tensor(&rand((n, NH * HD), 21)).unwrap();
+            let k = Var::from_tensor(&rand((n, NKV * HD), 22)).unwrap();
+            let v = Var::from_tensor(&rand((n, NKV * HD), 23)).unwrap();
+            let w = rand((n, NH * HD), 24);
+            let (t, cos, sin) = tables(70 + last);
+            let scale = 1.0 / (HD as f64).sqrt();
+            let ours = packed_attention(
+                q.as_tensor(),
+                k.as_tensor(),
+                v.as_tensor(),
+                &seqs,
+                shape(),
+                Arc::new(t),
+                scale,
+            )
+            .unwrap();
+            // The unshared rows, as indices into the shared ones; the second
+            // copy of the prefix carries no loss.
+            let (a, b, c) = (70 + cont, 70 + cont + 20, n);
+            let mut rows: Vec<u32> = (0..a as u32).collect();
+            rows.extend(a as u32..b as u32);
+            rows.extend(0..70u32);
+            rows.extend(b as u32..c as u32);
+            let idx = Tensor::new(rows.as_slice(), &Device::Cpu).unwrap();
+            let pick = |x: &Tensor| x.index_select(&idx, 0).unwrap();
+            let lens = [70 + cont, 20, 70 + last];
+            let theirs = per_sequence(
+                &pick(q.as_tensor()),
+                &pick(k.as_tensor()),
+                &pick(v.as_tensor()),
+                &lens,
+                &cos,
+                &sin,
+                scale,
+            );
+            let keep: Vec<u32> = (0..a + 20)
+                .chain(a + 20 + 70..a + 20 + 70 + last)
+                .map(|r| r as u32)
+                .collect();
+            let kept = theirs
+                .index_select(&Tensor::new(keep.as_slice(), &Device::Cpu).unwrap(), 0)
+                .unwrap();
+            assert_eq!(bits(&ours), bits(&kept), "{seqs:?}: outputs");
+            let ga = (ours * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let gb = (kept * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+                let err = rel_err(
+                    &v64(ga.get(x.as_tensor()).unwrap()),
+                    &v64(gb.get(x.as_tensor()).unwrap()),
+                );
+                assert!(err < 1e-5, "{seqs:?}: d{name} relative error {err}");
+            }
+        }
+    }
+
+    #[test]
     fn packed_attention_gradient_matches_finite_differences() {
         let lens = [20usize, 33];
         let n = 53;
@@ -611,7 +771,8 @@ mod tests {
         let v = rand((n, NKV * HD), 7);
         let w = rand((n, NH * HD), 8);
         let f = |q: &Tensor, k: &Tensor, v: &Tensor| -> Tensor {
-            let o = packed_attention(q, k, v, &lens, shape(), Arc::new(tables(33).0), 0.3).unwrap();
+            let o = packed_attention(q, k, v, &whole(&lens), shape(), Arc::new(tables(33).0), 0.3)
+                .unwrap();
             (o * &w).unwrap().sum_all().unwrap()
         };
         let vars = [
@@ -664,8 +825,16 @@ mod tests {
                 .unwrap();
             pool.install(|| {
                 bits(
-                    &packed_attention(&q, &k, &v, &lens, shape(), Arc::new(tables(90).0), 0.25)
-                        .unwrap(),
+                    &packed_attention(
+                        &q,
+                        &k,
+                        &v,
+                        &whole(&lens),
+                        shape(),
+                        Arc::new(tables(90).0),
+                        0.25,
+                    )
+                    .unwrap(),
                 )
             })
         };
@@ -680,13 +849,19 @@ mod tests {
         let k = rand((10, NKV * HD), 2);
         // Lengths that do not add up to the rows, an empty sequence, short
         // rope tables.
-        assert!(
-            packed_attention(&q, &k, &k, &[4, 5], shape(), Arc::new(tables(10).0), 1.0).is_err()
-        );
-        assert!(
-            packed_attention(&q, &k, &k, &[10, 0], shape(), Arc::new(tables(10).0), 1.0).is_err()
-        );
-        assert!(packed_attention(&q, &k, &k, &[10], shape(), Arc::new(tables(9).0), 1.0).is_err());
-        assert!(packed_attention(&q, &k, &k, &[4, 6], shape(), Arc::new(tables(6).0), 1.0).is_ok());
+        let call = |seqs: &[PackedSeq], positions: usize| {
+            packed_attention(&q, &k, &k, seqs, shape(), Arc::new(tables(positions).0), 1.0)
+        };
+        assert!(call(&whole(&[4, 5]), 10).is_err());
+        assert!(call(&whole(&[10, 0]), 10).is_err());
+        assert!(call(&whole(&[10]), 9).is_err());
+        assert!(call(&whole(&[4, 6]), 6).is_ok());
+        // A prefix must be an earlier whole sequence, and the tables must
+        // reach the end of its continuations.
+        let after = |len, p| PackedSeq { len, after: Some(p) };
+        assert!(call(&[after(4, 1), PackedSeq::whole(6)], 10).is_err());
+        assert!(call(&[PackedSeq::whole(4), after(3, 0), after(3, 1)], 10).is_err());
+        assert!(call(&[PackedSeq::whole(4), after(6, 0)], 9).is_err());
+        assert!(call(&[PackedSeq::whole(4), after(6, 0)], 10).is_ok());
     }
 }
