@@ -17,11 +17,11 @@
 use candle_core::{DType, Tensor, D};
 
 use crate::error::{ModelError, Result};
+use crate::kernels::PackedSeq;
 use crate::kernels::{
     fused_attention_supported, fused_lm_head_supported, lm_head_logprobs, use_matmul_nt,
 };
 use crate::lora::LoraAdapter;
-use crate::kernels::PackedSeq;
 use crate::model::{log_softmax_last, Model, Segment};
 
 /// Rows of `[len, vocab]` logits materialised at a time.
@@ -252,7 +252,11 @@ fn packed_rows(batch: &[ScoreInput<'_>]) -> usize {
     prefix_runs(batch)
         .into_iter()
         .map(|(r, shared)| {
-            shared + batch[r].iter().map(|s| s.input.len() - shared).sum::<usize>()
+            shared
+                + batch[r]
+                    .iter()
+                    .map(|s| s.input.len() - shared)
+                    .sum::<usize>()
         })
         .sum()
 }
@@ -264,7 +268,8 @@ fn packed_rows(batch: &[ScoreInput<'_>]) -> usize {
 fn shared_layout(
     batch: &[ScoreInput<'_>],
 ) -> (Vec<u32>, Vec<u32>, Vec<PackedSeq>, Vec<Vec<(usize, usize)>>) {
-    let (mut ids, mut targets, mut seqs, mut rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut ids, mut targets, mut seqs, mut rows) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // Appends `s`'s positions from `from` as a sequence; returns its first
     // row and its index.
     let mut push = |s: &ScoreInput<'_>, from: usize, after: Option<usize>| {

@@ -102,10 +102,10 @@ pub fn packed_attention(
         head_dim: hd,
     } = shape;
     let n: usize = seqs.iter().map(|s| s.len).sum();
-    let bad_prefix = seqs.iter().enumerate().any(|(i, s)| {
-        s.after
-            .is_some_and(|p| p >= i || seqs[p].after.is_some())
-    });
+    let bad_prefix = seqs
+        .iter()
+        .enumerate()
+        .any(|(i, s)| s.after.is_some_and(|p| p >= i || seqs[p].after.is_some()));
     let longest = seqs
         .iter()
         .map(|s| s.len + s.after.map_or(0, |p| seqs[p].len))
@@ -425,7 +425,14 @@ impl CustomOp3 for PackedAttention {
             .map(|s| {
                 let kp = self.key_parts(s, &offsets);
                 (
-                    gather_heads(q, &[(offsets[s], self.seqs[s].len)], self.start(s), heads, hd, rope),
+                    gather_heads(
+                        q,
+                        &[(offsets[s], self.seqs[s].len)],
+                        self.start(s),
+                        heads,
+                        hd,
+                        rope,
+                    ),
                     gather_heads(k, &kp, 0, kv_heads, hd, rope),
                     gather_heads(v, &kp, 0, kv_heads, hd, None),
                 )
@@ -530,9 +537,36 @@ impl CustomOp3 for PackedAttention {
                         (dqh, dkh, dvh)
                     };
                     let lk = d.lk;
-                    scatter_heads(&dqh, (len, 0), &mut dq, (off, len, start), heads, hd, rope, false);
-                    scatter_heads(&dkh, (lk, start), &mut dk, (off, len, start), kv_heads, hd, rope, false);
-                    scatter_heads(&dvh, (lk, start), &mut dv, (off, len, start), kv_heads, hd, None, false);
+                    scatter_heads(
+                        &dqh,
+                        (len, 0),
+                        &mut dq,
+                        (off, len, start),
+                        heads,
+                        hd,
+                        rope,
+                        false,
+                    );
+                    scatter_heads(
+                        &dkh,
+                        (lk, start),
+                        &mut dk,
+                        (off, len, start),
+                        kv_heads,
+                        hd,
+                        rope,
+                        false,
+                    );
+                    scatter_heads(
+                        &dvh,
+                        (lk, start),
+                        &mut dv,
+                        (off, len, start),
+                        kv_heads,
+                        hd,
+                        None,
+                        false,
+                    );
                     if let Some(p) = seq.after {
                         let to = (offsets[p], start, 0);
                         scatter_heads(&dkh, (lk, 0), &mut dk, to, kv_heads, hd, rope, true);
@@ -705,7 +739,12 @@ mod tests {
             after: Some(0),
         };
         for (cont, last) in [(9usize, 130usize), (1, DENSE_BACKWARD_MAX_LEN)] {
-            let seqs = [PackedSeq::whole(70), after(cont), PackedSeq::whole(20), after(last)];
+            let seqs = [
+                PackedSeq::whole(70),
+                after(cont),
+                PackedSeq::whole(20),
+                after(last),
+            ];
             let n = 70 + cont + 20 + last;
             let q = Var::from_tensor(&rand((n, NH * HD), 21)).unwrap();
             let k = Var::from_tensor(&rand((n, NKV * HD), 22)).unwrap();
@@ -850,7 +889,15 @@ mod tests {
         // Lengths that do not add up to the rows, an empty sequence, short
         // rope tables.
         let call = |seqs: &[PackedSeq], positions: usize| {
-            packed_attention(&q, &k, &k, seqs, shape(), Arc::new(tables(positions).0), 1.0)
+            packed_attention(
+                &q,
+                &k,
+                &k,
+                seqs,
+                shape(),
+                Arc::new(tables(positions).0),
+                1.0,
+            )
         };
         assert!(call(&whole(&[4, 5]), 10).is_err());
         assert!(call(&whole(&[10, 0]), 10).is_err());
@@ -858,7 +905,10 @@ mod tests {
         assert!(call(&whole(&[4, 6]), 6).is_ok());
         // A prefix must be an earlier whole sequence, and the tables must
         // reach the end of its continuations.
-        let after = |len, p| PackedSeq { len, after: Some(p) };
+        let after = |len, p| PackedSeq {
+            len,
+            after: Some(p),
+        };
         assert!(call(&[after(4, 1), PackedSeq::whole(6)], 10).is_err());
         assert!(call(&[PackedSeq::whole(4), after(3, 0), after(3, 1)], 10).is_err());
         assert!(call(&[PackedSeq::whole(4), after(6, 0)], 9).is_err());

@@ -32,6 +32,26 @@ fn sequences(vocab: usize, count: usize, seed: u64) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Groups of sequences that share a prompt, as an RL batch holds them: 4
+/// completions of 1..=40 tokens after each of prompts of 70, 5 and 30 tokens
+/// (5 is too short to share).
+fn prompt_groups(vocab: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    for prompt_len in [70, 5, 30] {
+        let prompt: Vec<u32> = (0..prompt_len)
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        for _ in 0..4 {
+            let len = rng.random_range(1..=40);
+            let mut s = prompt.clone();
+            s.extend((0..len).map(|_| rng.random_range(0..vocab as u32)));
+            out.push(s);
+        }
+    }
+    out
+}
+
 /// The trainer's logprobs of `seq[1..]`, as bits.
 fn scored(m: &Model, seq: &[u32], lora: Option<&LoraAdapter>) -> Vec<u32> {
     let s = m
@@ -219,6 +239,26 @@ fn check_invariance(family: &str, precision: Precision) {
                 assert!(
                     e(&batch[i].entropy) == e(&alone.entropy),
                     "{what}: entropy of sequence {i} in score_batch"
+                );
+            }
+            // Sequences that share a prompt: `score_batch` runs it once.
+            let groups = prompt_groups(m.config().vocab_size, 13);
+            let inputs: Vec<ScoreInput<'_>> = groups
+                .iter()
+                .map(|s| ScoreInput {
+                    input: &s[..s.len() - 1],
+                    targets: &s[1..],
+                })
+                .collect();
+            let batch = m.score_batch(&inputs, l, TEMPERATURE).expect("score_batch");
+            for (i, (got, s)) in batch.iter().zip(&groups).enumerate() {
+                let alone = m
+                    .score(&s[..s.len() - 1], &s[1..], l, TEMPERATURE)
+                    .expect("score");
+                let b = |t: &Tensor| bits(&t.to_vec1::<f32>().expect("values"));
+                assert!(
+                    b(&got.logprobs) == b(&alone.logprobs) && b(&got.entropy) == b(&alone.entropy),
+                    "{what}: sequence {i} after a shared prompt"
                 );
             }
             // Prefill chunks, decode steps, and the server's batched decode.

@@ -143,6 +143,49 @@ fn every_lora_tensor_gets_a_gradient() {
 }
 
 #[test]
+fn a_shared_prompt_gives_the_gradients_of_scoring_each_alone() {
+    // `score_batch` runs a prompt that consecutive sequences share once;
+    // the prompt rows' gradients must be the sum over the sequences.
+    for name in FAMILIES {
+        let p = load(name);
+        let (g, _) = golden(name);
+        let prompt = ids(&g["inputs"][2]);
+        let tails: [&[u32]; 3] = [&[5, 9, 13, 2], &[5, 9, 40], &[77, 3, 3, 3, 8, 1]];
+        let seqs: Vec<Vec<u32>> = tails.iter().map(|t| [&prompt[..], t].concat()).collect();
+        let a = adapter(&p, name);
+        let inputs: Vec<ScoreInput<'_>> = seqs
+            .iter()
+            .map(|s| ScoreInput {
+                input: &s[..s.len() - 1],
+                targets: &s[1..],
+            })
+            .collect();
+        let scores = p
+            .model
+            .score_batch(&inputs, Some(&a), 1.0)
+            .expect("score_batch");
+        let mut shared = scores[0].logprobs.sum_all().unwrap();
+        for s in &scores[1..] {
+            shared = (shared + s.logprobs.sum_all().unwrap()).unwrap();
+        }
+        let shared = shared.neg().unwrap().backward().expect("backward");
+        let mut alone = nll(&p, &seqs[0], Some(&a));
+        for s in &seqs[1..] {
+            alone = (alone + nll(&p, s, Some(&a))).unwrap();
+        }
+        let alone = alone.backward().expect("backward");
+        for (n, v) in a.named_vars() {
+            let (x, y) = (
+                shared.get(v.as_tensor()).expect("grad"),
+                alone.get(v.as_tensor()).expect("grad"),
+            );
+            let err = norm(&(x - y).unwrap()) / norm(y).max(1e-12);
+            assert!(err < 1e-5, "{name}: {n} relative error {err}");
+        }
+    }
+}
+
+#[test]
 fn full_parameter_training_reaches_every_weight() {
     let mut p = load("tiny-qwen3");
     let (g, _) = golden("tiny-qwen3");
