@@ -92,6 +92,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // Before any tensor op: candle and its matmul read the thread count lazily.
     temper_model::set_num_threads(cli.threads);
+    temper_model::keep_heap_within_steps();
     temper_model::set_default_precision(cli.dtype);
     tracing_subscriber::fmt()
         .with_env_filter(
