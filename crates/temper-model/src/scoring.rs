@@ -247,16 +247,18 @@ fn prefix_runs(batch: &[ScoreInput<'_>]) -> Vec<(std::ops::Range<usize>, usize)>
     runs
 }
 
-/// The rows [`Model::score_batch`] runs for `batch`: a shared prefix once.
-fn packed_rows(batch: &[ScoreInput<'_>]) -> usize {
+/// What `batch` costs against [`pack_batch`]'s budget: the rows
+/// [`Model::score_batch`] runs for it, less the prefixes its runs share
+/// (each run's prefix is one prompt; counting it would split an RL group
+/// over several packs and run its prompt once per pack).
+fn pack_cost(batch: &[ScoreInput<'_>]) -> usize {
     prefix_runs(batch)
         .into_iter()
         .map(|(r, shared)| {
-            shared
-                + batch[r]
-                    .iter()
-                    .map(|s| s.input.len() - shared)
-                    .sum::<usize>()
+            batch[r]
+                .iter()
+                .map(|s| s.input.len() - shared)
+                .sum::<usize>()
         })
         .sum()
 }
@@ -312,16 +314,17 @@ fn shared_layout(
 /// stay in cache and the allocator maps and faults in fresh pages.
 pub const PACK_TOKENS: usize = 256;
 
-/// Split a batch into consecutive packs of at most `max_tokens` rows each
-/// for [`Model::score_batch`] (a prefix that consecutive sequences share
-/// counted once; a sequence over the budget is a pack of its own). Returns
-/// index ranges into `batch`.
+/// Split a batch into consecutive packs for [`Model::score_batch`], each
+/// of at most `max_tokens` rows beside the prefixes that its sequences share
+/// (a pack runs at most `max_tokens` rows plus one prompt per group of
+/// sequences that share one; a sequence over the budget is a pack of its
+/// own). Returns index ranges into `batch`.
 pub fn pack_batch(batch: &[ScoreInput<'_>], max_tokens: usize) -> Vec<std::ops::Range<usize>> {
     let mut packs = Vec::new();
     let mut start = 0;
     while start < batch.len() {
         let mut end = start + 1;
-        while end < batch.len() && packed_rows(&batch[start..end + 1]) <= max_tokens {
+        while end < batch.len() && pack_cost(&batch[start..end + 1]) <= max_tokens {
             end += 1;
         }
         packs.push(start..end);
@@ -377,10 +380,11 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_prefix_counts_once_in_a_pack() {
+    fn a_shared_prefix_does_not_count_against_the_budget() {
         // Three completions of one 20-token prompt: the 19 positions whose
-        // input and target lie in the prompt once, 19 + 3 × 7 = 40 rows, not
-        // 3 × 26 = 78; then an unrelated sequence.
+        // input and target lie in the prompt run once, and the pack's cost
+        // is the 3 × 7 rows after them (not 3 × 26 = 78); then an unrelated
+        // sequence.
         let prompt = distinct(20, 1);
         let with = |tail: &[u32]| [prompt.clone(), tail.to_vec()].concat();
         let b = batch(&[
@@ -391,9 +395,9 @@ mod tests {
         ]);
         let b = inputs(&b);
         assert_eq!(prefix_runs(&b), vec![(0..3, 19), (3..4, 0)]);
-        assert_eq!(packed_rows(&b[..3]), 40);
-        assert_eq!(pack_batch(&b, 40), vec![0..3, 3..4]);
-        assert_eq!(pack_batch(&b, 39), vec![0..2, 2..4]);
+        assert_eq!(pack_cost(&b[..3]), 21);
+        assert_eq!(pack_batch(&b, 21), vec![0..3, 3..4]);
+        assert_eq!(pack_batch(&b, 20), vec![0..2, 2..3, 3..4]);
         // Shared positions need equal targets too, and every sequence
         // keeps a position of its own.
         assert_eq!(shared_positions(&b[0], &b[1]), 21);
