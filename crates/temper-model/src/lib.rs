@@ -110,16 +110,18 @@ pub const KEEP_FREE_BYTES: usize = 32 << 20;
 /// a free leaves more than its trim threshold there. On the tiny config that
 /// was 12% of a step's samples in page faults; with both thresholds raised
 /// the buffers are reused within the step, and [`release_memory`] still
-/// returns everything after it. Call it once, at startup (glibc only;
+/// returns them after it. Call it once, at startup (glibc only;
 /// elsewhere it does nothing).
 pub fn keep_heap_within_steps() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes glibc's allocation thresholds; it has no
     // preconditions and touches no live allocation.
     unsafe {
-        // 32 MB is glibc's largest mmap threshold on 64-bit targets.
+        // 32 MB is glibc's largest mmap threshold on 64-bit targets. A
+        // heap still shrinks by itself once 256 MB at its top is free (a
+        // server after a long prompt), beyond any tiny-config step.
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
     }
 }
 
