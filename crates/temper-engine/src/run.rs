@@ -679,9 +679,9 @@ fn sample_with(
 }
 
 /// Consecutive datums that share a scoring temperature, in packs of at most
-/// [`temper_model::PACK_TOKENS`] rows (see [`temper_model::pack_batch`]: a
-/// prefix that consecutive datums share, such as an RL group's prompt,
-/// counts once).
+/// [`temper_model::PACK_TOKENS`] rows beside their longest shared prefix
+/// (see [`temper_model::pack_batch`]: a prefix that consecutive datums
+/// share, such as an RL group's prompt, runs once).
 fn packs(data: &[Datum]) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0;

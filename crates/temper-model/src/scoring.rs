@@ -248,19 +248,24 @@ fn prefix_runs(batch: &[ScoreInput<'_>]) -> Vec<(std::ops::Range<usize>, usize)>
 }
 
 /// What `batch` costs against [`pack_batch`]'s budget: the rows
-/// [`Model::score_batch`] runs for it, less the prefixes its runs share
-/// (each run's prefix is one prompt; counting it would split an RL group
-/// over several packs and run its prompt once per pack).
+/// [`Model::score_batch`] runs for it (a shared prefix once), less its
+/// longest shared prefix. Counting that prefix would split an RL group with
+/// a long prompt over several packs and run the prompt once per pack; not
+/// counting the others keeps a pack's rows within the budget plus one
+/// prompt.
 fn pack_cost(batch: &[ScoreInput<'_>]) -> usize {
-    prefix_runs(batch)
-        .into_iter()
+    let runs = prefix_runs(batch);
+    let rows: usize = runs
+        .iter()
         .map(|(r, shared)| {
-            batch[r]
-                .iter()
-                .map(|s| s.input.len() - shared)
-                .sum::<usize>()
+            shared
+                + batch[r.clone()]
+                    .iter()
+                    .map(|s| s.input.len() - shared)
+                    .sum::<usize>()
         })
-        .sum()
+        .sum();
+    rows - runs.iter().map(|r| r.1).max().unwrap_or(0)
 }
 
 /// The packed forward of a batch: ids, targets, sequences (a run's shared
@@ -315,10 +320,9 @@ fn shared_layout(
 pub const PACK_TOKENS: usize = 256;
 
 /// Split a batch into consecutive packs for [`Model::score_batch`], each
-/// of at most `max_tokens` rows beside the prefixes that its sequences share
-/// (a pack runs at most `max_tokens` rows plus one prompt per group of
-/// sequences that share one; a sequence over the budget is a pack of its
-/// own). Returns index ranges into `batch`.
+/// of at most `max_tokens` rows beside its longest shared prefix (a prefix
+/// that consecutive sequences share runs once; a sequence over the budget
+/// is a pack of its own). Returns index ranges into `batch`.
 pub fn pack_batch(batch: &[ScoreInput<'_>], max_tokens: usize) -> Vec<std::ops::Range<usize>> {
     let mut packs = Vec::new();
     let mut start = 0;
@@ -380,7 +384,7 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_prefix_does_not_count_against_the_budget() {
+    fn a_packs_longest_shared_prefix_does_not_count_against_the_budget() {
         // Three completions of one 20-token prompt: the 19 positions whose
         // input and target lie in the prompt run once, and the pack's cost
         // is the 3 × 7 rows after them (not 3 × 26 = 78); then an unrelated
@@ -398,6 +402,19 @@ mod tests {
         assert_eq!(pack_cost(&b[..3]), 21);
         assert_eq!(pack_batch(&b, 21), vec![0..3, 3..4]);
         assert_eq!(pack_batch(&b, 20), vec![0..2, 2..3, 3..4]);
+        // Only the longest shared prefix is free: two groups of two
+        // completions after 20-token prompts cost 2 × 7 + 19 + 2 × 7.
+        let other = distinct(20, 3);
+        let with2 = |tail: &[u32]| [other.clone(), tail.to_vec()].concat();
+        let two = batch(&[
+            with(&[1, 2, 3, 4, 5, 6, 7]),
+            with(&[8, 8, 8, 8, 8, 8, 8]),
+            with2(&[1, 2, 3, 4, 5, 6, 7]),
+            with2(&[8, 8, 8, 8, 8, 8, 8]),
+        ]);
+        let two = inputs(&two);
+        assert_eq!(prefix_runs(&two), vec![(0..2, 19), (2..4, 19)]);
+        assert_eq!(pack_cost(&two), 14 + 19 + 14);
         // Shared positions need equal targets too, and every sequence
         // keeps a position of its own.
         assert_eq!(shared_positions(&b[0], &b[1]), 21);
