@@ -681,9 +681,7 @@ impl Model {
                 segments.iter().map(|s| s.len).collect::<Vec<_>>()
             )));
         }
-        self.check_ids(ids)?;
-        let idx = Tensor::new(ids, &self.device)?;
-        let x = self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?;
+        let x = self.embed_rows(ids)?;
         // Whole sequences on the CPU take `packed_attention`: its rotary
         // tables, read once for every layer.
         let packed = if fused_attention_supported(&x) && segments.iter().all(|s| s.cache.is_none())
@@ -721,9 +719,7 @@ impl Model {
                 ids.len()
             )));
         }
-        self.check_ids(ids)?;
-        let idx = Tensor::new(ids, &self.device)?;
-        let x = self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?;
+        let x = self.embed_rows(ids)?;
         if !fused_attention_supported(&x) {
             return Err(ModelError::InvalidInput(
                 "sequences that share a prefix need the fused CPU attention".into(),
@@ -739,6 +735,13 @@ impl Model {
             .collect();
         let x = self.layers_forward(x, &mut segments, Some(&packed), lora)?;
         rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
+    }
+
+    /// The embeddings of `ids` in the model's dtype.
+    fn embed_rows(&self, ids: &[u32]) -> Result<Tensor> {
+        self.check_ids(ids)?;
+        let idx = Tensor::new(ids, &self.device)?;
+        Ok(self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?)
     }
 
     /// The packed attention's plan: the sequences and rotary tables for the
@@ -966,8 +969,7 @@ impl Model {
             .flat_map(|&l| (0..lmax).map(move |j| if j < l { 0.0 } else { f32::NEG_INFINITY }))
             .collect();
         let mask = Tensor::from_vec(mask, (b, 1, 1, lmax), &self.device)?.to_dtype(self.dtype)?;
-        let idx = Tensor::new(ids, &self.device)?;
-        let mut x = self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?;
+        let mut x = self.embed_rows(ids)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let at = &layer.attn;
             let h = rms_norm(&x, &layer.input_norm, eps)?;
