@@ -108,7 +108,7 @@ pub fn packed_attention(
         .any(|(i, s)| s.after.is_some_and(|p| p >= i || seqs[p].after.is_some()));
     let longest = seqs
         .iter()
-        .map(|s| s.len + s.after.map_or(0, |p| seqs[p].len))
+        .map(|s| s.len + s.after.and_then(|p| seqs.get(p)).map_or(0, |p| p.len))
         .max()
         .unwrap_or(0);
     let bad = kv_heads == 0
@@ -910,6 +910,7 @@ mod tests {
             after: Some(p),
         };
         assert!(call(&[after(4, 1), PackedSeq::whole(6)], 10).is_err());
+        assert!(call(&[PackedSeq::whole(4), after(6, 7)], 10).is_err());
         assert!(call(&[PackedSeq::whole(4), after(3, 0), after(3, 1)], 10).is_err());
         assert!(call(&[PackedSeq::whole(4), after(6, 0)], 9).is_err());
         assert!(call(&[PackedSeq::whole(4), after(6, 0)], 10).is_ok());
