@@ -362,6 +362,19 @@ impl KvCache {
     }
 }
 
+/// A packed forward's `ids` must hold exactly the rows of its sequences,
+/// each at least one.
+fn check_rows(ids: &[u32], lens: impl Iterator<Item = usize> + Clone) -> Result<()> {
+    if lens.clone().sum::<usize>() != ids.len() || ids.is_empty() || lens.clone().any(|l| l == 0) {
+        return Err(ModelError::InvalidInput(format!(
+            "packed forward: {} ids for sequences of {:?} tokens",
+            ids.len(),
+            lens.collect::<Vec<_>>()
+        )));
+    }
+    Ok(())
+}
+
 /// The packed attention's plan for one whole-sequence forward.
 struct Packed {
     seqs: Vec<PackedSeq>,
@@ -673,14 +686,7 @@ impl Model {
         segments: &mut [Segment<'_>],
         lora: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
-        let total: usize = segments.iter().map(|s| s.len).sum();
-        if total != ids.len() || ids.is_empty() || segments.iter().any(|s| s.len == 0) {
-            return Err(ModelError::InvalidInput(format!(
-                "packed forward: {} ids for segments {:?}",
-                ids.len(),
-                segments.iter().map(|s| s.len).collect::<Vec<_>>()
-            )));
-        }
+        check_rows(ids, segments.iter().map(|s| s.len))?;
         let x = self.embed_rows(ids)?;
         // Whole sequences on the CPU take `packed_attention`: its rotary
         // tables, read once for every layer.
@@ -712,13 +718,7 @@ impl Model {
         seqs: &[PackedSeq],
         lora: Option<&LoraAdapter>,
     ) -> Result<Tensor> {
-        let total: usize = seqs.iter().map(|s| s.len).sum();
-        if total != ids.len() || ids.is_empty() || seqs.iter().any(|s| s.len == 0) {
-            return Err(ModelError::InvalidInput(format!(
-                "packed forward: {} ids for sequences {seqs:?}",
-                ids.len()
-            )));
-        }
+        check_rows(ids, seqs.iter().map(|s| s.len))?;
         let x = self.embed_rows(ids)?;
         if !fused_attention_supported(&x) {
             return Err(ModelError::InvalidInput(

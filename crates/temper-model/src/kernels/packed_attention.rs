@@ -232,13 +232,14 @@ fn scatter_heads(
         .par_chunks_mut(width)
         .enumerate()
         .for_each(|(i, row)| {
-            let mut tmp = vec![0f32; hd];
+            // Added rows go through a scratch row; written ones in place.
+            let mut tmp = if add { vec![0f32; hd] } else { Vec::new() };
             for h in 0..heads {
                 let at = (h * rows + from + i) * hd;
                 let s = &src[at..at + hd];
                 let o = &mut row[h * hd..(h + 1) * hd];
                 let p = first_pos + i;
-                let t = &mut tmp[..hd];
+                let t = if add { &mut tmp[..] } else { &mut *o };
                 match rope {
                     Some(r) => unrotate(
                         s,
@@ -249,9 +250,7 @@ fn scatter_heads(
                     None => t.copy_from_slice(s),
                 }
                 if add {
-                    o.iter_mut().zip(t.iter()).for_each(|(o, t)| *o += t);
-                } else {
-                    o.copy_from_slice(t);
+                    o.iter_mut().zip(&tmp).for_each(|(o, t)| *o += t);
                 }
             }
         });

@@ -82,3 +82,13 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
     let scale = b.abs().unwrap().max_all().unwrap();
     diff.to_scalar::<f32>().unwrap() / scale.to_scalar::<f32>().unwrap()
 }
+
+/// Each sequence as training input: tokens `[..n-1]`, targets `[1..]`.
+pub fn next_token_inputs(seqs: &[Vec<u32>]) -> Vec<temper_model::ScoreInput<'_>> {
+    seqs.iter()
+        .map(|s| temper_model::ScoreInput {
+            input: &s[..s.len() - 1],
+            targets: &s[1..],
+        })
+        .collect()
+}

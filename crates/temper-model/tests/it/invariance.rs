@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use temper_model::candle_core::Tensor;
 use temper_model::kernels::row_logprob;
-use temper_model::{KvCache, LoraAdapter, Model, Precision, ScoreInput, Segment};
+use temper_model::{KvCache, LoraAdapter, Model, Precision, Segment};
 
 use crate::common::*;
 
@@ -169,6 +169,24 @@ fn batched_decode(m: &Model, seqs: &[Vec<u32>], lora: Option<&LoraAdapter>) -> V
     out.iter().map(|v| bits(v)).collect()
 }
 
+/// `Model::score_batch` gives every sequence of `seqs` the logprob and
+/// entropy bits of `Model::score` on it alone.
+fn batch_matches_alone(m: &Model, seqs: &[Vec<u32>], lora: Option<&LoraAdapter>, what: &str) {
+    let batch = m
+        .score_batch(&next_token_inputs(seqs), lora, TEMPERATURE)
+        .expect("score_batch");
+    for (i, (got, s)) in batch.iter().zip(seqs).enumerate() {
+        let alone = m
+            .score(&s[..s.len() - 1], &s[1..], lora, TEMPERATURE)
+            .expect("score");
+        let b = |t: &Tensor| bits(&t.to_vec1::<f32>().expect("values"));
+        assert!(
+            b(&got.logprobs) == b(&alone.logprobs) && b(&got.entropy) == b(&alone.entropy),
+            "{what}: sequence {i}"
+        );
+    }
+}
+
 fn on_threads<T: Send>(n: usize, f: impl FnOnce() -> T + Send) -> T {
     rayon::ThreadPoolBuilder::new()
         .num_threads(n)
@@ -218,49 +236,11 @@ fn check_invariance(family: &str, precision: Precision) {
                 }
             }
             // The trainer's packed scoring (`Model::score_batch`, one forward
-            // for the whole batch), logprobs and entropies.
-            let inputs: Vec<ScoreInput<'_>> = seqs
-                .iter()
-                .map(|s| ScoreInput {
-                    input: &s[..s.len() - 1],
-                    targets: &s[1..],
-                })
-                .collect();
-            let batch = m.score_batch(&inputs, l, TEMPERATURE).expect("score_batch");
-            for (i, got) in batch.iter().enumerate() {
-                let lp = got.logprobs.to_vec1::<f32>().expect("logprobs");
-                assert!(bits(&lp) == want[i], "{what}: sequence {i} in score_batch");
-            }
-            for (i, s) in seqs.iter().enumerate().take(4) {
-                let alone = m
-                    .score(&s[..s.len() - 1], &s[1..], l, TEMPERATURE)
-                    .expect("score");
-                let e = |t: &Tensor| bits(&t.to_vec1::<f32>().expect("entropy"));
-                assert!(
-                    e(&batch[i].entropy) == e(&alone.entropy),
-                    "{what}: entropy of sequence {i} in score_batch"
-                );
-            }
-            // Sequences that share a prompt: `score_batch` runs it once.
+            // for the whole batch), logprobs and entropies: random sequences,
+            // then sequences that share a prompt (run once).
+            batch_matches_alone(m, &seqs, l, &format!("{what}: score_batch"));
             let groups = prompt_groups(m.config().vocab_size, 13);
-            let inputs: Vec<ScoreInput<'_>> = groups
-                .iter()
-                .map(|s| ScoreInput {
-                    input: &s[..s.len() - 1],
-                    targets: &s[1..],
-                })
-                .collect();
-            let batch = m.score_batch(&inputs, l, TEMPERATURE).expect("score_batch");
-            for (i, (got, s)) in batch.iter().zip(&groups).enumerate() {
-                let alone = m
-                    .score(&s[..s.len() - 1], &s[1..], l, TEMPERATURE)
-                    .expect("score");
-                let b = |t: &Tensor| bits(&t.to_vec1::<f32>().expect("values"));
-                assert!(
-                    b(&got.logprobs) == b(&alone.logprobs) && b(&got.entropy) == b(&alone.entropy),
-                    "{what}: sequence {i} after a shared prompt"
-                );
-            }
+            batch_matches_alone(m, &groups, l, &format!("{what}: after a shared prompt"));
             // Prefill chunks, decode steps, and the server's batched decode.
             for (i, s) in seqs.iter().enumerate().take(8) {
                 for chunk in [1, 7, 64] {

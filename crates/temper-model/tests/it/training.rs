@@ -2,9 +2,7 @@
 //! every trainable tensor and agree with finite differences.
 
 use temper_model::candle_core::{DType, Tensor, Var};
-use temper_model::{
-    GenerationRequest, LoraAdapter, LoraConfig, Sampler, SamplingParams, ScoreInput,
-};
+use temper_model::{GenerationRequest, LoraAdapter, LoraConfig, Sampler, SamplingParams};
 
 use crate::common::*;
 
@@ -67,14 +65,10 @@ fn sampler_logprobs_equal_training_forward_for_batches_1_to_8() {
                     .map(|(r, o)| r.prompt.iter().chain(&o[0].tokens).copied().collect())
                     .collect();
                 for temp in [1.0, 0.7] {
-                    let batch_in: Vec<ScoreInput> = fulls
-                        .iter()
-                        .map(|f| ScoreInput {
-                            input: &f[..f.len() - 1],
-                            targets: &f[1..],
-                        })
-                        .collect();
-                    let scores = p.model.score_batch(&batch_in, lora, temp).expect("score");
+                    let scores = p
+                        .model
+                        .score_batch(&next_token_inputs(&fulls), lora, temp)
+                        .expect("score");
                     for ((r, o), s) in reqs.iter().zip(&out).zip(scores) {
                         if r.params.temperature != temp {
                             continue;
@@ -153,16 +147,9 @@ fn a_shared_prompt_gives_the_gradients_of_scoring_each_alone() {
         let tails: [&[u32]; 3] = [&[5, 9, 13, 2], &[5, 9, 40], &[77, 3, 3, 3, 8, 1]];
         let seqs: Vec<Vec<u32>> = tails.iter().map(|t| [&prompt[..], t].concat()).collect();
         let a = adapter(&p, name);
-        let inputs: Vec<ScoreInput<'_>> = seqs
-            .iter()
-            .map(|s| ScoreInput {
-                input: &s[..s.len() - 1],
-                targets: &s[1..],
-            })
-            .collect();
         let scores = p
             .model
-            .score_batch(&inputs, Some(&a), 1.0)
+            .score_batch(&next_token_inputs(&seqs), Some(&a), 1.0)
             .expect("score_batch");
         let mut shared = scores[0].logprobs.sum_all().unwrap();
         for s in &scores[1..] {
