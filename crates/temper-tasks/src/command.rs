@@ -315,7 +315,10 @@ impl Agent for CommandAgent {
         metadata.insert(
             "process_cleanup".into(),
             json!(if tree.is_tracking() {
-                format!("cgroup ({}): {leftovers} left over, killed", tree.mode())
+                format!(
+                    "cgroup ({}): {leftovers} process(es) still in it at the end, killed",
+                    tree.mode()
+                )
             } else {
                 format!("process group only ({})", tree.mode())
             }),
