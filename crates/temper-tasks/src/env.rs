@@ -167,13 +167,14 @@ impl TrialEnv {
         let mut executable = Vec::new();
         let mut upload = BTreeMap::new();
         let script = if src.kind == files::Kind::Dir {
-            for (under, entry) in src.files(task_dir)? {
+            src.for_each_file(task_dir, |under, entry| {
                 let rel_s = under.to_string_lossy().into_owned();
                 if entry.is_executable() {
                     executable.push(format!("{}/{rel_s}", dest.trim_end_matches('/')));
                 }
                 upload.insert(format!("{stage}/{rel_s}"), entry.read(task_dir)?);
-            }
+                Ok(())
+            })?;
             format!(
                 "mkdir -p -- {d} && if [ -d /work/{stage} ]; then cp -R /work/{stage}/. {d}/; fi",
                 d = shell_quote(dest)

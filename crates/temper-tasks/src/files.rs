@@ -258,14 +258,17 @@ impl Entry {
         self.mode & 0o111 != 0
     }
 
-    /// Every regular file below this directory, as (path relative to this
-    /// directory, entry), sorted; a symlink or special file anywhere below
-    /// is refused like in [`open`].
-    pub fn files(self, task_dir: &Path) -> Result<Vec<(PathBuf, Entry)>, TaskError> {
-        let mut out = Vec::new();
+    /// Calls `visit` with every regular file below this directory (its
+    /// path relative to this directory, the opened entry), in name order;
+    /// a symlink or special file anywhere below is refused like in
+    /// [`open`]. One file is open at a time (plus one per directory level).
+    pub fn for_each_file(
+        self,
+        task_dir: &Path,
+        mut visit: impl FnMut(&Path, Entry) -> Result<(), TaskError>,
+    ) -> Result<(), TaskError> {
         let base = self.rel.clone();
-        walk(task_dir, self, &base, &mut out)?;
-        Ok(out)
+        walk(task_dir, self, &base, &mut visit)
     }
 }
 
@@ -273,7 +276,7 @@ fn walk(
     task_dir: &Path,
     dir: Entry,
     base: &Path,
-    out: &mut Vec<(PathBuf, Entry)>,
+    visit: &mut dyn FnMut(&Path, Entry) -> Result<(), TaskError>,
 ) -> Result<(), TaskError> {
     let fd = OwnedFd::from(dir.file);
     // The names of exactly the directory that was checked (its descriptor),
@@ -292,11 +295,8 @@ fn walk(
             continue; // removed meanwhile
         };
         match entry.kind {
-            Kind::Dir => walk(task_dir, entry, base, out)?,
-            Kind::File => {
-                let under = rel.strip_prefix(base).unwrap_or(&rel).to_path_buf();
-                out.push((under, entry));
-            }
+            Kind::Dir => walk(task_dir, entry, base, visit)?,
+            Kind::File => visit(rel.strip_prefix(base).unwrap_or(&rel), entry)?,
         }
     }
     Ok(())
@@ -323,13 +323,16 @@ mod tests {
         std::fs::write(d.join("instruction.md"), "do it").expect("write");
         assert_eq!(read_to_string(d, "instruction.md").expect("read"), "do it");
         assert!(open(d, Path::new("missing.md")).expect("open").is_none());
-        let files = open(d, Path::new("tests"))
+        let mut names = Vec::new();
+        open(d, Path::new("tests"))
             .expect("open")
             .expect("exists")
-            .files(d)
+            .for_each_file(d, |p, e| {
+                names.push((p.to_path_buf(), e.read(d)?));
+                Ok(())
+            })
             .expect("walk");
-        let names: Vec<_> = files.iter().map(|(p, _)| p.clone()).collect();
-        assert_eq!(names, vec![PathBuf::from("sub/a.txt")]);
+        assert_eq!(names, vec![(PathBuf::from("sub/a.txt"), b"a".to_vec())]);
 
         // The file itself, a parent directory, an entry in a walked one.
         symlink("/etc/passwd", d.join("link.md")).expect("symlink");
@@ -340,7 +343,7 @@ mod tests {
         let e = open(d, Path::new("tests"))
             .expect("open")
             .expect("exists")
-            .files(d)
+            .for_each_file(d, |_, _| Ok(()))
             .expect_err("walked through a symlink");
         assert!(e.to_string().contains("tests/sub/etc"), "{e}");
         // Climbing out, and special files.
