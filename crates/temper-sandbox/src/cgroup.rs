@@ -266,42 +266,161 @@ impl Cgroups {
     /// A fresh cgroup limited to `memory_bytes` and `max_pids`; None in
     /// the fallback mode.
     pub(crate) fn create(&self, memory_bytes: u64, max_pids: u64) -> io::Result<Option<RunCgroup>> {
-        let name = format!("run-{}", self.next.fetch_add(1, Ordering::Relaxed));
-        let cg = match &self.mode {
+        let Some(cg) = self.create_dirs("run")? else {
+            return Ok(None);
+        };
+        if cg.v2 {
+            write(&cg.dirs[0].join("pids.max"), &max_pids.to_string())?;
+            let _ = write(&cg.dirs[0].join("memory.swap.max"), "0");
+            let _ = write(&cg.dirs[0].join("memory.oom.group"), "1");
+        } else if let Some(pids) = cg.dirs.get(1) {
+            write(&pids.join("pids.max"), &max_pids.to_string())?;
+        }
+        cg.set_memory(memory_bytes)?;
+        Ok(Some(cg))
+    }
+
+    /// A fresh cgroup without limits (one per hierarchy we use), named
+    /// `PREFIX-N`; None in the fallback mode.
+    fn create_dirs(&self, prefix: &str) -> io::Result<Option<RunCgroup>> {
+        let name = format!("{prefix}-{}", self.next.fetch_add(1, Ordering::Relaxed));
+        let (v2, parents): (bool, Vec<&PathBuf>) = match &self.mode {
             RunLimits::Rlimits(_) => return Ok(None),
-            RunLimits::CgroupV2(parent) => {
-                let dir = parent.join(&name);
-                std::fs::create_dir(&dir)?;
-                let cg = RunCgroup {
-                    v2: true,
-                    dirs: vec![dir.clone()],
-                    _parent: self.parent.clone(),
-                };
-                write(&dir.join("pids.max"), &max_pids.to_string())?;
-                let _ = write(&dir.join("memory.swap.max"), "0");
-                let _ = write(&dir.join("memory.oom.group"), "1");
-                cg.set_memory(memory_bytes)?;
-                cg
-            }
+            RunLimits::CgroupV2(parent) => (true, vec![parent]),
             RunLimits::CgroupV1 { memory, pids } => {
-                let dir = memory.join(&name);
-                std::fs::create_dir(&dir)?;
-                let mut cg = RunCgroup {
-                    v2: false,
-                    dirs: vec![dir],
-                    _parent: self.parent.clone(),
-                };
-                if let Some(p) = pids {
-                    let dir = p.join(&name);
-                    std::fs::create_dir(&dir)?;
-                    cg.dirs.push(dir.clone());
-                    write(&dir.join("pids.max"), &max_pids.to_string())?;
-                }
-                cg.set_memory(memory_bytes)?;
-                cg
+                (false, std::iter::once(memory).chain(pids).collect())
             }
         };
+        let mut cg = RunCgroup {
+            v2,
+            dirs: Vec::new(),
+            _parent: self.parent.clone(),
+        };
+        for p in parents {
+            let dir = p.join(&name);
+            std::fs::create_dir(&dir)?;
+            // Pushed at once: dropping `cg` on a later error removes it.
+            cg.dirs.push(dir);
+        }
         Ok(Some(cg))
+    }
+}
+
+/// A cgroup for a program run on the host (the tasks `command` agent),
+/// so that every process it starts — including one that calls `setsid` or
+/// double-forks out of its process group — can be killed when it is done.
+///
+/// The program joins the cgroup between `fork` and `exec`, before it can
+/// start anything. Where no cgroup is writable ([`RunLimits::Rlimits`]),
+/// nothing is tracked: callers fall back to killing the program's process
+/// group, which a process that left the group survives.
+#[derive(Debug)]
+pub struct HostCgroup {
+    cgroup: Option<RunCgroup>,
+    /// `cgroup.procs` of each hierarchy, open for the child to write `0`.
+    procs: Vec<std::fs::File>,
+    mode: RunLimits,
+}
+
+/// The cgroup parent of host programs, shared by the whole process.
+fn host_cgroups() -> &'static Cgroups {
+    static HOST: std::sync::OnceLock<Cgroups> = std::sync::OnceLock::new();
+    HOST.get_or_init(Cgroups::detect)
+}
+
+impl HostCgroup {
+    /// A fresh, empty cgroup (or the fallback, with the reason).
+    pub fn new() -> HostCgroup {
+        let cgroups = host_cgroups();
+        let made = cgroups.create_dirs("host").and_then(|cg| {
+            let procs = cg
+                .iter()
+                .flat_map(|c| &c.dirs)
+                .map(|d| {
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(d.join("cgroup.procs"))
+                })
+                .collect::<io::Result<Vec<_>>>()?;
+            Ok((cg, procs))
+        });
+        match made {
+            Ok((Some(cg), procs)) => HostCgroup {
+                cgroup: Some(cg),
+                procs,
+                mode: cgroups.mode().clone(),
+            },
+            Ok((None, _)) => HostCgroup {
+                cgroup: None,
+                procs: Vec::new(),
+                mode: cgroups.mode().clone(),
+            },
+            Err(e) => {
+                tracing::warn!("no cgroup for a host program ({e}): its process group only");
+                HostCgroup {
+                    cgroup: None,
+                    procs: Vec::new(),
+                    mode: RunLimits::Rlimits(format!("creating a cgroup: {e}")),
+                }
+            }
+        }
+    }
+
+    /// How this cgroup tracks processes (`Rlimits`: it does not).
+    pub fn mode(&self) -> &RunLimits {
+        &self.mode
+    }
+
+    /// Whether processes are tracked (a cgroup could be made).
+    pub fn is_tracking(&self) -> bool {
+        self.cgroup.is_some()
+    }
+
+    /// Makes `cmd`'s process join this cgroup after `fork`, before `exec`
+    /// (a failure to join fails the spawn). No-op in the fallback mode.
+    pub fn attach(&self, cmd: &mut std::process::Command) {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let fds: Vec<i32> = self.procs.iter().map(|f| f.as_raw_fd()).collect();
+        if fds.is_empty() {
+            return;
+        }
+        // SAFETY: the closure only calls write(2) (async-signal-safe) on
+        // descriptors that stay open for as long as `self` lives, which
+        // spans the spawn; it allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                for fd in &fds {
+                    // "0": the writing process itself.
+                    if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+    }
+
+    /// SIGKILL to every process in the cgroup, repeated until it is empty
+    /// (at most `wait`); returns how many processes were signalled.
+    pub fn kill_all(&self, wait: Duration) -> usize {
+        match &self.cgroup {
+            Some(cg) => cg.kill_all(wait),
+            None => 0,
+        }
+    }
+}
+
+impl Drop for HostCgroup {
+    /// Nothing the program started outlives this value.
+    fn drop(&mut self) {
+        self.kill_all(Duration::from_secs(2));
+    }
+}
+
+impl Default for HostCgroup {
+    fn default() -> Self {
+        HostCgroup::new()
     }
 }
 
@@ -361,6 +480,83 @@ impl RunCgroup {
                 })
             })
             .unwrap_or(0)
+    }
+}
+
+/// The pids listed in `dir/cgroup.procs`.
+fn procs_of(dir: &Path) -> Vec<i32> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// SIGKILL to the process `pid` still is once its pid has been seen again
+/// in the cgroup after we took hold of it (a pidfd), so a pid reused by an
+/// unrelated process is never signalled.
+fn kill_member(dir: &Path, pid: i32) -> bool {
+    // SAFETY: pidfd_open takes a pid and flags; returns a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
+            // Before Linux 5.3: a plain kill (the pid was just listed).
+            // SAFETY: kill(2), no memory involved.
+            return unsafe { libc::kill(pid, libc::SIGKILL) } == 0;
+        }
+        return false; // gone already
+    }
+    // SAFETY: a descriptor just returned by pidfd_open, owned from here on.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    if !procs_of(dir).contains(&pid) {
+        return false;
+    }
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_send_signal on our pidfd, no siginfo.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0u32,
+        )
+    };
+    r == 0
+}
+
+impl RunCgroup {
+    /// Kills every process in the cgroup: `cgroup.kill` on cgroup v2
+    /// (Linux 5.14+), else SIGKILL to each pid in `cgroup.procs`, round
+    /// after round until none is left (a process forked mid-round is in
+    /// the next) or `wait` has passed. Returns how many were signalled.
+    pub(crate) fn kill_all(&self, wait: Duration) -> usize {
+        let dir = &self.dirs[0];
+        let deadline = std::time::Instant::now() + wait;
+        let mut signalled = 0;
+        let mut group_killed = false;
+        loop {
+            let pids = procs_of(dir);
+            if pids.is_empty() {
+                return signalled;
+            }
+            if self.v2 && !group_killed {
+                group_killed = write(&dir.join("cgroup.kill"), "1").is_ok();
+                if group_killed {
+                    signalled += pids.len();
+                }
+            }
+            if !group_killed {
+                signalled += pids.iter().filter(|p| kill_member(dir, **p)).count();
+            }
+            if std::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    "processes still in {} after {wait:?}: {:?}",
+                    dir.display(),
+                    procs_of(dir)
+                );
+                return signalled;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 }
 

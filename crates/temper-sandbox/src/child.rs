@@ -90,6 +90,10 @@ pub(crate) enum Step {
 
 /// Everything the child needs, built by the parent before `clone`.
 pub(crate) struct Plan<'a> {
+    /// `[start, end)` of the parent's argument and environment blocks (the
+    /// strings `/proc/PID/cmdline` and `environ` show), blanked in the
+    /// child's copy of the address space.
+    pub host_blocks: [(u64, u64); 2],
     /// Where the new root's tmpfs is mounted before `pivot_root`.
     pub staging: CString,
     pub system_steps: &'a [Step],
@@ -335,12 +339,44 @@ fn loopback_up() {
     }
 }
 
+/// What the init's `/proc/1/cmdline` and `comm` say instead of the host's.
+const INIT_NAME: &[u8] = b"sandbox-init\0";
+
+/// Overwrites this process's copy of the host's argument and environment
+/// blocks: `/proc/1/cmdline` (readable by anyone in the namespace, unlike
+/// `environ` and `mem`) would otherwise show the host's full command line,
+/// flags and paths included. The blocks stay their size (only the kernel
+/// may move them), so cmdline reads `sandbox-init` and NULs.
+///
+/// # Safety
+/// `blocks` must be ranges of writable memory of this process that nothing
+/// here reads again (the parent's argv and environ strings: the child uses
+/// only `plan`'s own copies).
+unsafe fn blank_host_blocks(blocks: &[(u64, u64); 2]) {
+    for (i, &(start, end)) in blocks.iter().enumerate() {
+        let Ok(len) = usize::try_from(end.saturating_sub(start)) else {
+            continue;
+        };
+        if len == 0 {
+            continue;
+        }
+        let base = start as usize as *mut u8;
+        std::ptr::write_bytes(base, 0, len);
+        if i == 0 && len >= INIT_NAME.len() {
+            std::ptr::copy_nonoverlapping(INIT_NAME.as_ptr(), base, INIT_NAME.len());
+        }
+    }
+    libc::prctl(libc::PR_SET_NAME, INIT_NAME.as_ptr());
+}
+
 /// The child's entry point: becomes pid 1 of the new namespaces, builds the
 /// root, forks the program, waits for it, kills what it left behind and
 /// reports the exit status. Never returns.
 pub(crate) fn main(plan: &Plan) -> ! {
-    // SAFETY: only system calls on memory prepared by the parent.
+    // SAFETY: only system calls on memory prepared by the parent, and the
+    // blanking of our private copy of the host's argv/environ strings.
     unsafe {
+        blank_host_blocks(&plan.host_blocks);
         // Our descriptors to fixed numbers 0..=4, everything else closed
         // (the parent's sockets and other sandboxes' pipes leak into clone).
         let mut high = [-1 as c_int; 6];

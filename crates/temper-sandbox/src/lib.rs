@@ -50,7 +50,7 @@ mod session;
 mod testcases;
 mod types;
 
-pub use cgroup::RunLimits;
+pub use cgroup::{HostCgroup, RunLimits};
 pub use client::{Client, ClientError};
 pub use doctor::{doctor, Layer};
 pub use error::SandboxError;

@@ -509,7 +509,13 @@ impl Sandbox {
         let (sync_r, sync_w) = pipe()?;
         let (status_r, status_w) = pipe()?;
 
+        // The init's copy of the host's argument and environment blocks,
+        // blanked in the child: a sandbox must not read `temper ...`'s
+        // command line at /proc/1/cmdline.
+        let host_blocks = crate::secret::arg_env_ranges()
+            .map_err(|e| SandboxError::host("read this process's argument block", e))?;
         let plan = Plan {
+            host_blocks,
             staging: cstring(STAGING)?,
             system_steps: &self.system_steps,
             bind_sources: &self.bind_sources,

@@ -6,7 +6,10 @@
 //! occurrence of the secret in those two blocks of this process, so neither
 //! `ps` on the host (after start-up) nor any sandbox cloned later sees it.
 //! The init is also non-dumpable (`/proc/1/mem`, `environ` closed), and the
-//! pid namespace shows no other service process.
+//! pid namespace shows no other service process. Beyond the secret, every
+//! sandbox's init blanks its own copy of both blocks right after `clone`
+//! (see `child.rs`), so `/proc/1/cmdline` inside shows `sandbox-init`, not
+//! the host's command line (`temper tasks run ...` and its flags).
 
 use std::fs::OpenOptions;
 use std::io;
@@ -22,7 +25,7 @@ pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// The `[arg_start, arg_end)` and `[env_start, env_end)` ranges of this
 /// process, from fields 48–51 of `/proc/self/stat`.
-fn arg_env_ranges() -> io::Result<[(u64, u64); 2]> {
+pub(crate) fn arg_env_ranges() -> io::Result<[(u64, u64); 2]> {
     let stat = std::fs::read_to_string("/proc/self/stat")?;
     // The command name may hold spaces and parentheses: fields start after
     // the last `)`, with field 3 (state) first.

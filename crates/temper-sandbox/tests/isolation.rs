@@ -511,3 +511,114 @@ fn other_sandboxes_work_dirs_are_invisible() {
     });
     assert_no_leftovers();
 }
+
+/// Strings of this process's command line and initial environment that
+/// are long enough to be recognisable (and not generic).
+fn host_strings() -> Vec<String> {
+    let mut out: Vec<String> = std::env::args().filter(|a| a.len() >= 6).collect();
+    let environ = std::fs::read("/proc/self/environ").expect("environ");
+    out.extend(
+        String::from_utf8_lossy(&environ)
+            .split('\0')
+            .filter(|e| e.len() >= 12)
+            .map(str::to_string),
+    );
+    out
+}
+
+/// Issue 31, item 9: a sandbox's init is a clone of the host process, so
+/// its `/proc/1/cmdline` used to show the host's whole command line (for
+/// `temper tasks run ...`, every flag and path). The init blanks its copy:
+/// nothing of the host's argv or environment is readable from inside,
+/// through a one-shot run or a warm pool worker (sessions).
+#[test]
+fn issue31_proc1_cmdline_shows_no_host_command_line() {
+    let Some((sb, _g)) = sandbox("issue31_proc1_cmdline_shows_no_host_command_line") else {
+        return;
+    };
+    // Every process the sandbox can see: cmdline and comm; the init's
+    // environ (the others' is the sandbox's own environment).
+    let probe = "for p in /proc/[0-9]*; do\n\
+                   tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo\n\
+                   cat $p/comm 2>/dev/null\n\
+                 done\n\
+                 tr '\\0' ' ' < /proc/1/environ 2>/dev/null\n\
+                 echo; tr '\\0' '|' < /proc/1/cmdline";
+    let host = host_strings();
+    assert!(!host.is_empty());
+    let one_shot = run(sb, Language::Bash, probe, 10);
+    assert_eq!(one_shot.return_code, Some(0), "{}", one_shot.stderr);
+    let session = temper_sandbox::Session::new(
+        std::sync::Arc::new(Sandbox::new(SandboxConfig::default()).expect("sandbox")),
+        temper_sandbox::SessionConfig::default(),
+    )
+    .expect("session");
+    let warm = session
+        .exec(probe, None, &BTreeMap::new(), Duration::from_secs(10))
+        .expect("exec");
+    drop(session);
+    for (what, r) in [("one-shot run", &one_shot), ("session", &warm)] {
+        for s in &host {
+            assert!(
+                !r.stdout.contains(s.as_str()),
+                "{what}: the host's {s:?} is visible:\n{}",
+                r.stdout
+            );
+        }
+        let last = r.stdout.trim_end().lines().last().unwrap_or_default();
+        assert!(last.starts_with("sandbox-init|"), "{what}: {last:?}");
+        assert!(r.stdout.contains("sandbox-init\n"), "{what}: comm");
+    }
+    assert_no_leftovers();
+}
+
+/// Host processes whose command line holds `marker`.
+fn host_processes_with(marker: &str) -> Vec<String> {
+    std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(marker))
+        .collect()
+}
+
+/// Issue 31, item 9: a host program attached to a [`HostCgroup`] cannot
+/// leave anything behind by leaving its process group: a `setsid` child
+/// and a double-forked one are killed by `kill_all` (and by drop).
+#[test]
+fn issue31_host_cgroup_kills_children_that_left_the_process_group() {
+    // One test at a time, like the rest of the suite.
+    let _g = env().lock.lock().unwrap_or_else(|e| e.into_inner());
+    let cg = temper_sandbox::HostCgroup::new();
+    if !cg.is_tracking() {
+        eprintln!(
+            "SKIPPED issue31_host_cgroup_kills_children_that_left_the_process_group: \
+             no writable cgroup: {}",
+            cg.mode()
+        );
+        return;
+    }
+    let marker = "6421.77";
+    let mut cmd = std::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(format!(
+            "setsid sleep {marker} </dev/null >/dev/null 2>&1 &\n\
+             ( setsid sh -c 'sleep {marker}1' </dev/null >/dev/null 2>&1 & ) &\n\
+             sleep 0.2"
+        ))
+        .stdout(std::process::Stdio::null());
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    cg.attach(&mut cmd);
+    let status = cmd.status().expect("sh runs");
+    assert!(status.success());
+    // The program is gone; its children live on outside its group.
+    let started = host_processes_with(marker);
+    assert!(started.len() >= 2, "the children started: {started:?}");
+    let killed = cg.kill_all(Duration::from_secs(2));
+    assert!(killed >= 2, "signalled {killed}");
+    let left = host_processes_with(marker);
+    assert!(left.is_empty(), "outlived kill_all: {left:?}");
+    // Dropping an unused one kills nothing and leaves no cgroup behind.
+    drop(cg);
+}

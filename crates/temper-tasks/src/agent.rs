@@ -182,19 +182,31 @@ impl Agent for Oracle {
     }
     fn run(&self, ctx: &AgentContext<'_>) -> AgentOutcome {
         let mut t = Trajectory::new(ctx.trial_name, self.atif_agent(), &ctx.task.instruction);
-        let Some(solution) = ctx.task.solution() else {
-            return finished(
-                t,
-                Some(AgentFailure {
-                    kind: "NoSolution".into(),
-                    message: "the task has no solution/solve.sh".into(),
-                    env_alive: true,
-                }),
-            );
+        let no_solution = |message: String| AgentFailure {
+            kind: "NoSolution".into(),
+            message,
+            env_alive: true,
         };
-        let dir = solution.parent().unwrap_or(Path::new("."));
-        if let Err(e) = ctx.env.put(dir, "/solution") {
-            return finished(t, Some(sandbox_failure(&e)));
+        match ctx.task.has_solution() {
+            Ok(true) => {}
+            Ok(false) => {
+                return finished(
+                    t,
+                    Some(no_solution("the task has no solution/solve.sh".into())),
+                )
+            }
+            Err(e) => return finished(t, Some(no_solution(e.to_string()))),
+        }
+        match ctx
+            .env
+            .put(&ctx.task.dir, Path::new("solution"), "/solution")
+        {
+            Ok(()) => {}
+            // A refused task file: the session itself is fine.
+            Err(e @ crate::TaskError::InvalidTask { .. }) => {
+                return finished(t, Some(no_solution(e.to_string())))
+            }
+            Err(e) => return finished(t, Some(sandbox_failure(&e))),
         }
         let command = "bash /solution/solve.sh";
         let env: BTreeMap<String, String> = ctx.task.config.solution.env.clone();

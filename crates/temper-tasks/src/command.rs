@@ -19,8 +19,13 @@
 //! - `TEMPER_TRAJECTORY_FILE`: where it may write its own ATIF trajectory
 //!   (otherwise the trajectory records its exec calls).
 //!
-//! The exec endpoint listens on 127.0.0.1 only, for this trial only. The
-//! program's whole process group is killed at the agent's deadline.
+//! The exec endpoint listens on 127.0.0.1 only, for this trial only. When
+//! the program exits or reaches the agent's deadline, its whole process
+//! group is killed, and so is every process in its cgroup
+//! ([`temper_sandbox::HostCgroup`]): a child that called `setsid` or
+//! double-forked is gone before the verifier runs. Where no cgroup is
+//! writable (unprivileged, no delegation) only the process group is killed,
+//! and the trial's `process_cleanup` metadata says so.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -208,8 +213,12 @@ impl Agent for CommandAgent {
         if let Some(m) = &self.model {
             cmd.env("OPENAI_MODEL", m);
         }
-        // Its own process group, so the deadline kills everything it started.
+        // Its own process group and, where the host allows, its own cgroup:
+        // a child that leaves the group (`setsid`, a daemon's double fork)
+        // stays in the cgroup and is killed with the rest.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let tree = temper_sandbox::HostCgroup::new();
+        tree.attach(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -296,11 +305,24 @@ impl Agent for CommandAgent {
                 break None;
             }
         };
-        // Also what an exited program left running in its group.
+        // Also what an exited program left running: its group, then every
+        // process in its cgroup (those that left the group).
         kill_group(child.id());
         if status.is_none() {
             let _ = child.wait();
         }
+        let leftovers = tree.kill_all(Duration::from_secs(2));
+        metadata.insert(
+            "process_cleanup".into(),
+            json!(if tree.is_tracking() {
+                format!(
+                    "cgroup ({}): {leftovers} process(es) still in it at the end, killed",
+                    tree.mode()
+                )
+            } else {
+                format!("process group only ({})", tree.mode())
+            }),
+        );
         server.abort();
         if let Some(s) = status {
             metadata.insert("exit_code".into(), json!(s.code()));

@@ -22,7 +22,7 @@
 use std::collections::BTreeSet;
 use std::path::{Component, Path, PathBuf};
 
-use crate::TaskError;
+use crate::{files, TaskError};
 
 /// Directories the host provides read-only; nothing can be copied there.
 const SYSTEM: &[&str] = &[
@@ -36,10 +36,11 @@ pub const DEFAULT_WORKDIR: &str = "/app";
 /// One setup step, in Dockerfile order.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SetupStep {
-    /// Copy host `src` (a file or a directory, inside `environment/`) to
-    /// `dest` (absolute; a trailing `/` or a directory source means "into").
+    /// Copy the task's `src` (a file or a directory, inside `environment/`)
+    /// to `dest` (absolute; a trailing `/` or a directory source means
+    /// "into").
     Copy {
-        /// Host path.
+        /// Path relative to the task directory (`environment/...`).
         src: PathBuf,
         /// Absolute path in the sandbox.
         dest: String,
@@ -193,6 +194,29 @@ fn words(args: &str) -> Vec<String> {
     out
 }
 
+/// The build context, relative to the task directory.
+const CONTEXT: &str = "environment";
+
+/// `src` of a `COPY` as a path relative to the task directory, inside the
+/// build context (a leading `/` is the context's root, as in Docker);
+/// `None` when `..` climbs out of it.
+fn in_context(src: &str) -> Option<PathBuf> {
+    let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
+    for c in Path::new(src).components() {
+        match c {
+            Component::Normal(n) => parts.push(n),
+            Component::RootDir | Component::CurDir => {}
+            Component::ParentDir => {
+                parts.pop()?;
+            }
+            Component::Prefix(_) => return None,
+        }
+    }
+    let mut rel = PathBuf::from(CONTEXT);
+    rel.extend(parts);
+    Some(rel)
+}
+
 /// `'...'` for bash.
 pub(crate) fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
@@ -201,20 +225,22 @@ pub(crate) fn shell_quote(s: &str) -> String {
 /// Parses `environment/Dockerfile` of the task at `task_dir` (context =
 /// `environment/`).
 pub fn plan(task_dir: &Path) -> Result<EnvPlan, TaskError> {
-    let context = task_dir.join("environment");
-    let path = context.join("Dockerfile");
     let mut plan = EnvPlan::empty();
-    if !path.is_file() {
+    if files::open(task_dir, Path::new(CONTEXT))?.is_none() {
         return Ok(plan);
     }
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| TaskError::io("read Dockerfile", path.clone(), e))?;
+    let Some(dockerfile) = files::open(task_dir, &Path::new(CONTEXT).join("Dockerfile"))? else {
+        return Ok(plan);
+    };
+    let text =
+        String::from_utf8(dockerfile.read(task_dir)?).map_err(|_| TaskError::InvalidTask {
+            dir: task_dir.to_path_buf(),
+            reason: "environment/Dockerfile is not UTF-8".into(),
+        })?;
     let unsupported = |reason: String| TaskError::Unsupported {
         dir: task_dir.to_path_buf(),
         reason,
     };
-    let context = std::fs::canonicalize(&context)
-        .map_err(|e| TaskError::io("open build context", context.clone(), e))?;
     plan.writable.clear();
     let mut workdir = "/".to_string();
     let mut set_workdir = false;
@@ -270,11 +296,14 @@ pub fn plan(task_dir: &Path) -> Result<EnvPlan, TaskError> {
                             "{op} {src}: URLs and wildcards are not supported"
                         )));
                     }
-                    let host = std::fs::canonicalize(context.join(&src))
-                        .map_err(|e| unsupported(format!("{op} {src}: {e}")))?;
-                    if !host.starts_with(&context) {
+                    let rel = in_context(&src).ok_or_else(|| {
+                        unsupported(format!("{op} {src} lies outside the build context"))
+                    })?;
+                    // Checked (no symlinks) here and read through `files`
+                    // again when copied.
+                    if files::open(task_dir, &rel)?.is_none() {
                         return Err(unsupported(format!(
-                            "{op} {src} lies outside the build context"
+                            "{op} {src}: no such file in the build context"
                         )));
                     }
                     let dest = if into && !dest_abs.ends_with('/') {
@@ -282,7 +311,7 @@ pub fn plan(task_dir: &Path) -> Result<EnvPlan, TaskError> {
                     } else {
                         dest_abs.clone()
                     };
-                    plan.steps.push(SetupStep::Copy { src: host, dest });
+                    plan.steps.push(SetupStep::Copy { src: rel, dest });
                 }
             }
             "RUN" => {

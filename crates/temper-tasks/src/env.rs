@@ -20,10 +20,8 @@ use temper_sandbox::{
 };
 
 use crate::dockerfile::shell_quote;
-use crate::TaskError;
+use crate::{files, TaskError};
 
-/// Most bytes one uploaded file may have.
-const MAX_UPLOAD: u64 = 64 << 20;
 /// Where uploads are staged inside the session (under `/work`).
 const STAGE: &str = ".temper-stage";
 
@@ -141,49 +139,48 @@ impl TrialEnv {
             .exec(&script, None, env, timeout.max(Duration::from_millis(1)))
     }
 
-    /// Copies a host file or directory to `dest` (absolute; a trailing `/`
-    /// or a directory source means into `dest`), keeping executable bits.
-    /// Symlinks and special files in a directory are skipped.
-    pub fn put(&self, src: &Path, dest: &str) -> Result<(), TaskError> {
-        self.put_after("true", src, dest)
+    /// Copies the task file or directory `rel` (relative to `task_dir`) to
+    /// `dest` (absolute; a trailing `/` or a directory source means into
+    /// `dest`), keeping executable bits. Read through [`files`]: a symlink
+    /// or special file anywhere in it or on its path is refused.
+    pub fn put(&self, task_dir: &Path, rel: &Path, dest: &str) -> Result<(), TaskError> {
+        self.put_after("true", task_dir, rel, dest)
     }
 
     /// [`TrialEnv::put`] after running `before` (which must succeed), in
     /// one round trip with the sandbox.
-    pub fn put_after(&self, before: &str, src: &Path, dest: &str) -> Result<(), TaskError> {
+    pub fn put_after(
+        &self,
+        before: &str,
+        task_dir: &Path,
+        rel: &Path,
+        dest: &str,
+    ) -> Result<(), TaskError> {
         let n = self
             .staged
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let stage = format!("{STAGE}/{n}");
-        // Not followed: a task's `tests -> /root` must not copy host files in.
-        let meta = std::fs::symlink_metadata(src)
-            .map_err(|e| TaskError::io("read", src.to_path_buf(), e))?;
-        if meta.file_type().is_symlink() {
-            return Err(TaskError::Invalid(format!(
-                "{} is a symlink; task files must be regular files and directories",
-                src.display()
-            )));
-        }
+        let src = files::open(task_dir, rel)?.ok_or_else(|| TaskError::InvalidTask {
+            dir: task_dir.to_path_buf(),
+            reason: format!("{} is missing", rel.display()),
+        })?;
         let mut executable = Vec::new();
         let mut upload = BTreeMap::new();
-        let script = if meta.is_dir() {
-            let mut files = Vec::new();
-            collect_files(src, Path::new(""), &mut files)?;
-            for rel in &files {
-                let host = src.join(rel);
-                let rel_s = rel.to_string_lossy();
-                upload.insert(format!("{stage}/{rel_s}"), read_upload(&host)?);
-                if is_executable(&host) {
+        let script = if src.kind == files::Kind::Dir {
+            src.for_each_file(task_dir, |under, entry| {
+                let rel_s = under.to_string_lossy().into_owned();
+                if entry.is_executable() {
                     executable.push(format!("{}/{rel_s}", dest.trim_end_matches('/')));
                 }
-            }
+                upload.insert(format!("{stage}/{rel_s}"), entry.read(task_dir)?);
+                Ok(())
+            })?;
             format!(
                 "mkdir -p -- {d} && if [ -d /work/{stage} ]; then cp -R /work/{stage}/. {d}/; fi",
                 d = shell_quote(dest)
             )
         } else {
-            upload.insert(format!("{stage}/file"), read_upload(src)?);
-            let name = src
+            let name = rel
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
@@ -192,9 +189,10 @@ impl TrialEnv {
             } else {
                 dest.to_string()
             };
-            if is_executable(src) {
+            if src.is_executable() {
                 executable.push(target.clone());
             }
+            upload.insert(format!("{stage}/file"), src.read(task_dir)?);
             let parent = Path::new(&target)
                 .parent()
                 .map(|p| p.to_string_lossy().into_owned())
@@ -221,7 +219,7 @@ impl TrialEnv {
         if r.return_code != Some(0) {
             return Err(TaskError::Invalid(format!(
                 "copy {} to {dest} in the sandbox failed: {}",
-                src.display(),
+                rel.display(),
                 r.stderr.trim()
             )));
         }
@@ -262,42 +260,6 @@ impl TrialEnv {
             .map_err(|e| TaskError::Invalid(format!("reading {dir}: bad base64: {e}")))?;
         unpack_safely(&bytes, dest)
     }
-}
-
-/// A host file's bytes, refused above [`MAX_UPLOAD`].
-fn read_upload(host: &Path) -> Result<Vec<u8>, TaskError> {
-    let meta = std::fs::metadata(host).map_err(|e| TaskError::io("read", host.to_path_buf(), e))?;
-    if meta.len() > MAX_UPLOAD {
-        return Err(TaskError::Invalid(format!(
-            "{} is larger than {} MiB",
-            host.display(),
-            MAX_UPLOAD >> 20
-        )));
-    }
-    std::fs::read(host).map_err(|e| TaskError::io("read", host.to_path_buf(), e))
-}
-
-fn is_executable(p: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::metadata(p).is_ok_and(|m| m.permissions().mode() & 0o111 != 0)
-}
-
-/// Regular files under `root/rel`, relative to `root`; symlinks skipped.
-fn collect_files(root: &Path, rel: &Path, out: &mut Vec<PathBuf>) -> Result<(), TaskError> {
-    let dir = root.join(rel);
-    let entries = std::fs::read_dir(&dir).map_err(|e| TaskError::io("read dir", dir.clone(), e))?;
-    let mut entries: Vec<_> = entries.filter_map(Result::ok).collect();
-    entries.sort_by_key(|e| e.file_name());
-    for e in entries {
-        let Ok(ft) = e.file_type() else { continue };
-        let child = rel.join(e.file_name());
-        if ft.is_dir() {
-            collect_files(root, &child, out)?;
-        } else if ft.is_file() {
-            out.push(child);
-        }
-    }
-    Ok(())
 }
 
 /// Unpacks a tar of regular files and directories into `dest`; anything

@@ -52,6 +52,7 @@ pub mod dockerfile;
 pub mod env;
 pub mod environment;
 mod error;
+pub mod files;
 pub mod job;
 pub mod task;
 pub mod terminal;

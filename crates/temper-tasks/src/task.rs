@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::TaskError;
+use crate::{files, TaskError};
 
 /// `[task]`: package metadata (name in `org/name` form).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -207,17 +207,15 @@ impl Task {
                 "directory name {name:?} is not a task name ([A-Za-z0-9._-], not starting with '.')"
             )));
         }
-        let toml_text = std::fs::read_to_string(dir.join("task.toml"))
-            .map_err(|e| invalid(format!("task.toml: {e}")))?;
+        // Every file through `files`: a symlink (say instruction.md ->
+        // /etc/shadow) is refused, never followed.
+        let toml_text = files::read_to_string(&dir, "task.toml")?;
         let config = TaskConfig::parse(&toml_text).map_err(|source| TaskError::Config {
             dir: dir.clone(),
             source,
         })?;
-        let instruction = std::fs::read_to_string(dir.join("instruction.md"))
-            .map_err(|e| invalid(format!("instruction.md: {e}")))?;
-        if !dir.join("tests/test.sh").is_file() {
-            return Err(invalid("tests/test.sh is missing".into()));
-        }
+        let instruction = files::read_to_string(&dir, "instruction.md")?;
+        files::open_file(&dir, Path::new("tests/test.sh"))?;
         for (what, t) in [
             ("[agent] timeout_sec", config.agent.timeout_sec),
             ("[verifier] timeout_sec", config.verifier.timeout_sec),
@@ -237,10 +235,11 @@ impl Task {
         })
     }
 
-    /// `solution/solve.sh`, when the task ships one.
-    pub fn solution(&self) -> Option<PathBuf> {
-        let p = self.dir.join("solution/solve.sh");
-        p.is_file().then_some(p)
+    /// Whether the task ships `solution/solve.sh` (a regular file; a
+    /// symlink there or in its path is an error).
+    pub fn has_solution(&self) -> Result<bool, TaskError> {
+        Ok(files::open(&self.dir, Path::new("solution/solve.sh"))?
+            .is_some_and(|e| e.kind == files::Kind::File))
     }
 }
 

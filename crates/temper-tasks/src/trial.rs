@@ -492,7 +492,9 @@ fn start_env(
     }
     for step in &plan.steps {
         match step {
-            SetupStep::Copy { src, dest } => env.put(src, dest).map_err(|e| setup_err(&e))?,
+            SetupStep::Copy { src, dest } => {
+                env.put(&task.dir, src, dest).map_err(|e| setup_err(&e))?
+            }
             SetupStep::Run { command, cwd } => {
                 let left = build_deadline.saturating_duration_since(Instant::now());
                 let r = env
@@ -524,7 +526,8 @@ fn verify(
     // A reward or test file the agent planted does not count.
     env.put_after(
         "rm -rf /logs/verifier && mkdir -p /logs/verifier && find /tests -mindepth 1 -delete",
-        &task.dir.join("tests"),
+        &task.dir,
+        Path::new("tests"),
         "/tests",
     )
     .map_err(|e| sandbox_err(&e))?;

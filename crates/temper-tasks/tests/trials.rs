@@ -677,3 +677,285 @@ fn terminal_agent_stops_at_its_time_budget() {
         "the verifier runs after an agent timeout"
     );
 }
+
+/// Every file under `dir` (recursively) that holds `marker`.
+fn files_holding(dir: &Path, marker: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        let Ok(ft) = e.file_type() else { continue };
+        if ft.is_dir() {
+            out.extend(files_holding(&p, marker));
+        } else if ft.is_file()
+            && String::from_utf8_lossy(&std::fs::read(&p).unwrap_or_default()).contains(marker)
+        {
+            out.push(p);
+        }
+    }
+    out
+}
+
+const HOST_SECRET: &str = "HOST-SECRET-issue31";
+
+/// How a test case spoils a task directory.
+type Spoil<'a> = Box<dyn Fn(&Path) + 'a>;
+
+/// A host file outside every task: what a symlink would leak.
+fn host_secret(root: &Path) -> PathBuf {
+    let p = root.join("host-secret.txt");
+    std::fs::write(&p, format!("{HOST_SECRET}\n")).expect("write");
+    p
+}
+
+/// Issue 31, item 5: `instruction.md` (and every other file a task
+/// contributes at load) that is a symlink, or sits below a symlinked
+/// directory, is refused; nothing of the link's target is read.
+#[test]
+fn issue31_instruction_symlink_is_refused() {
+    use std::os::unix::fs::symlink;
+    let root = tempfile::tempdir().expect("tempdir");
+    let secret = host_secret(root.path());
+    let cases: Vec<(&str, Spoil)> = vec![
+        (
+            "instruction.md -> host file",
+            Box::new(|d: &Path| {
+                std::fs::remove_file(d.join("instruction.md")).expect("rm");
+                symlink(&secret, d.join("instruction.md")).expect("symlink");
+            }),
+        ),
+        (
+            "instruction.md -> /etc/shadow",
+            Box::new(|d: &Path| {
+                std::fs::remove_file(d.join("instruction.md")).expect("rm");
+                symlink("/etc/shadow", d.join("instruction.md")).expect("symlink");
+            }),
+        ),
+        (
+            "task.toml -> host file",
+            Box::new(|d: &Path| {
+                std::fs::remove_file(d.join("task.toml")).expect("rm");
+                symlink(&secret, d.join("task.toml")).expect("symlink");
+            }),
+        ),
+        (
+            "tests/test.sh -> host file",
+            Box::new(|d: &Path| {
+                std::fs::remove_file(d.join("tests/test.sh")).expect("rm");
+                symlink(&secret, d.join("tests/test.sh")).expect("symlink");
+            }),
+        ),
+        (
+            "tests -> a directory outside (a symlinked parent)",
+            Box::new(|d: &Path| {
+                let outside = d.parent().expect("parent").join("outside-tests");
+                std::fs::rename(d.join("tests"), &outside).expect("move");
+                symlink(&outside, d.join("tests")).expect("symlink");
+            }),
+        ),
+        (
+            "instruction.md a FIFO",
+            Box::new(|d: &Path| {
+                std::fs::remove_file(d.join("instruction.md")).expect("rm");
+                let ok = std::process::Command::new("mkfifo")
+                    .arg(d.join("instruction.md"))
+                    .status()
+                    .expect("mkfifo")
+                    .success();
+                assert!(ok);
+            }),
+        ),
+    ];
+    for (i, (what, spoil)) in cases.iter().enumerate() {
+        let task = make_task(root.path(), &format!("t{i}"), "true\n", "", OK_TEST);
+        spoil(&task.dir);
+        let e = Task::load(&task.dir).expect_err(what).to_string();
+        let why = if what.contains("FIFO") {
+            "FIFO"
+        } else {
+            "symlink"
+        };
+        assert!(e.contains(why), "{what}: {e}");
+        assert!(!e.contains(HOST_SECRET), "{what}: {e}");
+        // discover (temper tasks run, temper eval) refuses it the same way.
+        assert!(discover(std::slice::from_ref(&task.dir)).is_err(), "{what}");
+    }
+    // The same directory with plain files loads.
+    let fine = make_task(root.path(), "fine", "true\n", "", OK_TEST);
+    assert_eq!(fine.instruction, "Write ok to /app/ok.txt\n");
+}
+
+/// Issue 31, item 5, at trial time: a symlink in `solution/`,
+/// `environment/` (the Dockerfile, a `COPY` source, a file inside a
+/// copied directory, the build context itself) or inside `tests/` fails
+/// the trial with a clear error and copies nothing of the target in.
+#[test]
+fn issue31_task_file_symlinks_are_refused_by_every_trial_reader() {
+    use std::os::unix::fs::symlink;
+    if !sandbox_usable("issue31_task_file_symlinks_are_refused_by_every_trial_reader") {
+        return;
+    }
+    let root = tempfile::tempdir().expect("tempdir");
+    let secret = host_secret(root.path());
+    // Each case: how to spoil the task, the exception type it must end in.
+    let cases: Vec<(&str, Spoil, &str)> = vec![
+        (
+            "solution/solve.sh -> host file",
+            Box::new(|d: &Path| {
+                std::fs::remove_file(d.join("solution/solve.sh")).expect("rm");
+                symlink(&secret, d.join("solution/solve.sh")).expect("symlink");
+            }),
+            "NoSolution",
+        ),
+        (
+            "solution/extra -> host file",
+            Box::new(|d: &Path| symlink(&secret, d.join("solution/extra")).expect("symlink")),
+            "NoSolution",
+        ),
+        (
+            "environment/Dockerfile -> host file",
+            Box::new(|d: &Path| {
+                std::fs::remove_file(d.join("environment/Dockerfile")).expect("rm");
+                symlink(&secret, d.join("environment/Dockerfile")).expect("symlink");
+            }),
+            "EnvironmentSetupError",
+        ),
+        (
+            "COPY of a symlink",
+            Box::new(|d: &Path| {
+                symlink(&secret, d.join("environment/data.txt")).expect("symlink");
+                std::fs::write(
+                    d.join("environment/Dockerfile"),
+                    "WORKDIR /app\nCOPY data.txt /app/\n",
+                )
+                .expect("write");
+            }),
+            "EnvironmentSetupError",
+        ),
+        (
+            "COPY of a directory holding a symlink",
+            Box::new(|d: &Path| {
+                std::fs::create_dir(d.join("environment/lib")).expect("mkdir");
+                std::fs::write(d.join("environment/lib/ok.txt"), "ok").expect("write");
+                symlink(&secret, d.join("environment/lib/leak.txt")).expect("symlink");
+                std::fs::write(
+                    d.join("environment/Dockerfile"),
+                    "WORKDIR /app\nCOPY lib /app/lib\n",
+                )
+                .expect("write");
+            }),
+            "EnvironmentSetupError",
+        ),
+        (
+            "environment -> a directory outside (build context symlinked)",
+            Box::new(|d: &Path| {
+                let outside = d.parent().expect("parent").join(format!(
+                    "outside-env-{}",
+                    d.file_name().expect("name").to_string_lossy()
+                ));
+                std::fs::create_dir(&outside).expect("mkdir");
+                std::fs::copy(&secret, outside.join("secret.txt")).expect("copy");
+                std::fs::write(
+                    outside.join("Dockerfile"),
+                    "WORKDIR /app\nCOPY secret.txt /app/\n",
+                )
+                .expect("write");
+                std::fs::remove_dir_all(d.join("environment")).expect("rm");
+                symlink(&outside, d.join("environment")).expect("symlink");
+            }),
+            "EnvironmentSetupError",
+        ),
+        (
+            "tests/data -> host file (a symlink inside tests/)",
+            Box::new(|d: &Path| symlink(&secret, d.join("tests/data")).expect("symlink")),
+            "VerifierError",
+        ),
+    ];
+    for (i, (what, spoil, kind)) in cases.iter().enumerate() {
+        let task = make_task(
+            root.path(),
+            &format!("t{i}"),
+            "echo ok > /app/ok.txt\ncat /app/* /solution/* > /logs/agent/seen.txt 2>&1\n",
+            "",
+            OK_TEST,
+        );
+        spoil(&task.dir);
+        let tdir = root.path().join(format!("trial{i}"));
+        let r = run_trial(
+            &task,
+            &temper_tasks::Oracle,
+            &tdir,
+            &TrialOptions::default(),
+        )
+        .expect("trial");
+        let e = r.exception_info.as_ref().expect(what);
+        assert_eq!(e.exception_type, *kind, "{what}: {e:?}");
+        assert!(e.exception_message.contains("symlink"), "{what}: {e:?}");
+        assert_eq!(r.reward(), 0.0, "{what}");
+        assert_eq!(
+            files_holding(&tdir, HOST_SECRET),
+            Vec::<PathBuf>::new(),
+            "{what}"
+        );
+    }
+}
+
+/// Issue 31, item 9: a `command` agent's child that leaves its process
+/// group (`setsid`, a double fork) dies with the trial: the program runs in
+/// its own cgroup and every process in it is killed when it is done.
+#[test]
+fn issue31_command_agent_setsid_child_is_killed_with_the_trial() {
+    if !sandbox_usable("issue31_command_agent_setsid_child_is_killed_with_the_trial") {
+        return;
+    }
+    let probe = temper_sandbox::HostCgroup::new();
+    if !probe.is_tracking() {
+        eprintln!(
+            "SKIPPED issue31_command_agent_setsid_child_is_killed_with_the_trial: no writable \
+             cgroup here, so only the program's process group is killed: {}",
+            probe.mode()
+        );
+        return;
+    }
+    drop(probe);
+    let rt = runtime();
+    let root = tempfile::tempdir().expect("tempdir");
+    let marker = "7919.31";
+    // One child in a new session, one double-forked into a new session;
+    // the program itself exits at once (its group is then empty).
+    let program = format!(
+        "setsid sleep {marker} </dev/null >/dev/null 2>&1 &\n\
+         ( setsid sh -c 'sleep {marker}1' </dev/null >/dev/null 2>&1 & ) &\n\
+         sleep 0.3; echo started"
+    );
+    let agent = build_agent(
+        &AgentSpec {
+            name: "command".into(),
+            command: Some(program),
+            ..AgentSpec::default()
+        },
+        None,
+        rt.handle(),
+    )
+    .expect("agent");
+    let task = make_task(root.path(), "escapes", "true\n", "", OK_TEST);
+    let r = run_trial(
+        &task,
+        agent.as_ref(),
+        &root.path().join("t"),
+        &TrialOptions::default(),
+    )
+    .expect("trial");
+    let meta = r
+        .agent_result
+        .as_ref()
+        .and_then(|a| a.metadata.clone())
+        .expect("metadata");
+    assert_eq!(meta["exit_code"], 0, "{meta:?}");
+    let cleanup = meta["process_cleanup"].as_str().unwrap_or_default();
+    assert!(cleanup.starts_with("cgroup"), "{cleanup}");
+    let left = host_processes_with(marker);
+    assert!(left.is_empty(), "outlived the trial: {left:?}");
+}

@@ -555,3 +555,61 @@ fn eval_on_a_tasks_directory_scores_the_oracle_1_and_nop_0() {
         }
     }
 }
+
+/// Issue 31, item 9: from inside a `temper tasks run` trial, `/proc/1`
+/// shows nothing of the host's command line (its paths, flags, job name)
+/// or environment.
+#[test]
+fn issue31_task_sandbox_shows_no_host_command_line() {
+    if !sandbox_usable("issue31_task_sandbox_shows_no_host_command_line") {
+        return;
+    }
+    let root = tempfile::tempdir().expect("tempdir");
+    let tasks = root.path().join("tasks");
+    make_task(
+        &tasks,
+        "peek",
+        "tr '\\0' ' ' < /proc/1/cmdline > /app/cmdline.txt\n\
+         cat /proc/1/comm >> /app/cmdline.txt\n\
+         tr '\\0' ' ' < /proc/1/environ > /app/environ.txt 2>/dev/null\n\
+         echo ok > /app/ok.txt\n",
+    );
+    // The verifier hands the agent's findings out through /logs/verifier.
+    std::fs::write(
+        tasks.join("peek/tests/test.sh"),
+        "cp /app/cmdline.txt /app/environ.txt /logs/verifier/ 2>/dev/null\n\
+         echo 1 > /logs/verifier/reward.txt\n",
+    )
+    .expect("write");
+    let jobs = root.path().join("jobs");
+    let job_name = "job-name-issue31-marker";
+    let o = Command::new(env!("CARGO_BIN_EXE_temper"))
+        .args(["tasks", "run", &tasks.to_string_lossy(), "-a", "oracle"])
+        .args([
+            "--jobs-dir",
+            &jobs.to_string_lossy(),
+            "--job-name",
+            job_name,
+        ])
+        .env("ISSUE31_HOST_ENV", "host-env-value-issue31")
+        .output()
+        .expect("temper runs");
+    assert!(o.status.success(), "{}", text(&o));
+    let trial = trial_dirs(&jobs.join(job_name))
+        .into_iter()
+        .next()
+        .expect("a trial");
+    let cmdline =
+        std::fs::read_to_string(trial.join("verifier/cmdline.txt")).expect("the trial's cmdline");
+    for host in [
+        job_name,
+        "tasks run",
+        "--jobs-dir",
+        env!("CARGO_BIN_EXE_temper"),
+    ] {
+        assert!(!cmdline.contains(host), "{host:?} visible: {cmdline:?}");
+    }
+    assert!(cmdline.starts_with("sandbox-init"), "{cmdline:?}");
+    let environ = std::fs::read_to_string(trial.join("verifier/environ.txt")).unwrap_or_default();
+    assert!(!environ.contains("host-env-value-issue31"), "{environ:?}");
+}
