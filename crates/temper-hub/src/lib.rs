@@ -53,7 +53,7 @@ pub mod server;
 pub mod store;
 pub mod web;
 
-pub use client::{pull, Cache, Cached, HubClient, Progress};
+pub use client::{pull, Cache, Cached, HubClient, Progress, Wanted};
 pub use error::HubError;
 pub use package::{pack_dir, PackageManifest, Packed};
 pub use refs::{EnvRef, VersionSpec};

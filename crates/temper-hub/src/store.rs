@@ -145,6 +145,12 @@ pub trait MetaStore: Send + Sync {
 pub trait BlobStore: Send + Sync {
     /// Store `bytes` under `digest` (a no-op when present).
     fn put(&self, digest: &str, bytes: &[u8]) -> Result<(), HubError>;
+    /// Store the (already written) temporary file `file` under `digest`
+    /// (a no-op when present). The default reads it and calls `put`.
+    fn put_file(&self, digest: &str, file: tempfile::NamedTempFile) -> Result<(), HubError> {
+        let bytes = std::fs::read(file.path()).map_err(|e| HubError::io(file.path(), e))?;
+        self.put(digest, &bytes)
+    }
     /// The bytes under `digest`.
     fn get(&self, digest: &str) -> Result<Option<Vec<u8>>, HubError>;
     /// Remove `digest`'s bytes.
@@ -431,6 +437,11 @@ impl FsBlobs {
         })
     }
 
+    /// Its temporary directory, on the blobs' file system.
+    pub fn tmp_dir(&self) -> PathBuf {
+        self.root.join("tmp")
+    }
+
     /// Where `digest`'s bytes live (`sha256/ab/abcd...`).
     pub fn path(&self, digest: &str) -> Result<PathBuf, HubError> {
         let hex = digest
@@ -461,6 +472,36 @@ impl BlobStore for FsBlobs {
         tmp.persist(&path)
             .map_err(|e| HubError::io(&path, e.error))?;
         Ok(())
+    }
+
+    fn put_file(&self, digest: &str, file: tempfile::NamedTempFile) -> Result<(), HubError> {
+        let path = self.path(digest)?;
+        if path.exists() {
+            return Ok(());
+        }
+        let dir = path.parent().unwrap_or(&self.root);
+        std::fs::create_dir_all(dir).map_err(|e| HubError::io(dir, e))?;
+        file.as_file()
+            .sync_all()
+            .map_err(|e| HubError::io(file.path(), e))?;
+        match file.persist(&path) {
+            Ok(_) => Ok(()),
+            // Another file system: copy through a temporary file here.
+            Err(e) => {
+                let src = e.file.path().to_path_buf();
+                let tmp_dir = self.tmp_dir();
+                let mut tmp = tempfile::NamedTempFile::new_in(&tmp_dir)
+                    .map_err(|e| HubError::io(&tmp_dir, e))?;
+                let mut from = std::fs::File::open(&src).map_err(|e| HubError::io(&src, e))?;
+                std::io::copy(&mut from, &mut tmp).map_err(|e| HubError::io(tmp.path(), e))?;
+                tmp.as_file()
+                    .sync_all()
+                    .map_err(|e| HubError::io(&path, e))?;
+                tmp.persist(&path)
+                    .map_err(|e| HubError::io(&path, e.error))?;
+                Ok(())
+            }
+        }
     }
 
     fn get(&self, digest: &str) -> Result<Option<Vec<u8>>, HubError> {
