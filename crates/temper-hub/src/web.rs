@@ -3,7 +3,7 @@
 //! commands to use it).
 
 use base64::Engine;
-use pulldown_cmark::{CowStr, Event, Options, Parser, Tag};
+use pulldown_cmark::{CowStr, Event, Options, Parser, Tag, TagEnd};
 use sha2::{Digest, Sha256};
 
 use crate::server::{PackageInfo, PackageSummary};
@@ -136,36 +136,36 @@ pub fn safe_url(url: &str) -> bool {
 
 /// Markdown to HTML, with raw HTML shown as text and links and images
 /// allowed only to [`safe_url`]s (a README is untrusted): an unsafe link
-/// keeps its text and points nowhere, an unsafe image shows nothing.
+/// keeps its text and points nowhere (`#`), an unsafe image becomes its
+/// alt text.
 pub fn render_markdown(md: &str) -> String {
     let options =
         Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH | Options::ENABLE_TASKLISTS;
-    let neutral = || CowStr::Borrowed("#");
-    let events = Parser::new_ext(md, options).map(|e| match e {
-        Event::Html(h) | Event::InlineHtml(h) => Event::Text(h),
+    // Whether each open image (they nest, in alt text) was dropped.
+    let mut images: Vec<bool> = Vec::new();
+    let events = Parser::new_ext(md, options).filter_map(|e| match e {
+        Event::Html(h) | Event::InlineHtml(h) => Some(Event::Text(h)),
         Event::Start(Tag::Link {
             link_type,
             dest_url,
             title,
             id,
-        }) if !safe_url(&dest_url) => Event::Start(Tag::Link {
+        }) if !safe_url(&dest_url) => Some(Event::Start(Tag::Link {
             link_type,
-            dest_url: neutral(),
+            dest_url: CowStr::Borrowed("#"),
             title,
             id,
-        }),
-        Event::Start(Tag::Image {
-            link_type,
-            dest_url,
-            title,
-            id,
-        }) if !safe_url(&dest_url) => Event::Start(Tag::Image {
-            link_type,
-            dest_url: neutral(),
-            title,
-            id,
-        }),
-        e => e,
+        })),
+        Event::Start(Tag::Image { ref dest_url, .. }) => {
+            let dropped = !safe_url(dest_url);
+            images.push(dropped);
+            (!dropped).then_some(e)
+        }
+        Event::End(TagEnd::Image) => {
+            let dropped = images.pop().unwrap_or(false);
+            (!dropped).then_some(e)
+        }
+        e => Some(e),
     });
     let mut out = String::new();
     pulldown_cmark::html::push_html(&mut out, events);
@@ -247,6 +247,21 @@ mod tests {
         assert!(html.contains("<h1>Title</h1>"));
         assert!(html.contains("<em>text</em>"));
         assert!(!html.contains("<script>"), "{html}");
+    }
+
+    #[test]
+    fn unsafe_images_become_their_alt_text_and_unsafe_links_point_nowhere() {
+        let html = render_markdown(
+            "![bad](javascript:x) ![good](/a.png) [x](data:text/html,y) ![outer ![inner](vbscript:z)](b.png)",
+        );
+        assert!(html.contains("bad"), "{html}");
+        assert!(html.contains("<img src=\"/a.png\" alt=\"good\""), "{html}");
+        assert!(html.contains("<a href=\"#\">x</a>"), "{html}");
+        assert!(html.contains("<img src=\"b.png\""), "{html}");
+        assert_eq!(html.matches("<img").count(), 2, "{html}");
+        for dead in ["javascript:", "data:", "vbscript:"] {
+            assert!(!html.contains(dead), "{html}");
+        }
     }
 
     #[test]
