@@ -26,7 +26,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query as QueryParams, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
@@ -660,22 +660,37 @@ async fn publish(
     }
 }
 
+/// Bytes read per step when streaming an archive out.
+const DOWNLOAD_CHUNK: usize = 256 << 10;
+
+/// Serve an archive as a stream read from the blob store, so a download
+/// holds one chunk in memory, not the archive.
 async fn serve_blob(s: &HubState, digest: String) -> ApiResult<Response> {
     let blobs = s.blobs.clone();
     let d = digest.clone();
-    let bytes = blocking(move || blobs.get(&d))
+    let (reader, len) = blocking(move || blobs.open(&d))
         .await?
         .ok_or_else(|| HubError::NotFound(digest.clone()))?;
     s.metrics.downloads.fetch_add(1, Ordering::Relaxed);
-    s.metrics
-        .download_bytes
-        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    s.metrics.download_bytes.fetch_add(len, Ordering::Relaxed);
+    let chunks = futures::stream::try_unfold(reader, |mut reader| async move {
+        let (reader, chunk) = tokio::task::spawn_blocking(move || {
+            let mut buf = vec![0u8; DOWNLOAD_CHUNK];
+            let n = std::io::Read::read(&mut reader, &mut buf)?;
+            buf.truncate(n);
+            Ok::<_, std::io::Error>((reader, buf))
+        })
+        .await
+        .map_err(std::io::Error::other)??;
+        Ok::<_, std::io::Error>((!chunk.is_empty()).then(|| (Bytes::from(chunk), reader)))
+    });
     Ok((
         [
             (header::CONTENT_TYPE, "application/gzip".to_string()),
+            (header::CONTENT_LENGTH, len.to_string()),
             (header::HeaderName::from_static("x-temper-digest"), digest),
         ],
-        bytes,
+        Body::from_stream(chunks),
     )
         .into_response())
 }

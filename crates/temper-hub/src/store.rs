@@ -140,6 +140,9 @@ pub trait MetaStore: Send + Sync {
     fn token_scope(&self, hash: &str) -> Result<Option<Scope>, HubError>;
 }
 
+/// A blob's bytes to stream, and their length.
+pub type BlobReader = (Box<dyn std::io::Read + Send>, u64);
+
 /// Archives by digest. `put` must be atomic: a reader sees all the bytes or
 /// none.
 pub trait BlobStore: Send + Sync {
@@ -153,6 +156,17 @@ pub trait BlobStore: Send + Sync {
     }
     /// The bytes under `digest`.
     fn get(&self, digest: &str) -> Result<Option<Vec<u8>>, HubError>;
+    /// A reader of the bytes under `digest` and their length, to stream
+    /// them. The default reads them all through `get`.
+    fn open(&self, digest: &str) -> Result<Option<BlobReader>, HubError> {
+        Ok(self.get(digest)?.map(|b| {
+            let len = b.len() as u64;
+            (
+                Box::new(std::io::Cursor::new(b)) as Box<dyn std::io::Read + Send>,
+                len,
+            )
+        }))
+    }
     /// Remove `digest`'s bytes.
     fn delete(&self, digest: &str) -> Result<(), HubError>;
 }
@@ -511,6 +525,17 @@ impl BlobStore for FsBlobs {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(HubError::io(&path, e)),
         }
+    }
+
+    fn open(&self, digest: &str) -> Result<Option<BlobReader>, HubError> {
+        let path = self.path(digest)?;
+        let f = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(HubError::io(&path, e)),
+        };
+        let len = f.metadata().map_err(|e| HubError::io(&path, e))?.len();
+        Ok(Some((Box::new(f), len)))
     }
 
     fn delete(&self, digest: &str) -> Result<(), HubError> {

@@ -534,6 +534,9 @@ async fn status_before_body(addr: &str, head: &str, wait: std::time::Duration) -
     tokio::time::timeout(wait, read).await.ok()
 }
 
+/// Tests that measure this process's memory take turns.
+static MEMORY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").expect("status");
     let kb: u64 = status
@@ -595,6 +598,7 @@ async fn issue31_publish_without_token_is_refused_before_the_body() {
 
     // Authorised and with no declared length, 160 MiB of junk streams to
     // disk, not memory, and is refused as not an archive.
+    let _turn = MEMORY.lock().await;
     let base = rss_bytes();
     let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(base));
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -631,6 +635,83 @@ async fn issue31_publish_without_token_is_refused_before_the_body() {
     );
     // Nothing of it stays on disk.
     assert!(hub.blob_files().is_empty(), "{:?}", hub.blob_files());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn issue31_downloads_stream_from_disk_not_memory() {
+    let hub = start(HubSettings::default()).await;
+    let src = tempfile::tempdir().expect("tmp");
+    let dir = env_dir(src.path(), "acme", "big", "1.0.0", "Big", &[]);
+    // 32 MiB that gzip cannot shrink.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let data: Vec<u8> = (0..32u32 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    std::fs::write(dir.join("big.bin"), &data).expect("write");
+    drop(data);
+    let p = pack_dir(&dir, None).expect("pack");
+    let size = p.bytes.len() as u64;
+    hub.publisher("acme")
+        .publish(&p.manifest, p.bytes, None)
+        .await
+        .expect("publish");
+    let _turn = MEMORY.lock().await;
+    let base = rss_bytes();
+    // Six downloads at once whose clients read one KiB and stall: the hub
+    // must not hold six archives to send.
+    let addr = hub.url.trim_start_matches("http://").to_string();
+    let mut conns = Vec::new();
+    for _ in 0..6 {
+        use tokio::io::AsyncReadExt;
+        let mut s = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        s.write_all(
+            format!(
+                "GET /api/v1/packages/acme/big/1.0.0/download HTTP/1.1\r\nHost: {addr}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("request");
+        let mut buf = [0u8; 1024];
+        let n = s.read(&mut buf).await.expect("read");
+        let head = String::from_utf8_lossy(&buf[..n]).to_string();
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains(&format!("content-length: {size}")),
+            "{head}"
+        );
+        conns.push(s);
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let grew = rss_bytes().saturating_sub(base);
+    drop(conns);
+    assert!(
+        grew < 3 * size,
+        "memory grew {} MiB for six stalled downloads of {} MiB",
+        grew >> 20,
+        size >> 20
+    );
+    // And a download that is read goes through whole.
+    let bytes = HubClient::new(&hub.url, None)
+        .download(
+            &hub.publisher("acme")
+                .info("acme", "big")
+                .await
+                .expect("info")
+                .latest,
+            None,
+        )
+        .await
+        .expect("download");
+    assert_eq!(bytes.len() as u64, size);
 }
 
 /// Every `href="..."` and `src="..."` value in `html`.
