@@ -14,12 +14,17 @@ import sys
 import tempfile
 
 
-def chromium(binary, *args):
+def chromium(binary, *args, console=False):
+    """Run headless Chromium; its stdout, or with `console` also the page's
+    console messages (CSP violations are reported there)."""
+    logging = ["--enable-logging=stderr", "--v=0"] if console else []
     cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--no-first-run", "--user-data-dir=" + tempfile.mkdtemp(prefix="chromium-"), *args]
+           "--no-first-run", "--user-data-dir=" + tempfile.mkdtemp(prefix="chromium-"), *logging, *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise SystemExit(f"chromium failed ({out.returncode}): {out.stderr[-2000:]}")
+    if console:
+        return out.stdout, [l for l in out.stderr.splitlines() if "CONSOLE" in l or "Content Security Policy" in l]
     return out.stdout
 
 
@@ -58,7 +63,10 @@ def main():
         with open(os.path.join(envdir, "eval.jsonl"), "w") as f:
             f.write('{"question": "France?", "answer": "Paris"}\n')
         with open(os.path.join(envdir, "README.md"), "w") as f:
-            f.write("# Capitals\n\nAsk for **capitals**.\n\n| country | capital |\n|---|---|\n| France | Paris |\n")
+            # Issue 31: links a README must not turn into script.
+            f.write("# Capitals\n\nAsk for **capitals**.\n\n| country | capital |\n|---|---|\n| France | Paris |\n\n"
+                    "[click me](javascript:alert(document.domain)) [also](JaVa&#x53;cript:alert(1)) "
+                    "![pic](data:image/svg+xml;base64,PHN2Zz4=) [docs](https://example.com/docs) [up](#capitals)\n")
         push = subprocess.run([temper, "env", "push", envdir, "--hub", url], capture_output=True, text=True,
                               env=dict(env, TEMPER_HUB_TOKEN=token))
         if push.returncode != 0:
@@ -73,7 +81,16 @@ def main():
         expect(search, "0 environments", "search")
         tagged = chromium(a.chromium, "--dump-dom", url + "/?tag=geo")
         expect(tagged, "acme/capitals", "tag search")
-        page = chromium(a.chromium, "--dump-dom", url + "/envs/acme/capitals")
+        page, console = chromium(a.chromium, "--dump-dom", url + "/envs/acme/capitals", console=True)
+        # The Content-Security-Policy allows the page's own inline style (by
+        # hash) and nothing has to be blocked: no violation is reported.
+        if console:
+            raise SystemExit("the page reported console messages (CSP violations?):\n" + "\n".join(console))
+        for dead in ["javascript:", "JaVaScript:", "data:image"]:
+            if dead in page:
+                raise SystemExit(f"README link {dead!r} is live in the page:\n{page[:3000]}")
+        expect(page, 'href="https://example.com/docs"', "README https link")
+        expect(page, 'href="#capitals"', "README anchor link")
         expect(page, "<strong>capitals</strong>", "rendered README")
         expect(page, "<td>Paris</td>", "README table")
         expect(page, digest, "digest")

@@ -17,22 +17,56 @@ use crate::HubError;
 /// Called with (bytes done, bytes total) as an upload or download goes.
 pub type Progress = Arc<dyn Fn(u64, u64) + Send + Sync>;
 
+/// Most bytes of a hub's error message or JSON answer the client reads;
+/// a hub sending more is refused, not buffered.
+const MAX_ERROR_BYTES: usize = 64 << 10;
+const MAX_JSON_BYTES: usize = 16 << 20;
+
 /// A client of one hub.
 #[derive(Clone)]
 pub struct HubClient {
     base: String,
     token: Option<String>,
     http: reqwest::Client,
+    max_download: u64,
+}
+
+/// Read at most `max` bytes of a response body: more is an error, and
+/// nothing is reserved from the `Content-Length` the server claims.
+async fn read_capped(
+    mut resp: reqwest::Response,
+    max: usize,
+    what: &str,
+) -> Result<Vec<u8>, HubError> {
+    let mut out = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if out.len() + chunk.len() > max {
+            return Err(HubError::PayloadTooLarge(format!(
+                "the hub's {what} is over {max} bytes"
+            )));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out)
 }
 
 impl HubClient {
-    /// A client of the hub at `base` (`http://host:port`).
+    /// A client of the hub at `base` (`http://host:port`), downloading at
+    /// most the hub's default package limit per archive.
     pub fn new(base: &str, token: Option<String>) -> Self {
         HubClient {
             base: base.trim_end_matches('/').to_string(),
             token,
             http: reqwest::Client::new(),
+            max_download: (crate::server::DEFAULT_MAX_PACKAGE_MB as u64) << 20,
         }
+    }
+
+    /// Refuse archives over `bytes` (a hub is not trusted to send what it
+    /// says).
+    pub fn with_max_download(mut self, bytes: u64) -> Self {
+        self.max_download = bytes;
+        self
     }
 
     /// The hub's URL.
@@ -54,7 +88,10 @@ impl HubClient {
         }
         let status = resp.status().as_u16();
         let url = resp.url().to_string();
-        let text = resp.text().await.unwrap_or_default();
+        let text = match read_capped(resp, MAX_ERROR_BYTES, "error message").await {
+            Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+            Err(e) => e.to_string(),
+        };
         let message = serde_json::from_str::<serde_json::Value>(&text)
             .ok()
             .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
@@ -70,9 +107,17 @@ impl HubClient {
         })
     }
 
+    async fn json<T: DeserializeOwned>(&self, resp: reqwest::Response) -> Result<T, HubError> {
+        let resp = self.check(resp).await?;
+        let url = resp.url().to_string();
+        let bytes = read_capped(resp, MAX_JSON_BYTES, "answer").await?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| HubError::BadRequest(format!("{url}: not the JSON expected: {e}")))
+    }
+
     async fn get_json<T: DeserializeOwned>(&self, path: &str) -> Result<T, HubError> {
         let resp = self.req(reqwest::Method::GET, path).send().await?;
-        Ok(self.check(resp).await?.json().await?)
+        self.json(resp).await
     }
 
     /// The token's scope (`None` anonymous).
@@ -113,7 +158,7 @@ impl HubClient {
             .body(reqwest::Body::wrap_stream(stream))
             .send()
             .await?;
-        Ok(self.check(resp).await?.json().await?)
+        self.json(resp).await
     }
 
     /// A package and its versions.
@@ -137,12 +182,11 @@ impl HubClient {
             params.push(("tag", t));
         }
         req = req.query(&params);
-        let resp = self.check(req.send().await?).await?;
         #[derive(serde::Deserialize)]
         struct Out {
             packages: Vec<PackageSummary>,
         }
-        Ok(resp.json::<Out>().await?.packages)
+        Ok(self.json::<Out>(req.send().await?).await?.packages)
     }
 
     /// The version `r` resolves to on the hub.
@@ -153,15 +197,31 @@ impl HubClient {
                 &format!("/api/v1/packages/{}/{}/resolve", r.namespace, r.name),
             )
             .query(&[("version", r.spec.to_string())]);
-        Ok(self.check(req.send().await?).await?.json().await?)
+        self.json(req.send().await?).await
     }
 
-    /// An archive's bytes, unchecked.
+    /// An archive's bytes, unchecked but for the download cap.
     pub async fn download(
         &self,
         v: &VersionInfo,
         progress: Option<Progress>,
     ) -> Result<Vec<u8>, HubError> {
+        let mut out = Vec::new();
+        self.download_to(v, &mut out, progress).await?;
+        Ok(out)
+    }
+
+    /// Stream an archive into `out`, at most the download cap (checked
+    /// against the `Content-Length` before a byte is read, and against the
+    /// bytes as they come); returns its digest and size.
+    pub async fn download_to<W: tokio::io::AsyncWrite + Unpin>(
+        &self,
+        v: &VersionInfo,
+        out: &mut W,
+        progress: Option<Progress>,
+    ) -> Result<(String, u64), HubError> {
+        use sha2::Digest;
+        use tokio::io::AsyncWriteExt;
         let resp = self
             .req(
                 reqwest::Method::GET,
@@ -173,15 +233,37 @@ impl HubClient {
             .send()
             .await?;
         let mut resp = self.check(resp).await?;
-        let total = resp.content_length().unwrap_or(v.size);
-        let mut out = Vec::with_capacity(total as usize);
+        let max = self.max_download;
+        let too_large = |n: u64| {
+            HubError::PayloadTooLarge(format!(
+                "the hub sends {n} bytes for {}/{}@{}, over the download limit of {max} \
+                 (--max-download-mb)",
+                v.namespace, v.name, v.version
+            ))
+        };
+        if let Some(n) = resp.content_length().filter(|&n| n > max) {
+            return Err(too_large(n));
+        }
+        let total = resp.content_length().unwrap_or(v.size).min(max);
+        let mut hash = sha2::Sha256::new();
+        let mut done = 0u64;
         while let Some(chunk) = resp.chunk().await? {
-            out.extend_from_slice(&chunk);
+            done += chunk.len() as u64;
+            if done > max {
+                return Err(too_large(done));
+            }
+            hash.update(&chunk);
+            out.write_all(&chunk)
+                .await
+                .map_err(|e| HubError::Internal(format!("writing the download: {e}")))?;
             if let Some(p) = &progress {
-                p(out.len() as u64, total);
+                p(done, total.max(done));
             }
         }
-        Ok(out)
+        out.flush()
+            .await
+            .map_err(|e| HubError::Internal(format!("writing the download: {e}")))?;
+        Ok((format!("sha256:{}", package::hex(&hash.finalize())), done))
     }
 
     /// Yank (or un-yank) a version.
@@ -231,15 +313,56 @@ pub struct Cached {
     pub from_cache: bool,
 }
 
-/// Pulled packages: `ROOT/NAMESPACE/NAME/VERSION/` (the unpacked files,
-/// `temper-package.json`, and `.temper-digest`). A version directory
-/// appears by one rename, complete, or not at all.
+/// What an archive must be to enter the cache: the package asked for, at
+/// the version and digest the hub resolved it to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wanted {
+    /// Owner.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// Version.
+    pub version: semver::Version,
+    /// `sha256:` digest.
+    pub digest: String,
+}
+
+impl Wanted {
+    /// The version a hub resolved `r` to, checked to be an answer to `r`: a
+    /// hub answering with another package or a version outside the range
+    /// is refused.
+    pub fn resolved(r: &EnvRef, v: &VersionInfo) -> Result<Self, HubError> {
+        let version = semver::Version::parse(&v.version).map_err(|e| {
+            HubError::BadPackage(format!("the hub resolved {r} to {:?}: {e}", v.version))
+        })?;
+        if v.namespace != r.namespace || v.name != r.name || !r.spec.matches(&version) {
+            return Err(HubError::BadPackage(format!(
+                "asked for {r}, the hub resolved {}/{}@{}",
+                v.namespace, v.name, v.version
+            )));
+        }
+        Ok(Wanted {
+            namespace: v.namespace.clone(),
+            name: v.name.clone(),
+            version,
+            digest: v.digest.clone(),
+        })
+    }
+}
+
+/// Pulled packages, by hub: `ROOT/HUB/NAMESPACE/NAME/VERSION/` (the
+/// unpacked files, `temper-package.json`, and `.temper-digest`), where
+/// `HUB` is [`Cache::hub_key`] of the hub's URL, so two hubs never share
+/// an entry. A version directory appears by one rename, complete, or not
+/// at all.
 #[derive(Debug, Clone)]
 pub struct Cache {
     root: PathBuf,
 }
 
-const DIGEST_FILE: &str = ".temper-digest";
+use crate::package::DIGEST_FILE;
+/// In each hub's directory: the hub's URL, for messages.
+const HUB_FILE: &str = ".temper-hub";
 
 impl Cache {
     /// A cache at `root`.
@@ -264,70 +387,168 @@ impl Cache {
         &self.root
     }
 
-    /// The highest cached version matching `r` (yanks are not known
-    /// offline).
-    pub fn find(&self, r: &EnvRef) -> Result<Option<Cached>, HubError> {
-        let dir = self.root.join(&r.namespace).join(&r.name);
-        let rd = match std::fs::read_dir(&dir) {
-            Ok(rd) => rd,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(HubError::io(&dir, e)),
-        };
-        let mut best: Option<(semver::Version, PathBuf)> = None;
-        for item in rd {
-            let item = item.map_err(|e| HubError::io(&dir, e))?;
-            let Some(v) = item
-                .file_name()
-                .to_str()
-                .and_then(|s| semver::Version::parse(s).ok())
-            else {
-                continue;
-            };
-            if r.spec.matches(&v) && best.as_ref().is_none_or(|(b, _)| v > *b) {
-                best = Some((v, item.path()));
-            }
-        }
-        let Some((version, path)) = best else {
-            return Ok(None);
-        };
-        let dfile = path.join(DIGEST_FILE);
-        let digest = std::fs::read_to_string(&dfile).map_err(|e| HubError::io(&dfile, e))?;
-        Ok(Some(Cached {
-            dir: path,
-            id: r.id(),
-            version,
-            digest: digest.trim().to_string(),
-            from_cache: true,
-        }))
+    /// The directory name of the hub at `url`: its host and port, readable,
+    /// then 16 hex digits of the sha256 of the whole URL (lower-cased, no
+    /// trailing `/`), so different URLs never share one.
+    pub fn hub_key(url: &str) -> String {
+        use sha2::Digest;
+        let norm = url.trim().trim_end_matches('/').to_ascii_lowercase();
+        let rest = norm.split_once("://").map_or(norm.as_str(), |(_, r)| r);
+        let readable: String = rest
+            .chars()
+            .take(64)
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let h = package::hex(&sha2::Sha256::digest(norm.as_bytes()));
+        format!("{readable}-{}", &h[..16])
     }
 
-    /// Check `archive` against `expected` digest and the package rules,
-    /// then move it into place. On any error the cache is as it was.
+    fn hub_dir(&self, hub: &str) -> PathBuf {
+        self.root.join(Self::hub_key(hub))
+    }
+
+    /// The highest version matching `r` cached from `hub` (yanks are not
+    /// known offline). With no hub, any hub's copy, if every hub holding
+    /// one agrees on its version and digest.
+    pub fn find(&self, hub: Option<&str>, r: &EnvRef) -> Result<Option<Cached>, HubError> {
+        if let Some(hub) = hub {
+            return find_in(&self.hub_dir(hub), r);
+        }
+        let rd = match std::fs::read_dir(&self.root) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(HubError::io(&self.root, e)),
+        };
+        let mut found: Vec<(String, Cached)> = Vec::new();
+        for item in rd {
+            let item = item.map_err(|e| HubError::io(&self.root, e))?;
+            let dir = item.path();
+            if !dir.join(HUB_FILE).is_file() {
+                continue;
+            }
+            if let Some(c) = find_in(&dir, r)? {
+                let url = std::fs::read_to_string(dir.join(HUB_FILE)).unwrap_or_default();
+                found.push((url.trim().to_string(), c));
+            }
+        }
+        let Some((_, first)) = found.first() else {
+            return Ok(None);
+        };
+        if found
+            .iter()
+            .any(|(_, c)| (&c.version, &c.digest) != (&first.version, &first.digest))
+        {
+            let hubs: Vec<String> = found
+                .iter()
+                .map(|(u, c)| format!("{u} has {}@{}", c.id, c.version))
+                .collect();
+            return Err(HubError::BadRequest(format!(
+                "{r} is cached from several hubs that differ ({}); name the hub (--hub or TEMPER_HUB_URL)",
+                hubs.join(", ")
+            )));
+        }
+        Ok(found.into_iter().next().map(|(_, c)| c))
+    }
+
+    /// A new temporary file in `hub`'s directory, for a download that
+    /// [`Cache::install_file`] then moves in.
+    pub fn download_file(&self, hub: &str) -> Result<tempfile::NamedTempFile, HubError> {
+        let dir = self.prepare(hub)?;
+        tempfile::Builder::new()
+            .prefix(".download-")
+            .tempfile_in(&dir)
+            .map_err(|e| HubError::io(&dir, e))
+    }
+
+    fn prepare(&self, hub: &str) -> Result<PathBuf, HubError> {
+        let dir = self.hub_dir(hub);
+        std::fs::create_dir_all(&dir).map_err(|e| HubError::io(&dir, e))?;
+        let f = dir.join(HUB_FILE);
+        if !f.is_file() {
+            std::fs::write(&f, format!("{}\n", hub.trim_end_matches('/')))
+                .map_err(|e| HubError::io(&f, e))?;
+        }
+        Ok(dir)
+    }
+
+    /// Check `archive` against `want` (digest, then the manifest's
+    /// namespace, name and version) and the package rules, then move it into
+    /// `hub`'s place. On any error the cache is as it was.
     pub fn install(
         &self,
+        hub: &str,
         archive: &[u8],
-        expected: &str,
+        want: &Wanted,
         limits: &Limits,
     ) -> Result<Cached, HubError> {
         let actual = package::digest(archive);
-        if actual != expected {
+        self.install_checked(hub, archive, archive.len() as u64, actual, want, limits)
+    }
+
+    /// [`Cache::install`] from a file (a download), read as a stream.
+    pub fn install_file(
+        &self,
+        hub: &str,
+        archive: &Path,
+        want: &Wanted,
+        limits: &Limits,
+    ) -> Result<Cached, HubError> {
+        use sha2::Digest;
+        let open = || std::fs::File::open(archive).map_err(|e| HubError::io(archive, e));
+        let mut hash = sha2::Sha256::new();
+        let len = std::io::copy(&mut open()?, &mut hash).map_err(|e| HubError::io(archive, e))?;
+        let actual = format!("sha256:{}", package::hex(&hash.finalize()));
+        let reader = std::io::BufReader::new(open()?);
+        self.install_checked(hub, reader, len, actual, want, limits)
+    }
+
+    fn install_checked<R: std::io::BufRead>(
+        &self,
+        hub: &str,
+        archive: R,
+        len: u64,
+        actual: String,
+        want: &Wanted,
+        limits: &Limits,
+    ) -> Result<Cached, HubError> {
+        if actual != want.digest {
             return Err(HubError::DigestMismatch {
-                expected: expected.to_string(),
+                expected: want.digest.clone(),
                 actual,
             });
         }
-        std::fs::create_dir_all(&self.root).map_err(|e| HubError::io(&self.root, e))?;
+        let root = self.prepare(hub)?;
         let staging = tempfile::Builder::new()
             .prefix(".staging-")
-            .tempdir_in(&self.root)
-            .map_err(|e| HubError::io(&self.root, e))?;
+            .tempdir_in(&root)
+            .map_err(|e| HubError::io(&root, e))?;
         let unpacked = staging.path().join("pkg");
-        let manifest = package::unpack(archive, &unpacked, limits)?;
+        let manifest = package::unpack_from(archive, len, &unpacked, limits)?;
+        // The archive must be what was asked for: a hub cannot plant one
+        // package under another's name or version.
+        if (&manifest.namespace, &manifest.name, &manifest.version)
+            != (&want.namespace, &want.name, &want.version)
+        {
+            return Err(HubError::BadPackage(format!(
+                "asked for {}/{}@{}, the archive is {}@{}",
+                want.namespace,
+                want.name,
+                want.version,
+                manifest.id(),
+                manifest.version
+            )));
+        }
         let dfile = unpacked.join(DIGEST_FILE);
         std::fs::write(&dfile, format!("{actual}\n")).map_err(|e| HubError::io(&dfile, e))?;
-        let parent = self.root.join(&manifest.namespace).join(&manifest.name);
+        let parent = root.join(&want.namespace).join(&want.name);
         std::fs::create_dir_all(&parent).map_err(|e| HubError::io(&parent, e))?;
-        let dest = parent.join(manifest.version.to_string());
+        let dest = parent.join(want.version.to_string());
         if let Err(e) = std::fs::rename(&unpacked, &dest) {
             // Another pull may have won the race: keep its copy if it holds
             // the same bytes.
@@ -351,9 +572,47 @@ impl Cache {
     }
 }
 
+/// The highest version matching `r` under one hub's directory.
+fn find_in(hub_dir: &Path, r: &EnvRef) -> Result<Option<Cached>, HubError> {
+    let dir = hub_dir.join(&r.namespace).join(&r.name);
+    let rd = match std::fs::read_dir(&dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(HubError::io(&dir, e)),
+    };
+    let mut best: Option<(semver::Version, PathBuf)> = None;
+    for item in rd {
+        let item = item.map_err(|e| HubError::io(&dir, e))?;
+        let Some(v) = item
+            .file_name()
+            .to_str()
+            .and_then(|s| semver::Version::parse(s).ok())
+        else {
+            continue;
+        };
+        if r.spec.matches(&v) && best.as_ref().is_none_or(|(b, _)| v > *b) {
+            best = Some((v, item.path()));
+        }
+    }
+    let Some((version, path)) = best else {
+        return Ok(None);
+    };
+    let dfile = path.join(DIGEST_FILE);
+    let digest = std::fs::read_to_string(&dfile).map_err(|e| HubError::io(&dfile, e))?;
+    Ok(Some(Cached {
+        dir: path,
+        id: r.id(),
+        version,
+        digest: digest.trim().to_string(),
+        from_cache: true,
+    }))
+}
+
 /// Make `r` available locally: from the cache without touching the
-/// network when a cached version matches (unless `update`), else resolved
-/// on the hub, downloaded, checked and installed.
+/// network when a version cached from this hub matches (unless `update`),
+/// else resolved on the hub, checked to answer `r`, streamed to disk
+/// (within the client's download cap), checked and installed. Without a
+/// client, only the cache answers.
 pub async fn pull(
     client: Option<&HubClient>,
     cache: &Cache,
@@ -362,8 +621,9 @@ pub async fn pull(
     progress: Option<Progress>,
 ) -> Result<Cached, HubError> {
     let exact = matches!(r.spec, VersionSpec::Exact(_));
+    let hub = client.map(HubClient::base);
     if !update || exact {
-        if let Some(c) = cache.find(r)? {
+        if let Some(c) = cache.find(hub, r)? {
             return Ok(c);
         }
     }
@@ -374,16 +634,37 @@ pub async fn pull(
         ))
     })?;
     let v = client.resolve(r).await?;
+    let want = Wanted::resolved(r, &v)?;
     let exact_ref = EnvRef {
         namespace: r.namespace.clone(),
         name: r.name.clone(),
-        spec: VersionSpec::parse(&v.version)?,
+        spec: VersionSpec::Exact(want.version.clone()),
     };
-    if let Some(c) = cache.find(&exact_ref)? {
-        if c.digest == v.digest {
+    if let Some(c) = cache.find(Some(client.base()), &exact_ref)? {
+        if c.digest == want.digest {
             return Ok(c);
         }
     }
-    let bytes = client.download(&v, progress).await?;
-    cache.install(&bytes, &v.digest, &Limits::default())
+    let tmp = cache.download_file(client.base())?;
+    let file = tmp.reopen().map_err(|e| HubError::io(tmp.path(), e))?;
+    let mut out = tokio::fs::File::from_std(file);
+    let (digest, _) = client.download_to(&v, &mut out, progress).await?;
+    drop(out);
+    if digest != want.digest {
+        return Err(HubError::DigestMismatch {
+            expected: want.digest,
+            actual: digest,
+        });
+    }
+    let c = client.base().to_string();
+    let path = tmp.path().to_path_buf();
+    let cache = cache.clone();
+    // Unpacking is file work: off the async threads.
+    let out = tokio::task::spawn_blocking(move || {
+        cache.install_file(&c, &path, &want, &Limits::default())
+    })
+    .await
+    .map_err(|e| HubError::Internal(format!("worker failed: {e}")))?;
+    drop(tmp);
+    out
 }

@@ -60,6 +60,9 @@ pub enum HubError {
     /// No or an unknown token.
     #[error("unauthorized: {0}")]
     Unauthorized(String),
+    /// A request body over the hub's limit.
+    #[error("too large: {0}")]
+    PayloadTooLarge(String),
     /// The token lacks the scope.
     #[error("forbidden: {0}")]
     Forbidden(String),

@@ -5,8 +5,11 @@
 //!
 //! - [`package`]: an environment directory (env.toml, data files, README,
 //!   an optional external program) packed into one deterministic `.tar.gz`
-//!   with a [`PackageManifest`]; [`package::read_archive`] checks an archive
-//!   against path traversal, links, device files and size or ratio bombs.
+//!   with a [`PackageManifest`]; [`package::check_archive`] (streaming; one
+//!   function for packing, publishing and unpacking) checks an archive
+//!   against non-canonical or clashing paths, path traversal, links, device
+//!   files, over-long names and versions, size or ratio bombs and a broken
+//!   gzip trailer.
 //! - [`server`]: `temper hub serve` — [`server::app`] over a [`MetaStore`]
 //!   ([`SqliteMeta`]) and a [`BlobStore`] ([`FsBlobs`]); tokens with scopes,
 //!   hashed at rest; Prometheus metrics; the web page ([`web`]).
@@ -53,7 +56,7 @@ pub mod server;
 pub mod store;
 pub mod web;
 
-pub use client::{pull, Cache, Cached, HubClient, Progress};
+pub use client::{pull, Cache, Cached, HubClient, Progress, Wanted};
 pub use error::HubError;
 pub use package::{pack_dir, PackageManifest, Packed};
 pub use refs::{EnvRef, VersionSpec};

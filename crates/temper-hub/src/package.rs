@@ -8,7 +8,7 @@
 //! the digest (`sha256:` of the archive) names the content.
 
 use std::io::Read;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -210,6 +210,8 @@ pub fn pack_dir(dir: &Path, namespace: Option<&str>) -> Result<Packed, HubError>
         entry,
         files,
     };
+    // Refuse here what the hub and the unpacker would refuse.
+    check_manifest(&manifest, &Limits::default())?;
     let bytes = write_archive(&manifest, &contents)?;
     Ok(Packed {
         digest: digest(&bytes),
@@ -292,6 +294,202 @@ fn write_archive(manifest: &PackageManifest, contents: &[Vec<u8>]) -> Result<Vec
     gz.finish().map_err(|e| bad(e.to_string()))
 }
 
+/// Longest path component in a package, bytes (the usual file system
+/// `NAME_MAX`: a longer one cannot be unpacked).
+pub const MAX_COMPONENT_BYTES: usize = 255;
+/// Longest path in a package, bytes.
+pub const MAX_PATH_BYTES: usize = 1024;
+/// Longest version text, pre-release and build metadata included.
+pub const MAX_VERSION_BYTES: usize = 64;
+/// Longest description, bytes.
+pub const MAX_DESCRIPTION_BYTES: usize = 4096;
+/// Most tags, and the longest tag in bytes.
+pub const MAX_TAGS: usize = 32;
+/// Longest tag, license, `temper` requirement, generator or command, bytes.
+pub const MAX_FIELD_BYTES: usize = 256;
+/// Largest `temper-package.json`, bytes.
+pub const MAX_MANIFEST_BYTES: u64 = 16 << 20;
+/// The file the cache writes next to an unpacked package: reserved.
+pub(crate) const DIGEST_FILE: &str = ".temper-digest";
+
+/// Check one path as packing, publishing and unpacking all do: a
+/// canonical relative path (`/`-separated components, none empty, `.` or
+/// `..`), no NUL, backslash or control character, each component at most
+/// [`MAX_COMPONENT_BYTES`] and the whole at most [`MAX_PATH_BYTES`]. A
+/// canonical path means one string per file, so `a/b` and `a//b` cannot
+/// both appear and land on one file.
+pub fn check_path(path: &str) -> Result<(), HubError> {
+    let unsafe_entry = |reason: String| HubError::UnsafeEntry {
+        path: path.chars().take(200).collect(),
+        reason,
+    };
+    if path.is_empty() {
+        return Err(unsafe_entry("empty path".into()));
+    }
+    if path.len() > MAX_PATH_BYTES {
+        return Err(unsafe_entry(format!(
+            "the path is {} bytes (limit {MAX_PATH_BYTES})",
+            path.len()
+        )));
+    }
+    if path.starts_with('/') {
+        return Err(unsafe_entry("absolute path".into()));
+    }
+    if path.contains('\0') || path.contains('\\') || path.chars().any(char::is_control) {
+        return Err(unsafe_entry(
+            "NUL, backslash or a control character in the path".into(),
+        ));
+    }
+    for c in path.split('/') {
+        match c {
+            "" => {
+                return Err(unsafe_entry(
+                    "an empty component (`//` or a trailing `/`): paths must be canonical".into(),
+                ))
+            }
+            "." => return Err(unsafe_entry("`.` in the path".into())),
+            ".." => return Err(unsafe_entry("`..` leaves the package".into())),
+            c if c.len() > MAX_COMPONENT_BYTES => {
+                return Err(unsafe_entry(format!(
+                    "a path component of {} bytes (limit {MAX_COMPONENT_BYTES})",
+                    c.len()
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Check a version's length (a long pre-release or build metadata would
+/// be a directory name and, as "latest", shown everywhere).
+pub fn check_version(v: &semver::Version) -> Result<(), HubError> {
+    let text = v.to_string();
+    if text.len() <= MAX_VERSION_BYTES {
+        return Ok(());
+    }
+    let part = if v.build.len() > v.pre.len() {
+        "build metadata"
+    } else {
+        "pre-release"
+    };
+    Err(bad(format!(
+        "version is {} bytes, mostly {part} (limit {MAX_VERSION_BYTES})",
+        text.len()
+    )))
+}
+
+/// The files of one package: no path twice, none both a file and a
+/// directory, none equal to another but for case (they would collide on
+/// a case-insensitive file system), and none taking the manifest's or the
+/// cache's reserved names.
+struct PathSet {
+    files: std::collections::HashSet<String>,
+    dirs: std::collections::HashSet<String>,
+}
+
+impl PathSet {
+    fn new() -> Self {
+        let mut s = PathSet {
+            files: Default::default(),
+            dirs: Default::default(),
+        };
+        s.files.insert(MANIFEST_FILE.to_lowercase());
+        s.files.insert(DIGEST_FILE.to_lowercase());
+        s
+    }
+
+    fn add(&mut self, path: &str) -> Result<(), HubError> {
+        check_path(path)?;
+        let conflict = |reason: &str| HubError::UnsafeEntry {
+            path: path.to_string(),
+            reason: reason.to_string(),
+        };
+        let key = path.to_lowercase();
+        if self.files.contains(&key) {
+            return Err(conflict(
+                "appears twice (or twice but for case, or is a reserved name)",
+            ));
+        }
+        if self.dirs.contains(&key) {
+            return Err(conflict("is both a file and a directory"));
+        }
+        let mut end = 0;
+        while let Some(i) = key[end..].find('/') {
+            let dir = &key[..end + i];
+            if self.files.contains(dir) {
+                return Err(conflict(&format!(
+                    "is under {dir:?}, which is a file (or a reserved name)"
+                )));
+            }
+            self.dirs.insert(dir.to_string());
+            end += i + 1;
+        }
+        self.files.insert(key);
+        Ok(())
+    }
+}
+
+/// Check a manifest as packing, publishing and unpacking all do: format,
+/// names, version, field lengths, and every file path (one
+/// [`check_path`], no duplicates or file/directory clashes, at most
+/// `limits.max_files`), with an `env.toml`.
+pub fn check_manifest(m: &PackageManifest, limits: &Limits) -> Result<(), HubError> {
+    if m.format != FORMAT {
+        return Err(bad(format!(
+            "package format {} (this temper reads {FORMAT})",
+            m.format
+        )));
+    }
+    if !valid_name(&m.namespace) || !valid_name(&m.name) {
+        return Err(bad("invalid namespace or name in the manifest"));
+    }
+    check_version(&m.version)?;
+    if m.description.len() > MAX_DESCRIPTION_BYTES {
+        return Err(bad(format!(
+            "the description is {} bytes (limit {MAX_DESCRIPTION_BYTES})",
+            m.description.len()
+        )));
+    }
+    if m.tags.len() > MAX_TAGS {
+        return Err(bad(format!("{} tags (limit {MAX_TAGS})", m.tags.len())));
+    }
+    let command = match &m.entry {
+        Entry::EnvToml => None,
+        Entry::Builtin { generator } => Some(generator),
+        Entry::Command { command } => Some(command),
+    };
+    let fields = m
+        .tags
+        .iter()
+        .map(|t| ("a tag", t))
+        .chain(m.license.iter().map(|l| ("license", l)))
+        .chain(m.temper.iter().map(|t| ("temper", t)))
+        .chain(command.map(|c| ("entry", c)));
+    for (what, text) in fields {
+        if text.len() > MAX_FIELD_BYTES {
+            return Err(bad(format!(
+                "{what} is {} bytes (limit {MAX_FIELD_BYTES})",
+                text.len()
+            )));
+        }
+    }
+    if m.files.len() > limits.max_files {
+        return Err(bad(format!("more than {} files", limits.max_files)));
+    }
+    let mut paths = PathSet::new();
+    for f in &m.files {
+        paths.add(&f.path)?;
+        if f.sha256.len() != 64 || !f.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad(format!("{}: the sha256 is not 64 hex digits", f.path)));
+        }
+    }
+    if !m.files.iter().any(|f| f.path == "env.toml") {
+        return Err(bad("a package needs env.toml"));
+    }
+    Ok(())
+}
+
 /// One file read from an archive.
 #[derive(Debug, Clone)]
 pub struct UnpackedFile {
@@ -303,20 +501,75 @@ pub struct UnpackedFile {
     pub executable: bool,
 }
 
-/// Read and check an archive: every entry a regular file at a safe
-/// relative path, the manifest first, the files exactly the manifest's
-/// (sizes and sha256), and the totals within `limits`.
+/// Where [`check_archive`] sends each file's bytes as it reads them. A
+/// file's bytes are checked against the manifest only once all have been
+/// sent: a sink that keeps them must drop them when the check fails.
+pub trait FileSink {
+    /// A file begins (its path already checked).
+    fn begin(&mut self, file: &FileEntry) -> Result<(), HubError>;
+    /// The next bytes of the current file.
+    fn write(&mut self, bytes: &[u8]) -> Result<(), HubError>;
+}
+
+/// A sink that keeps nothing: only check.
+pub struct Discard;
+
+impl FileSink for Discard {
+    fn begin(&mut self, _: &FileEntry) -> Result<(), HubError> {
+        Ok(())
+    }
+    fn write(&mut self, _: &[u8]) -> Result<(), HubError> {
+        Ok(())
+    }
+}
+
+struct Collect(Vec<UnpackedFile>);
+
+impl FileSink for Collect {
+    fn begin(&mut self, file: &FileEntry) -> Result<(), HubError> {
+        self.0.push(UnpackedFile {
+            path: file.path.clone(),
+            bytes: Vec::new(),
+            executable: file.executable,
+        });
+        Ok(())
+    }
+    fn write(&mut self, bytes: &[u8]) -> Result<(), HubError> {
+        match self.0.last_mut() {
+            Some(f) => {
+                f.bytes.extend_from_slice(bytes);
+                Ok(())
+            }
+            None => Err(HubError::Internal("bytes before a file began".into())),
+        }
+    }
+}
+
+/// Read and check an archive held in memory; see [`check_archive`].
 pub fn read_archive(
     archive: &[u8],
     limits: &Limits,
 ) -> Result<(PackageManifest, Vec<UnpackedFile>), HubError> {
-    let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(archive));
-    let entries = tar
-        .entries()
-        .map_err(|e| bad(format!("not a tar.gz: {e}")))?;
+    let mut files = Collect(Vec::new());
+    let manifest = check_archive(archive, archive.len() as u64, limits, &mut files)?;
+    Ok((manifest, files.0))
+}
+
+/// Read and check an archive of `archive_len` bytes as a stream, sending
+/// each file to `sink`: every entry a regular file at a path
+/// [`check_path`] accepts, the manifest first and [`check_manifest`]-valid,
+/// the files exactly the manifest's (paths, order, sizes and sha256), the
+/// totals within `limits`, and the gzip stream whole (its CRC and length
+/// trailer checked, nothing after it). Publishing and unpacking both run
+/// this, so the hub accepts exactly what a client can install.
+pub fn check_archive<R: std::io::BufRead>(
+    archive: R,
+    archive_len: u64,
+    limits: &Limits,
+    sink: &mut dyn FileSink,
+) -> Result<PackageManifest, HubError> {
+    let mut tar = tar::Archive::new(flate2::bufread::GzDecoder::new(archive));
     let mut total: u64 = 0;
-    let mut manifest: Option<PackageManifest> = None;
-    let mut files: Vec<UnpackedFile> = Vec::new();
     let allowed = |total: u64| -> Result<(), HubError> {
         if total > limits.max_unpacked_bytes {
             return Err(HubError::TooLarge {
@@ -324,165 +577,200 @@ pub fn read_archive(
             });
         }
         let slack = 1 << 20;
-        if total > slack && total > limits.max_ratio.saturating_mul(archive.len() as u64) {
+        if total > slack && total > limits.max_ratio.saturating_mul(archive_len) {
             return Err(HubError::RatioBomb {
-                ratio: total / (archive.len() as u64).max(1),
+                ratio: total / archive_len.max(1),
                 limit: limits.max_ratio,
             });
         }
         Ok(())
     };
-    for entry in entries {
-        let mut entry = entry.map_err(|e| bad(format!("corrupt archive: {e}")))?;
-        let raw = entry.path_bytes().into_owned();
-        let path = String::from_utf8(raw).map_err(|_| bad("an entry's path is not UTF-8"))?;
-        check_path(&path)?;
-        let kind = entry.header().entry_type();
-        if !kind.is_file() {
-            let what = if kind.is_symlink() {
-                "a symlink"
-            } else if kind.is_hard_link() {
-                "a hard link"
-            } else if kind.is_character_special() || kind.is_block_special() {
-                "a device file"
-            } else if kind.is_fifo() {
-                "a fifo"
-            } else if kind.is_dir() {
-                "a directory entry"
-            } else {
-                "not a regular file"
+    let mut manifest: Option<PackageManifest> = None;
+    let mut seen = 0usize;
+    let mut buf = vec![0u8; 64 * 1024];
+    {
+        let entries = tar
+            .entries()
+            .map_err(|e| bad(format!("not a tar.gz: {e}")))?;
+        for entry in entries {
+            let mut entry = entry.map_err(|e| bad(format!("corrupt archive: {e}")))?;
+            let raw = entry.path_bytes().into_owned();
+            let path = String::from_utf8(raw).map_err(|_| bad("an entry's path is not UTF-8"))?;
+            check_path(&path)?;
+            check_kind(&path, entry.header().entry_type())?;
+            let Some(m) = &manifest else {
+                if path != MANIFEST_FILE {
+                    return Err(bad(format!(
+                        "the first entry must be {MANIFEST_FILE}, not {path:?}"
+                    )));
+                }
+                // Bounded read: the header's size is not trusted.
+                let mut json = Vec::new();
+                (&mut entry)
+                    .take(MAX_MANIFEST_BYTES + 1)
+                    .read_to_end(&mut json)
+                    .map_err(|e| bad(format!("{MANIFEST_FILE}: {e}")))?;
+                if json.len() as u64 > MAX_MANIFEST_BYTES {
+                    return Err(bad(format!(
+                        "{MANIFEST_FILE} is over {MAX_MANIFEST_BYTES} bytes"
+                    )));
+                }
+                total += json.len() as u64;
+                allowed(total)?;
+                let m: PackageManifest = serde_json::from_slice(&json)
+                    .map_err(|e| bad(format!("{MANIFEST_FILE}: {e}")))?;
+                check_manifest(&m, limits)?;
+                manifest = Some(m);
+                continue;
             };
-            return Err(HubError::UnsafeEntry {
-                path,
-                reason: format!("{what}: packages hold regular files only"),
-            });
-        }
-        if files.len() >= limits.max_files {
-            return Err(bad(format!("more than {} files", limits.max_files)));
-        }
-        // Read in bounded chunks: the header's size is not trusted.
-        let mut bytes = Vec::new();
-        let mut buf = [0u8; 64 * 1024];
-        loop {
-            let n = entry
-                .read(&mut buf)
-                .map_err(|e| bad(format!("{path}: {e}")))?;
-            if n == 0 {
-                break;
-            }
-            total += n as u64;
-            allowed(total)?;
-            bytes.extend_from_slice(&buf[..n]);
-        }
-        let executable = entry.header().mode().is_ok_and(|m| m & 0o111 != 0);
-        if manifest.is_none() {
-            if path != MANIFEST_FILE {
+            let Some(want) = m.files.get(seen) else {
                 return Err(bad(format!(
-                    "the first entry must be {MANIFEST_FILE}, not {path:?}"
+                    "{path:?} is not in the manifest, which lists {} files",
+                    m.files.len()
                 )));
+            };
+            if want.path != path {
+                return Err(bad(format!("expected {:?}, found {path:?}", want.path)));
             }
-            let m: PackageManifest =
-                serde_json::from_slice(&bytes).map_err(|e| bad(format!("{MANIFEST_FILE}: {e}")))?;
-            if m.format != FORMAT {
-                return Err(bad(format!(
-                    "package format {} (this temper reads {FORMAT})",
-                    m.format
-                )));
+            seen += 1;
+            sink.begin(want)?;
+            let mut hash = Sha256::new();
+            let mut size = 0u64;
+            // Read in bounded chunks: the header's size is not trusted.
+            loop {
+                let n = entry
+                    .read(&mut buf)
+                    .map_err(|e| bad(format!("{path}: {e}")))?;
+                if n == 0 {
+                    break;
+                }
+                total += n as u64;
+                size += n as u64;
+                allowed(total)?;
+                hash.update(&buf[..n]);
+                sink.write(&buf[..n])?;
             }
-            if !valid_name(&m.namespace) || !valid_name(&m.name) {
-                return Err(bad("invalid namespace or name in the manifest"));
+            if want.sha256 != hex(&hash.finalize()) || want.size != size {
+                return Err(bad(format!("{path}: content does not match the manifest")));
             }
-            manifest = Some(m);
-            continue;
         }
-        if files.iter().any(|f| f.path == path) || path == MANIFEST_FILE {
-            return Err(bad(format!("{path:?} appears twice")));
-        }
-        files.push(UnpackedFile {
-            path,
-            bytes,
-            executable,
-        });
     }
     let manifest = manifest.ok_or_else(|| bad(format!("no {MANIFEST_FILE}")))?;
-    if manifest.files.len() != files.len() {
+    if manifest.files.len() != seen {
         return Err(bad(format!(
-            "the manifest lists {} files, the archive holds {}",
-            manifest.files.len(),
-            files.len()
+            "the manifest lists {} files, the archive holds {seen}",
+            manifest.files.len()
         )));
     }
-    for (want, got) in manifest.files.iter().zip(&files) {
-        if want.path != got.path {
-            return Err(bad(format!(
-                "expected {:?}, found {:?}",
-                want.path, got.path
-            )));
+    // Read the gzip stream to its end: only there does the decoder check
+    // the CRC and length trailer. The tar end blocks and padding count
+    // against the limits like any other byte.
+    let mut gz = tar.into_inner();
+    loop {
+        let n = gz
+            .read(&mut buf)
+            .map_err(|e| bad(format!("the gzip stream is corrupt or truncated: {e}")))?;
+        if n == 0 {
+            break;
         }
-        let sha = hex(&Sha256::digest(&got.bytes));
-        if want.sha256 != sha || want.size != got.bytes.len() as u64 {
-            return Err(bad(format!(
-                "{}: content does not match the manifest",
-                got.path
-            )));
-        }
+        total += n as u64;
+        allowed(total)?;
     }
-    if !files.iter().any(|f| f.path == "env.toml") {
-        return Err(bad("a package needs env.toml"));
+    let mut rest = gz.into_inner();
+    let after = rest
+        .fill_buf()
+        .map_err(|e| bad(format!("reading the archive: {e}")))?;
+    if !after.is_empty() {
+        return Err(bad("bytes after the end of the gzip stream"));
     }
-    Ok((manifest, files))
+    Ok(manifest)
 }
 
-/// A relative path of normal components only: no `..`, no `.`, no root.
-fn check_path(path: &str) -> Result<(), HubError> {
-    let unsafe_entry = |reason: &str| HubError::UnsafeEntry {
-        path: path.to_string(),
-        reason: reason.to_string(),
-    };
-    if path.is_empty() || path.contains('\0') || path.contains('\\') {
-        return Err(unsafe_entry("empty, NUL or backslash in the path"));
+fn check_kind(path: &str, kind: tar::EntryType) -> Result<(), HubError> {
+    if kind.is_file() {
+        return Ok(());
     }
-    for c in Path::new(path).components() {
-        match c {
-            Component::Normal(_) => {}
-            Component::ParentDir => return Err(unsafe_entry("`..` leaves the package")),
-            Component::RootDir | Component::Prefix(_) => return Err(unsafe_entry("absolute path")),
-            Component::CurDir => return Err(unsafe_entry("`.` in the path")),
+    let what = if kind.is_symlink() {
+        "a symlink"
+    } else if kind.is_hard_link() {
+        "a hard link"
+    } else if kind.is_character_special() || kind.is_block_special() {
+        "a device file"
+    } else if kind.is_fifo() {
+        "a fifo"
+    } else if kind.is_dir() {
+        "a directory entry"
+    } else {
+        "not a regular file"
+    };
+    Err(HubError::UnsafeEntry {
+        path: path.to_string(),
+        reason: format!("{what}: packages hold regular files only"),
+    })
+}
+
+/// Writes each file under a new directory as it is read.
+struct DirSink {
+    dest: PathBuf,
+    current: Option<(PathBuf, std::fs::File)>,
+}
+
+impl FileSink for DirSink {
+    fn begin(&mut self, file: &FileEntry) -> Result<(), HubError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        // The path passed check_manifest: relative, canonical, no clash,
+        // so it stays under `dest` and names a new file.
+        let path = self.dest.join(&file.path);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| HubError::io(parent, e))?;
+        }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(if file.executable { 0o755 } else { 0o644 })
+            .open(&path)
+            .map_err(|e| HubError::io(&path, e))?;
+        self.current = Some((path, f));
+        Ok(())
+    }
+    fn write(&mut self, bytes: &[u8]) -> Result<(), HubError> {
+        use std::io::Write;
+        match &mut self.current {
+            Some((path, f)) => f.write_all(bytes).map_err(|e| HubError::io(path, e)),
+            None => Err(HubError::Internal("bytes before a file began".into())),
         }
     }
-    Ok(())
 }
 
 /// Check `archive` and write its files (and manifest) under the new
 /// directory `dest`, which must not exist. On error `dest` is removed.
 pub fn unpack(archive: &[u8], dest: &Path, limits: &Limits) -> Result<PackageManifest, HubError> {
-    let (manifest, files) = read_archive(archive, limits)?;
-    let result = write_files(dest, &manifest, &files);
+    unpack_from(archive, archive.len() as u64, dest, limits)
+}
+
+/// [`unpack`] from a stream of `archive_len` bytes (a downloaded file):
+/// files go to disk as they are read, so memory stays bounded.
+pub fn unpack_from<R: std::io::BufRead>(
+    archive: R,
+    archive_len: u64,
+    dest: &Path,
+    limits: &Limits,
+) -> Result<PackageManifest, HubError> {
+    std::fs::create_dir(dest).map_err(|e| HubError::io(dest, e))?;
+    let result = (|| {
+        let mut sink = DirSink {
+            dest: dest.to_path_buf(),
+            current: None,
+        };
+        let manifest = check_archive(archive, archive_len, limits, &mut sink)?;
+        drop(sink);
+        let json = serde_json::to_vec_pretty(&manifest).map_err(|e| bad(e.to_string()))?;
+        let mpath = dest.join(MANIFEST_FILE);
+        std::fs::write(&mpath, json).map_err(|e| HubError::io(&mpath, e))?;
+        Ok(manifest)
+    })();
     if result.is_err() {
         let _ = std::fs::remove_dir_all(dest);
     }
-    result.map(|()| manifest)
-}
-
-fn write_files(
-    dest: &Path,
-    manifest: &PackageManifest,
-    files: &[UnpackedFile],
-) -> Result<(), HubError> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir(dest).map_err(|e| HubError::io(dest, e))?;
-    let json = serde_json::to_vec_pretty(manifest).map_err(|e| bad(e.to_string()))?;
-    let mpath = dest.join(MANIFEST_FILE);
-    std::fs::write(&mpath, json).map_err(|e| HubError::io(&mpath, e))?;
-    for f in files {
-        let path = dest.join(&f.path);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| HubError::io(parent, e))?;
-        }
-        std::fs::write(&path, &f.bytes).map_err(|e| HubError::io(&path, e))?;
-        let mode = if f.executable { 0o755 } else { 0o644 };
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| HubError::io(&path, e))?;
-    }
-    Ok(())
+    result
 }

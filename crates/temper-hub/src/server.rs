@@ -17,17 +17,22 @@
 //! | GET | `/`, `/envs/{ns}/{name}` | the web page |
 //!
 //! Writes need `Authorization: Bearer TOKEN` with `publish:NS`; reads need
-//! a token only when anonymous read is off.
+//! a token only when anonymous read is off. A write's token (and a
+//! publish's declared length) is checked before a byte of its body is
+//! read, and an upload streams to a temporary file while it is hashed, so
+//! no request holds an archive in memory. Every response carries a strict
+//! `Content-Security-Policy`, `nosniff` and `Referrer-Policy`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, Query as QueryParams, State};
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query as QueryParams, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -35,6 +40,10 @@ use crate::package::{self, Limits};
 use crate::refs::VersionSpec;
 use crate::store::{BlobStore, MetaStore, NewVersion, Query, Scope, VersionInfo};
 use crate::{web, HubError};
+
+/// The hub's default largest archive, MiB (`--max-package-mb`); also the
+/// client's default download cap.
+pub const DEFAULT_MAX_PACKAGE_MB: usize = 256;
 
 /// How the hub behaves.
 #[derive(Debug, Clone)]
@@ -51,7 +60,7 @@ impl Default for HubSettings {
     fn default() -> Self {
         HubSettings {
             anonymous_read: true,
-            max_package_bytes: 256 << 20,
+            max_package_bytes: DEFAULT_MAX_PACKAGE_MB << 20,
             limits: Limits::default(),
         }
     }
@@ -133,6 +142,8 @@ pub struct HubState {
     /// Serialises "store blob + insert row" against "delete row + blob", so
     /// a delete never removes a blob a publish is about to reference.
     write_lock: Arc<std::sync::Mutex<()>>,
+    /// Where uploads are streamed before they are checked.
+    upload_dir: std::path::PathBuf,
 }
 
 impl HubState {
@@ -144,7 +155,15 @@ impl HubState {
             settings: Arc::new(settings),
             metrics: Arc::new(HubMetrics::default()),
             write_lock: Arc::new(std::sync::Mutex::new(())),
+            upload_dir: std::env::temp_dir(),
         }
+    }
+
+    /// Stream uploads to temporary files in `dir` (best on the blob
+    /// store's file system, so storing one is a rename).
+    pub fn with_upload_dir(mut self, dir: std::path::PathBuf) -> Self {
+        self.upload_dir = dir;
+        self
     }
 
     /// The embedded default: `DIR/hub.sqlite` and `DIR/blobs/`.
@@ -152,7 +171,8 @@ impl HubState {
         std::fs::create_dir_all(dir).map_err(|e| HubError::io(dir, e))?;
         let meta = crate::store::SqliteMeta::open(&dir.join("hub.sqlite"))?;
         let blobs = crate::store::FsBlobs::open(&dir.join("blobs"))?;
-        Ok(Self::new(Arc::new(meta), Arc::new(blobs), settings))
+        let uploads = blobs.tmp_dir();
+        Ok(Self::new(Arc::new(meta), Arc::new(blobs), settings).with_upload_dir(uploads))
     }
 }
 
@@ -199,6 +219,7 @@ impl IntoResponse for ApiError {
             HubError::NotFound(_) => StatusCode::NOT_FOUND,
             HubError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             HubError::Forbidden(_) => StatusCode::FORBIDDEN,
+            HubError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         let message = if status == StatusCode::INTERNAL_SERVER_ERROR {
@@ -277,7 +298,8 @@ async fn require_publish(state: &HubState, headers: &HeaderMap, ns: &str) -> Res
 
 /// The router.
 pub fn app(state: HubState) -> Router {
-    let limit = state.settings.max_package_bytes;
+    // No body limit layer: the two handlers that take a body (publish,
+    // yank) check the caller first and then bound what they read.
     Router::new()
         .route(
             "/health",
@@ -303,8 +325,38 @@ pub fn app(state: HubState) -> Router {
         .route("/api/v1/blobs/{digest}", get(blob))
         .route("/", get(web_index))
         .route("/envs/{ns}/{name}", get(web_package))
-        .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::map_response(security_headers))
         .with_state(state)
+}
+
+/// The web page runs no script, loads nothing but its own inline style
+/// (by hash) and http(s) images, and cannot be framed; every response says
+/// so, so an HTML error or a README link cannot turn into script.
+fn content_security_policy() -> &'static str {
+    static CSP: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    CSP.get_or_init(|| {
+        format!(
+            "default-src 'none'; script-src 'none'; style-src '{}'; img-src 'self' https: http:; \
+             form-action 'self'; base-uri 'none'; frame-ancestors 'none'",
+            web::style_hash()
+        )
+    })
+}
+
+async fn security_headers(mut resp: Response) -> Response {
+    let h = resp.headers_mut();
+    if let Ok(v) = header::HeaderValue::from_str(content_security_policy()) {
+        h.insert(header::CONTENT_SECURITY_POLICY, v);
+    }
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        header::HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        header::HeaderValue::from_static("no-referrer"),
+    );
+    resp
 }
 
 async fn metrics(State(s): State<HubState>) -> impl IntoResponse {
@@ -439,47 +491,154 @@ async fn resolve(
     Ok(Json(v))
 }
 
+/// The declared `Content-Length`, if any; a malformed one is refused.
+fn content_length(headers: &HeaderMap) -> Result<Option<u64>, HubError> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .map(|v| {
+            v.to_str()
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+                .ok_or_else(|| HubError::BadRequest("malformed Content-Length".into()))
+        })
+        .transpose()
+}
+
+/// An upload streamed to a temporary file, hashed as it came.
+struct Upload {
+    file: tempfile::NamedTempFile,
+    digest: String,
+    size: u64,
+}
+
+/// Stream `body` to a temporary file under `dir`, hashing it, and refuse
+/// it once it passes `max` bytes. Only called once the caller is
+/// authorised and the declared length is within `max`.
+async fn receive(body: Body, dir: &std::path::Path, max: u64) -> Result<Upload, HubError> {
+    use tokio::io::AsyncWriteExt;
+    let file = tempfile::Builder::new()
+        .prefix("upload-")
+        .tempfile_in(dir)
+        .map_err(|e| HubError::io(dir, e))?;
+    let std_file = file.reopen().map_err(|e| HubError::io(file.path(), e))?;
+    let mut out = tokio::io::BufWriter::new(tokio::fs::File::from_std(std_file));
+    let mut hash = Sha256::new();
+    let mut size = 0u64;
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| HubError::BadRequest(format!("reading the upload: {e}")))?;
+        size += chunk.len() as u64;
+        if size > max {
+            return Err(HubError::PayloadTooLarge(format!(
+                "the upload passes {max} bytes (the hub's --max-package-mb)"
+            )));
+        }
+        hash.update(&chunk);
+        out.write_all(&chunk)
+            .await
+            .map_err(|e| HubError::io(file.path(), e))?;
+    }
+    out.flush()
+        .await
+        .map_err(|e| HubError::io(file.path(), e))?;
+    Ok(Upload {
+        digest: format!("sha256:{}", package::hex(&hash.finalize())),
+        file,
+        size,
+    })
+}
+
+/// Most README bytes kept for the web page; a longer README is not shown.
+pub const MAX_README_BYTES: usize = 1 << 20;
+
+/// Keeps the top-level README (up to [`MAX_README_BYTES`]) while an
+/// archive is checked.
+struct ReadmeSink {
+    readme: Option<Vec<u8>>,
+    capturing: bool,
+}
+
+impl package::FileSink for ReadmeSink {
+    fn begin(&mut self, file: &package::FileEntry) -> Result<(), HubError> {
+        self.capturing = file.path.eq_ignore_ascii_case("README.md");
+        if self.capturing {
+            self.readme = Some(Vec::new());
+        }
+        Ok(())
+    }
+    fn write(&mut self, bytes: &[u8]) -> Result<(), HubError> {
+        if self.capturing {
+            if let Some(r) = &mut self.readme {
+                if r.len() + bytes.len() > MAX_README_BYTES {
+                    self.readme = None;
+                    self.capturing = false;
+                } else {
+                    r.extend_from_slice(bytes);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 async fn publish(
     State(s): State<HubState>,
     headers: HeaderMap,
     Path((ns, name)): Path<(String, String)>,
-    body: Bytes,
+    body: Body,
 ) -> ApiResult<(StatusCode, Json<VersionInfo>)> {
+    // Not a byte of the body is read before the caller is authorised and
+    // the declared length is within the limit.
     require_publish(&s, &headers, &ns).await?;
-    let state = s.clone();
-    // Check the whole archive before anything is stored: a refused or
-    // half-sent upload leaves no trace.
-    let r = blocking(move || {
-        let (manifest, files) = package::read_archive(&body, &state.settings.limits)?;
-        if manifest.namespace != ns || manifest.name != name {
-            return Err(HubError::BadRequest(format!(
-                "the archive is {}, published to {ns}/{name}",
-                manifest.id()
-            )));
+    let max = s.settings.max_package_bytes as u64;
+    let r = async {
+        if let Some(len) = content_length(&headers)? {
+            if len > max {
+                return Err(HubError::PayloadTooLarge(format!(
+                    "Content-Length {len} is over the hub's limit of {max} bytes (--max-package-mb)"
+                )));
+            }
         }
-        let readme = files
-            .iter()
-            .find(|f| f.path.eq_ignore_ascii_case("README.md"))
-            .and_then(|f| String::from_utf8(f.bytes.clone()).ok());
-        let digest = package::digest(&body);
-        let new = NewVersion {
-            manifest,
-            digest: digest.clone(),
-            size: body.len() as u64,
-            readme,
-        };
-        let _guard = state.write_lock.lock().unwrap_or_else(|p| p.into_inner());
-        // Blob first, row second: a crash between them leaves an
-        // unreferenced blob (never served), never a version without bytes.
-        state.blobs.put(&digest, &body)?;
-        let inserted = state.meta.insert_version(&new);
-        if inserted.is_err() && !state.meta.digest_live(&digest)? {
-            // The loser of a race leaves nothing behind; under the lock no
-            // other publish can be between its put and its insert.
-            state.blobs.delete(&digest)?;
-        }
-        inserted
-    })
+        let upload = receive(body, &s.upload_dir, max).await?;
+        let state = s.clone();
+        // Check the whole archive before anything is stored: a refused or
+        // half-sent upload leaves no trace (the temporary file goes with
+        // `upload`).
+        blocking(move || {
+            let Upload { file, digest, size } = upload;
+            let reader =
+                std::io::BufReader::new(file.reopen().map_err(|e| HubError::io(file.path(), e))?);
+            let mut sink = ReadmeSink {
+                readme: None,
+                capturing: false,
+            };
+            let manifest = package::check_archive(reader, size, &state.settings.limits, &mut sink)?;
+            if manifest.namespace != ns || manifest.name != name {
+                return Err(HubError::BadRequest(format!(
+                    "the archive is {}, published to {ns}/{name}",
+                    manifest.id()
+                )));
+            }
+            let new = NewVersion {
+                manifest,
+                digest: digest.clone(),
+                size,
+                readme: sink.readme.and_then(|r| String::from_utf8(r).ok()),
+            };
+            let _guard = state.write_lock.lock().unwrap_or_else(|p| p.into_inner());
+            // Blob first, row second: a crash between them leaves an
+            // unreferenced blob (never served), never a version without bytes.
+            state.blobs.put_file(&digest, file)?;
+            let inserted = state.meta.insert_version(&new);
+            if inserted.is_err() && !state.meta.digest_live(&digest)? {
+                // The loser of a race leaves nothing behind; under the lock no
+                // other publish can be between its put and its insert.
+                state.blobs.delete(&digest)?;
+            }
+            inserted
+        })
+        .await
+    }
     .await;
     match r {
         Ok(v) => {
@@ -501,22 +660,37 @@ async fn publish(
     }
 }
 
+/// Bytes read per step when streaming an archive out.
+const DOWNLOAD_CHUNK: usize = 256 << 10;
+
+/// Serve an archive as a stream read from the blob store, so a download
+/// holds one chunk in memory, not the archive.
 async fn serve_blob(s: &HubState, digest: String) -> ApiResult<Response> {
     let blobs = s.blobs.clone();
     let d = digest.clone();
-    let bytes = blocking(move || blobs.get(&d))
+    let (reader, len) = blocking(move || blobs.open(&d))
         .await?
         .ok_or_else(|| HubError::NotFound(digest.clone()))?;
     s.metrics.downloads.fetch_add(1, Ordering::Relaxed);
-    s.metrics
-        .download_bytes
-        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    s.metrics.download_bytes.fetch_add(len, Ordering::Relaxed);
+    let chunks = futures::stream::try_unfold(reader, |mut reader| async move {
+        let (reader, chunk) = tokio::task::spawn_blocking(move || {
+            let mut buf = vec![0u8; DOWNLOAD_CHUNK];
+            let n = std::io::Read::read(&mut reader, &mut buf)?;
+            buf.truncate(n);
+            Ok::<_, std::io::Error>((reader, buf))
+        })
+        .await
+        .map_err(std::io::Error::other)??;
+        Ok::<_, std::io::Error>((!chunk.is_empty()).then(|| (Bytes::from(chunk), reader)))
+    });
     Ok((
         [
             (header::CONTENT_TYPE, "application/gzip".to_string()),
+            (header::CONTENT_LENGTH, len.to_string()),
             (header::HeaderName::from_static("x-temper-digest"), digest),
         ],
-        bytes,
+        Body::from_stream(chunks),
     )
         .into_response())
 }
@@ -550,6 +724,9 @@ async fn blob(
     serve_blob(&s, digest).await
 }
 
+/// Largest yank body (`{"yanked": false}` is 17 bytes).
+const MAX_YANK_BODY: usize = 4096;
+
 #[derive(Deserialize)]
 struct YankBody {
     #[serde(default = "yes")]
@@ -564,9 +741,20 @@ async fn yank(
     State(s): State<HubState>,
     headers: HeaderMap,
     Path((ns, name, version)): Path<(String, String, String)>,
-    body: Bytes,
+    body: Body,
 ) -> ApiResult<Json<serde_json::Value>> {
     require_publish(&s, &headers, &ns).await?;
+    if content_length(&headers)?.is_some_and(|n| n > MAX_YANK_BODY as u64) {
+        return Err(HubError::PayloadTooLarge(format!(
+            "a yank body is at most {MAX_YANK_BODY} bytes"
+        ))
+        .into());
+    }
+    let body = axum::body::to_bytes(body, MAX_YANK_BODY)
+        .await
+        .map_err(|_| {
+            HubError::PayloadTooLarge(format!("a yank body is at most {MAX_YANK_BODY} bytes"))
+        })?;
     let yanked = if body.is_empty() {
         true
     } else {

@@ -140,13 +140,33 @@ pub trait MetaStore: Send + Sync {
     fn token_scope(&self, hash: &str) -> Result<Option<Scope>, HubError>;
 }
 
+/// A blob's bytes to stream, and their length.
+pub type BlobReader = (Box<dyn std::io::Read + Send>, u64);
+
 /// Archives by digest. `put` must be atomic: a reader sees all the bytes or
 /// none.
 pub trait BlobStore: Send + Sync {
     /// Store `bytes` under `digest` (a no-op when present).
     fn put(&self, digest: &str, bytes: &[u8]) -> Result<(), HubError>;
+    /// Store the (already written) temporary file `file` under `digest`
+    /// (a no-op when present). The default reads it and calls `put`.
+    fn put_file(&self, digest: &str, file: tempfile::NamedTempFile) -> Result<(), HubError> {
+        let bytes = std::fs::read(file.path()).map_err(|e| HubError::io(file.path(), e))?;
+        self.put(digest, &bytes)
+    }
     /// The bytes under `digest`.
     fn get(&self, digest: &str) -> Result<Option<Vec<u8>>, HubError>;
+    /// A reader of the bytes under `digest` and their length, to stream
+    /// them. The default reads them all through `get`.
+    fn open(&self, digest: &str) -> Result<Option<BlobReader>, HubError> {
+        Ok(self.get(digest)?.map(|b| {
+            let len = b.len() as u64;
+            (
+                Box::new(std::io::Cursor::new(b)) as Box<dyn std::io::Read + Send>,
+                len,
+            )
+        }))
+    }
     /// Remove `digest`'s bytes.
     fn delete(&self, digest: &str) -> Result<(), HubError>;
 }
@@ -431,6 +451,11 @@ impl FsBlobs {
         })
     }
 
+    /// Its temporary directory, on the blobs' file system.
+    pub fn tmp_dir(&self) -> PathBuf {
+        self.root.join("tmp")
+    }
+
     /// Where `digest`'s bytes live (`sha256/ab/abcd...`).
     pub fn path(&self, digest: &str) -> Result<PathBuf, HubError> {
         let hex = digest
@@ -463,6 +488,36 @@ impl BlobStore for FsBlobs {
         Ok(())
     }
 
+    fn put_file(&self, digest: &str, file: tempfile::NamedTempFile) -> Result<(), HubError> {
+        let path = self.path(digest)?;
+        if path.exists() {
+            return Ok(());
+        }
+        let dir = path.parent().unwrap_or(&self.root);
+        std::fs::create_dir_all(dir).map_err(|e| HubError::io(dir, e))?;
+        file.as_file()
+            .sync_all()
+            .map_err(|e| HubError::io(file.path(), e))?;
+        match file.persist(&path) {
+            Ok(_) => Ok(()),
+            // Another file system: copy through a temporary file here.
+            Err(e) => {
+                let src = e.file.path().to_path_buf();
+                let tmp_dir = self.tmp_dir();
+                let mut tmp = tempfile::NamedTempFile::new_in(&tmp_dir)
+                    .map_err(|e| HubError::io(&tmp_dir, e))?;
+                let mut from = std::fs::File::open(&src).map_err(|e| HubError::io(&src, e))?;
+                std::io::copy(&mut from, &mut tmp).map_err(|e| HubError::io(tmp.path(), e))?;
+                tmp.as_file()
+                    .sync_all()
+                    .map_err(|e| HubError::io(&path, e))?;
+                tmp.persist(&path)
+                    .map_err(|e| HubError::io(&path, e.error))?;
+                Ok(())
+            }
+        }
+    }
+
     fn get(&self, digest: &str) -> Result<Option<Vec<u8>>, HubError> {
         let path = self.path(digest)?;
         match std::fs::read(&path) {
@@ -470,6 +525,17 @@ impl BlobStore for FsBlobs {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(HubError::io(&path, e)),
         }
+    }
+
+    fn open(&self, digest: &str) -> Result<Option<BlobReader>, HubError> {
+        let path = self.path(digest)?;
+        let f = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(HubError::io(&path, e)),
+        };
+        let len = f.metadata().map_err(|e| HubError::io(&path, e))?.len();
+        Ok(Some((Box::new(f), len)))
     }
 
     fn delete(&self, digest: &str) -> Result<(), HubError> {

@@ -2,7 +2,9 @@
 //! search form, and a page per environment (README, versions, digest, the
 //! commands to use it).
 
-use pulldown_cmark::{Event, Options, Parser};
+use base64::Engine;
+use pulldown_cmark::{CowStr, Event, Options, Parser, Tag, TagEnd};
+use sha2::{Digest, Sha256};
 
 use crate::server::{PackageInfo, PackageSummary};
 
@@ -30,6 +32,15 @@ code,pre{background:#f5f5f5;border-radius:3px}pre{padding:.6rem;overflow-x:auto}
 .tag{background:#eef;border-radius:3px;padding:0 .3rem;margin-right:.2rem;font-size:.9em}
 .yanked{color:#a00}.readme{border:1px solid #eee;padding:0 1rem;margin:1rem 0}
 input[type=search]{width:20rem;padding:.3rem}";
+
+/// `sha256-...` of the page's one inline style, for the
+/// `Content-Security-Policy` (which allows that style and nothing else).
+pub fn style_hash() -> String {
+    format!(
+        "sha256-{}",
+        base64::engine::general_purpose::STANDARD.encode(Sha256::digest(STYLE.as_bytes()))
+    )
+}
 
 fn page(title: &str, body: &str) -> String {
     format!(
@@ -101,13 +112,60 @@ pub fn index_page(q: &str, tag: Option<&str>, packages: &[PackageSummary]) -> St
     page("temper hub", &body)
 }
 
-/// Markdown to HTML, with raw HTML shown as text (a README is untrusted).
+/// Whether a README link or image may point at `url`: http(s), or no
+/// scheme at all (relative, `/path`, `#anchor`, `//host`). Anything else
+/// (`javascript:`, `data:`, `vbscript:`, `file:`...) is refused. The URL is
+/// read as a browser reads it: entities are already decoded by the
+/// markdown parser, and browsers drop ASCII whitespace and control
+/// characters anywhere in a scheme and ignore its case.
+pub fn safe_url(url: &str) -> bool {
+    let squeezed: String = url
+        .chars()
+        .filter(|c| !c.is_ascii_whitespace() && !c.is_control())
+        .collect::<String>()
+        .to_ascii_lowercase();
+    // A scheme is what comes before the first `:` when no `/`, `?` or `#`
+    // comes first.
+    match squeezed.find([':', '/', '?', '#']) {
+        Some(i) if squeezed[i..].starts_with(':') => {
+            matches!(&squeezed[..i], "http" | "https")
+        }
+        _ => true,
+    }
+}
+
+/// Markdown to HTML, with raw HTML shown as text and links and images
+/// allowed only to [`safe_url`]s (a README is untrusted): an unsafe link
+/// keeps its text and points nowhere (`#`), an unsafe image becomes its
+/// alt text.
 pub fn render_markdown(md: &str) -> String {
     let options =
         Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH | Options::ENABLE_TASKLISTS;
-    let events = Parser::new_ext(md, options).map(|e| match e {
-        Event::Html(h) | Event::InlineHtml(h) => Event::Text(h),
-        e => e,
+    // Whether each open image (they nest, in alt text) was dropped.
+    let mut images: Vec<bool> = Vec::new();
+    let events = Parser::new_ext(md, options).filter_map(|e| match e {
+        Event::Html(h) | Event::InlineHtml(h) => Some(Event::Text(h)),
+        Event::Start(Tag::Link {
+            link_type,
+            dest_url,
+            title,
+            id,
+        }) if !safe_url(&dest_url) => Some(Event::Start(Tag::Link {
+            link_type,
+            dest_url: CowStr::Borrowed("#"),
+            title,
+            id,
+        })),
+        Event::Start(Tag::Image { ref dest_url, .. }) => {
+            let dropped = !safe_url(dest_url);
+            images.push(dropped);
+            (!dropped).then_some(e)
+        }
+        Event::End(TagEnd::Image) => {
+            let dropped = images.pop().unwrap_or(false);
+            (!dropped).then_some(e)
+        }
+        e => Some(e),
     });
     let mut out = String::new();
     pulldown_cmark::html::push_html(&mut out, events);
@@ -189,5 +247,50 @@ mod tests {
         assert!(html.contains("<h1>Title</h1>"));
         assert!(html.contains("<em>text</em>"));
         assert!(!html.contains("<script>"), "{html}");
+    }
+
+    #[test]
+    fn unsafe_images_become_their_alt_text_and_unsafe_links_point_nowhere() {
+        let html = render_markdown(
+            "![bad](javascript:x) ![good](/a.png) [x](data:text/html,y) ![outer ![inner](vbscript:z)](b.png)",
+        );
+        assert!(html.contains("bad"), "{html}");
+        assert!(html.contains("<img src=\"/a.png\" alt=\"good\""), "{html}");
+        assert!(html.contains("<a href=\"#\">x</a>"), "{html}");
+        assert!(html.contains("<img src=\"b.png\""), "{html}");
+        assert_eq!(html.matches("<img").count(), 2, "{html}");
+        for dead in ["javascript:", "data:", "vbscript:"] {
+            assert!(!html.contains(dead), "{html}");
+        }
+    }
+
+    #[test]
+    fn only_http_relative_and_anchor_urls_are_safe() {
+        for ok in [
+            "https://example.com/x",
+            "HTTP://example.com",
+            "docs/usage.md",
+            "/envs/acme/x",
+            "#usage",
+            "//example.com/img.png",
+            "?q=1",
+            "a/b:c",
+        ] {
+            assert!(safe_url(ok), "{ok}");
+        }
+        for bad in [
+            "javascript:alert(1)",
+            "JaVaScRiPt:alert(1)",
+            " javascript:alert(1)",
+            "java\tscript:alert(1)",
+            "java\nscript:alert(1)",
+            "\u{1}javascript:alert(1)",
+            "data:text/html,<script>alert(1)</script>",
+            "vbscript:msgbox",
+            "file:///etc/passwd",
+            "mailto:x@y",
+        ] {
+            assert!(!safe_url(bad), "{bad:?}");
+        }
     }
 }

@@ -8,7 +8,18 @@ use std::io::Write;
 use std::path::Path;
 
 use temper_hub::package::{self, pack_dir, read_archive, unpack, Limits, MANIFEST_FILE};
-use temper_hub::{Cache, HubError};
+use temper_hub::{Cache, HubError, Wanted};
+
+const HUB: &str = "http://hub.test:8700";
+
+fn wanted(p: &temper_hub::Packed) -> Wanted {
+    Wanted {
+        namespace: p.manifest.namespace.clone(),
+        name: p.manifest.name.clone(),
+        version: p.manifest.version.clone(),
+        digest: p.digest.clone(),
+    }
+}
 
 fn write_env(dir: &Path, version: &str) {
     std::fs::create_dir_all(dir.join("data")).expect("mkdir");
@@ -259,17 +270,133 @@ fn a_digest_mismatch_leaves_the_cache_as_it_was() {
     let root = tempfile::tempdir().expect("tmp");
     let cache = Cache::new(root.path());
     let c = cache
-        .install(&v1.bytes, &v1.digest, &Limits::default())
+        .install(HUB, &v1.bytes, &wanted(&v1), &Limits::default())
         .expect("install");
     let before = listing(root.path());
     // 1.0.1's bytes offered under a digest they do not have.
     write_env(src.path(), "1.0.1");
     let v2 = pack_dir(src.path(), None).expect("pack");
     let e = cache
-        .install(&v2.bytes, &v1.digest, &Limits::default())
+        .install(HUB, &v2.bytes, &wanted(&v1), &Limits::default())
         .expect_err("mismatch accepted");
     assert!(matches!(e, HubError::DigestMismatch { .. }), "{e}");
     assert_eq!(listing(root.path()), before);
     assert!(c.dir.join("env.toml").is_file());
     assert_eq!(package::digest(&v2.bytes), v2.digest);
+}
+
+#[test]
+fn issue31_uninstallable_packages_are_refused_by_the_unpacker() {
+    for (what, archive, word) in common::uninstallable_packages() {
+        let out = tempfile::tempdir().expect("tmp");
+        let dest = out.path().join("pkg");
+        let e = unpack(&archive, &dest, &Limits::default()).expect_err(what);
+        assert!(e.to_string().contains(word), "{what}: {e}");
+        assert!(
+            !dest.exists(),
+            "{what}: a refused archive left {}",
+            dest.display()
+        );
+    }
+    // The well-formed twin of those archives unpacks: only the rule under
+    // test refused each.
+    let good = common::crafted(
+        "1.0.0",
+        &[(b"a/b", b"one"), (b"env.toml", common::ENV_TOML)],
+        true,
+    );
+    let out = tempfile::tempdir().expect("tmp");
+    let m = unpack(&good, &out.path().join("pkg"), &Limits::default()).expect("good archive");
+    assert_eq!(m.files.len(), 2);
+    assert_eq!(
+        std::fs::read(out.path().join("pkg/a/b")).expect("a/b"),
+        b"one"
+    );
+}
+
+#[test]
+fn issue31_packing_refuses_what_the_hub_would_refuse() {
+    let src = tempfile::tempdir().expect("tmp");
+    write_env(src.path(), &format!("1.0.0-{}", "p".repeat(10_000)));
+    let e = pack_dir(src.path(), None).expect_err("a 10 KB pre-release packed");
+    assert!(e.to_string().contains("pre-release"), "{e}");
+    for ok in ["a/b", "data/eval.jsonl", "x.y-z_w/README.md"] {
+        package::check_path(ok).expect(ok);
+    }
+    for bad in [
+        "a//b", "a/", "/a", "./a", "a/./b", "a/../b", "", "a\\b", "a\nb",
+    ] {
+        assert!(package::check_path(bad).is_err(), "{bad:?}");
+    }
+    assert!(package::check_path(&"x".repeat(255)).is_ok());
+    assert!(package::check_path(&"x".repeat(256)).is_err());
+}
+
+#[test]
+fn issue31_the_cache_refuses_an_archive_that_is_not_the_package_asked_for() {
+    let src = tempfile::tempdir().expect("tmp");
+    write_env(src.path(), "1.0.0");
+    let p = pack_dir(src.path(), None).expect("pack");
+    let root = tempfile::tempdir().expect("tmp");
+    let cache = Cache::new(root.path());
+    // A hub answering evil/thing (or another version) with acme/capitals@1.0.0.
+    for want in [
+        Wanted {
+            namespace: "evil".into(),
+            ..wanted(&p)
+        },
+        Wanted {
+            name: "thing".into(),
+            ..wanted(&p)
+        },
+        Wanted {
+            version: semver::Version::new(1, 0, 1),
+            ..wanted(&p)
+        },
+    ] {
+        let e = cache
+            .install(HUB, &p.bytes, &want, &Limits::default())
+            .expect_err("planted");
+        assert!(e.to_string().contains("asked for"), "{e}");
+        assert!(
+            listing(root.path())
+                .iter()
+                .all(|f| !f.contains("acme") && !f.contains("evil") && !f.contains(".staging")),
+            "{:?}",
+            listing(root.path())
+        );
+    }
+    // Two hubs' copies of one name live apart; with no hub named, the
+    // cache answers only when they agree.
+    let other = "http://other.test:8700";
+    let mine = cache
+        .install(HUB, &p.bytes, &wanted(&p), &Limits::default())
+        .expect("install");
+    let r = temper_hub::EnvRef::parse("acme/capitals@1.0.0").expect("ref");
+    assert_eq!(
+        cache.find(Some(other), &r).expect("find").map(|c| c.dir),
+        None
+    );
+    assert_eq!(
+        cache.find(None, &r).expect("find").map(|c| c.dir),
+        Some(mine.dir.clone())
+    );
+    std::fs::write(src.path().join("README.md"), "# another hub's capitals\n").expect("write");
+    let theirs = pack_dir(src.path(), None).expect("pack");
+    let t = cache
+        .install(other, &theirs.bytes, &wanted(&theirs), &Limits::default())
+        .expect("install");
+    assert_ne!(t.dir, mine.dir);
+    assert_eq!(
+        cache.find(Some(HUB), &r).expect("find").map(|c| c.digest),
+        Some(p.digest.clone())
+    );
+    assert_eq!(
+        cache.find(Some(other), &r).expect("find").map(|c| c.digest),
+        Some(theirs.digest.clone())
+    );
+    let e = cache.find(None, &r).expect_err("ambiguous");
+    assert!(e.to_string().contains("several hubs"), "{e}");
+    assert_ne!(Cache::hub_key(HUB), Cache::hub_key(other));
+    assert_eq!(Cache::hub_key("http://Hub.Test:8700/"), Cache::hub_key(HUB));
 }

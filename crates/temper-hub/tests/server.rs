@@ -507,3 +507,590 @@ async fn the_web_page_lists_searches_and_shows_an_environment() {
     let (s, _) = get(format!("{}/envs/acme/nope", hub.url)).await;
     assert_eq!(s, 404);
 }
+
+/// Send a request head (and the first KiB of a body it promises), then
+/// read the answer's status line: within `wait`, else `None`.
+async fn status_before_body(addr: &str, head: &str, wait: std::time::Duration) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(head.as_bytes()).await.expect("head");
+    s.write_all(&[0u8; 1024]).await.expect("body start");
+    s.flush().await.expect("flush");
+    let read = async {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+        String::from_utf8_lossy(&got)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    };
+    tokio::time::timeout(wait, read).await.ok()
+}
+
+/// Tests that measure this process's memory take turns.
+static MEMORY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("status");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    kb * 1024
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn issue31_publish_without_token_is_refused_before_the_body() {
+    let hub = start(HubSettings::default()).await;
+    let addr = hub.url.trim_start_matches("http://").to_string();
+    let wait = std::time::Duration::from_secs(5);
+    // A terabyte promised, a KiB sent: the answer cannot wait for the rest.
+    let head = |path: &str, auth: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/gzip\r\n\
+             Content-Length: {}\r\n\r\n",
+            1u64 << 40
+        )
+    };
+    let publish = "/api/v1/packages/acme/capitals";
+    let yank = "/api/v1/packages/acme/capitals/1.0.0/yank";
+    // Eight at once with no token (the attack), and a bogus token.
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let (addr, h) = (
+            addr.clone(),
+            head(if i % 2 == 0 { publish } else { yank }, ""),
+        );
+        tasks.push(tokio::spawn(async move {
+            status_before_body(&addr, &h, wait).await
+        }));
+    }
+    for t in tasks {
+        let status = t.await.expect("task").expect("the hub waited for the body");
+        assert!(status.starts_with("HTTP/1.1 401"), "{status}");
+    }
+    let bogus = "Authorization: Bearer tmpr_bogus\r\n";
+    for path in [publish, yank] {
+        let status = status_before_body(&addr, &head(path, bogus), wait)
+            .await
+            .expect("the hub waited for the body");
+        assert!(status.starts_with("HTTP/1.1 401"), "{path}: {status}");
+    }
+    // Authorised, but a declared length over the limit: 413, also at once.
+    let token = hub.token(Scope::Publish {
+        namespace: "acme".into(),
+    });
+    let auth = format!("Authorization: Bearer {token}\r\n");
+    for path in [publish, yank] {
+        let status = status_before_body(&addr, &head(path, &auth), wait)
+            .await
+            .expect("the hub waited for the body");
+        assert!(status.starts_with("HTTP/1.1 413"), "{path}: {status}");
+    }
+
+    // Authorised and with no declared length, 160 MiB of junk streams to
+    // disk, not memory, and is refused as not an archive.
+    let _turn = MEMORY.lock().await;
+    let base = rss_bytes();
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(base));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (peak, done) = (peak.clone(), done.clone());
+        tokio::spawn(async move {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                peak.fetch_max(rss_bytes(), std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        })
+    };
+    let chunk = bytes::Bytes::from(vec![0x5au8; 1 << 20]);
+    let sent: u64 = 160 << 20;
+    let body = futures::stream::iter((0..160).map(move |_| Ok::<_, std::io::Error>(chunk.clone())));
+    let resp = reqwest::Client::new()
+        .post(format!("{}{publish}", hub.url))
+        .bearer_auth(&token)
+        .body(reqwest::Body::wrap_stream(body))
+        .send()
+        .await
+        .expect("upload");
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    sampler.await.expect("sampler");
+    assert_eq!(resp.status(), 400, "{:?}", resp.text().await);
+    let grew = peak
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .saturating_sub(base);
+    assert!(
+        grew < sent / 3,
+        "memory grew {} MiB for a {} MiB upload",
+        grew >> 20,
+        sent >> 20
+    );
+    // Nothing of it stays on disk.
+    assert!(hub.blob_files().is_empty(), "{:?}", hub.blob_files());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn issue31_downloads_stream_from_disk_not_memory() {
+    let hub = start(HubSettings::default()).await;
+    let src = tempfile::tempdir().expect("tmp");
+    let dir = env_dir(src.path(), "acme", "big", "1.0.0", "Big", &[]);
+    // 32 MiB that gzip cannot shrink.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let data: Vec<u8> = (0..32u32 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    std::fs::write(dir.join("big.bin"), &data).expect("write");
+    drop(data);
+    let p = pack_dir(&dir, None).expect("pack");
+    let size = p.bytes.len() as u64;
+    hub.publisher("acme")
+        .publish(&p.manifest, p.bytes, None)
+        .await
+        .expect("publish");
+    let _turn = MEMORY.lock().await;
+    let base = rss_bytes();
+    // Six downloads at once whose clients read one KiB and stall: the hub
+    // must not hold six archives to send.
+    let addr = hub.url.trim_start_matches("http://").to_string();
+    let mut conns = Vec::new();
+    for _ in 0..6 {
+        use tokio::io::AsyncReadExt;
+        let mut s = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        s.write_all(
+            format!(
+                "GET /api/v1/packages/acme/big/1.0.0/download HTTP/1.1\r\nHost: {addr}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("request");
+        let mut buf = [0u8; 1024];
+        let n = s.read(&mut buf).await.expect("read");
+        let head = String::from_utf8_lossy(&buf[..n]).to_string();
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains(&format!("content-length: {size}")),
+            "{head}"
+        );
+        conns.push(s);
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let grew = rss_bytes().saturating_sub(base);
+    drop(conns);
+    assert!(
+        grew < 3 * size,
+        "memory grew {} MiB for six stalled downloads of {} MiB",
+        grew >> 20,
+        size >> 20
+    );
+    // And a download that is read goes through whole.
+    let bytes = HubClient::new(&hub.url, None)
+        .download(
+            &hub.publisher("acme")
+                .info("acme", "big")
+                .await
+                .expect("info")
+                .latest,
+            None,
+        )
+        .await
+        .expect("download");
+    assert_eq!(bytes.len() as u64, size);
+}
+
+/// Every `href="..."` and `src="..."` value in `html`.
+fn urls(html: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for attr in ["href=\"", "src=\""] {
+        let mut rest = html;
+        while let Some(i) = rest.find(attr) {
+            rest = &rest[i + attr.len()..];
+            let end = rest.find('"').unwrap_or(rest.len());
+            out.push(rest[..end].to_string());
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn issue31_readme_links_cannot_run_script() {
+    let hub = start(HubSettings::default()).await;
+    let src = tempfile::tempdir().expect("tmp");
+    let dir = env_dir(src.path(), "acme", "capitals", "1.0.0", "Capitals", &[]);
+    std::fs::write(
+        dir.join("README.md"),
+        "# capitals\n\n\
+         [a](javascript:alert(1)) [b](JaVaScRiPt:alert(1)) [c](jav&#x61;script:alert(1))\n\
+         [d](java&#09;script:alert(1)) [e](<java\u{1}script:alert(1)>) [f](data:text/html,x)\n\
+         ![g](javascript:alert(1)) ![h](data:image/svg+xml;base64,PHN2Zz4=) [i](vbscript:x)\n\
+         <javascript:alert(1)> [j][r] [k](%20javascript:alert(1))\n\n\
+         [r]: javascript:alert(1)\n\n\
+         [ok1](https://example.com/docs) [ok2](docs/usage.md) [ok3](#usage) ![ok4](http://example.com/x.png)\n",
+    )
+    .expect("write");
+    let p = pack_dir(&dir, None).expect("pack");
+    hub.publisher("acme")
+        .publish(&p.manifest, p.bytes, None)
+        .await
+        .expect("publish");
+    let resp = reqwest::get(format!("{}/envs/acme/capitals", hub.url))
+        .await
+        .expect("get");
+    assert_eq!(resp.status(), 200);
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    let csp = header("content-security-policy");
+    assert!(csp.contains("default-src 'none'"), "{csp}");
+    assert!(csp.contains("script-src 'none'"), "{csp}");
+    assert_eq!(header("x-content-type-options"), "nosniff");
+    assert_eq!(header("referrer-policy"), "no-referrer");
+    let page = resp.text().await.expect("text");
+    // The page's own style is the one the policy allows by hash.
+    let style = page
+        .split_once("<style>")
+        .and_then(|(_, r)| r.split_once("</style>"))
+        .map(|(s, _)| s)
+        .expect("style");
+    use base64::Engine;
+    use sha2::Digest;
+    let hash = base64::engine::general_purpose::STANDARD.encode(sha2::Sha256::digest(style));
+    assert!(csp.contains(&format!("style-src 'sha256-{hash}'")), "{csp}");
+    let found = urls(&page);
+    for u in &found {
+        let squeezed: String = u
+            .chars()
+            .filter(|c| !c.is_ascii_whitespace() && !c.is_control())
+            .collect::<String>()
+            .to_ascii_lowercase();
+        for scheme in ["javascript:", "data:", "vbscript:", "&#"] {
+            assert!(!squeezed.contains(scheme), "live {u:?} in {page}");
+        }
+    }
+    for ok in [
+        "https://example.com/docs",
+        "docs/usage.md",
+        "#usage",
+        "http://example.com/x.png",
+    ] {
+        assert!(found.iter().any(|u| u == ok), "{ok} lost: {found:?}");
+    }
+    // The API answers carry the same headers.
+    let api = reqwest::get(format!("{}/api/v1/search", hub.url))
+        .await
+        .expect("get");
+    assert_eq!(
+        api.headers()
+            .get("x-content-type-options")
+            .and_then(|v| v.to_str().ok()),
+        Some("nosniff")
+    );
+}
+
+/// A hub that answers every resolve with `resolved` and every download
+/// with `archive`, whatever was asked.
+async fn lying_hub(resolved: temper_hub::VersionInfo, archive: Vec<u8>) -> String {
+    use axum::routing::get;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let app = axum::Router::new()
+        .route(
+            "/api/v1/packages/{ns}/{name}/resolve",
+            get(move || {
+                let v = resolved.clone();
+                async move { axum::Json(v) }
+            }),
+        )
+        .route(
+            "/api/v1/packages/{ns}/{name}/{version}/download",
+            get(move || {
+                let a = archive.clone();
+                async move { a }
+            }),
+        );
+    tokio::spawn(temper_server::http::serve(
+        listener,
+        app,
+        temper_server::http::ConnLimits::default(),
+        std::future::pending(),
+    ));
+    url
+}
+
+fn info_of(p: &Packed, namespace: &str, name: &str, version: &str) -> temper_hub::VersionInfo {
+    temper_hub::VersionInfo {
+        namespace: namespace.into(),
+        name: name.into(),
+        version: version.into(),
+        digest: p.digest.clone(),
+        size: p.bytes.len() as u64,
+        description: String::new(),
+        tags: vec![],
+        license: None,
+        temper: None,
+        yanked: false,
+        published_at: String::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue31_pull_cannot_poison_the_cache_across_names_or_hubs() {
+    let src = tempfile::tempdir().expect("tmp");
+    let real = pack(src.path(), "acme", "capitals", "0.1.0", "Capitals", &[]);
+    let cache_dir = tempfile::tempdir().expect("tmp");
+    let cache = Cache::new(cache_dir.path());
+    // A hub answering evil/thing with acme/capitals@0.1.0's archive (and
+    // its true digest): refused, and nothing of acme lands in the cache.
+    let evil = lying_hub(info_of(&real, "evil", "thing", "0.1.0"), real.bytes.clone()).await;
+    let evil = HubClient::new(&evil, None);
+    let e = pull(
+        Some(&evil),
+        &cache,
+        &EnvRef::parse("evil/thing@0.1.0").expect("ref"),
+        false,
+        None,
+    )
+    .await
+    .expect_err("planted");
+    assert!(e.to_string().contains("asked for evil/thing@0.1.0"), "{e}");
+    // A hub resolving a request to another package or version: refused
+    // before any download.
+    for (ask, info) in [
+        (
+            "acme/capitals@0.1.0",
+            info_of(&real, "evil", "thing", "0.1.0"),
+        ),
+        (
+            "acme/capitals@^1",
+            info_of(&real, "acme", "capitals", "0.1.0"),
+        ),
+    ] {
+        let liar = lying_hub(info, real.bytes.clone()).await;
+        let e = pull(
+            Some(&HubClient::new(&liar, None)),
+            &cache,
+            &EnvRef::parse(ask).expect("ref"),
+            false,
+            None,
+        )
+        .await
+        .expect_err("wrong answer accepted");
+        assert!(e.to_string().contains("the hub resolved"), "{ask}: {e}");
+    }
+    let planted: Vec<String> = listing(cache_dir.path())
+        .into_iter()
+        .filter(|p| p.contains("acme") || p.contains("evil") || p.contains(".staging"))
+        .collect();
+    assert!(planted.is_empty(), "{planted:?}");
+
+    // Two honest hubs, each with its own acme/capitals@0.1.0.
+    let (a, b) = (
+        start(HubSettings::default()).await,
+        start(HubSettings::default()).await,
+    );
+    let theirs = pack(
+        src.path(),
+        "acme",
+        "capitals",
+        "0.1.0",
+        "Other capitals",
+        &[],
+    );
+    assert_ne!(real.digest, theirs.digest);
+    let (pa, pb) = (a.publisher("acme"), b.publisher("acme"));
+    pa.publish(&real.manifest, real.bytes.clone(), None)
+        .await
+        .expect("publish a");
+    pb.publish(&theirs.manifest, theirs.bytes.clone(), None)
+        .await
+        .expect("publish b");
+    let r = EnvRef::parse("acme/capitals@0.1.0").expect("ref");
+    let from_a = pull(Some(&pa), &cache, &r, false, None)
+        .await
+        .expect("pull a");
+    let from_b = pull(Some(&pb), &cache, &r, false, None)
+        .await
+        .expect("pull b");
+    assert_eq!(
+        (
+            from_a.digest.as_str(),
+            from_b.digest.as_str(),
+            from_b.from_cache
+        ),
+        (real.digest.as_str(), theirs.digest.as_str(), false)
+    );
+    assert_ne!(from_a.dir, from_b.dir);
+    let again = pull(Some(&pa), &cache, &r, false, None)
+        .await
+        .expect("pull a");
+    assert_eq!(
+        (again.digest, again.from_cache),
+        (real.digest.clone(), true)
+    );
+    let e = pull(None, &cache, &r, false, None)
+        .await
+        .expect_err("which hub?");
+    assert!(e.to_string().contains("several hubs"), "{e}");
+}
+
+/// A hub that answers resolve with a small valid answer and every
+/// download with `head` followed by zeros until the client hangs up.
+async fn flooding_hub(head: &'static str) -> String {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut req = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let line = String::from_utf8_lossy(&req)
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+                if line.contains("/resolve") {
+                    let json = format!(
+                        "{{\"namespace\":\"acme\",\"name\":\"capitals\",\"version\":\"0.1.0\",\
+                         \"digest\":\"sha256:{}\",\"size\":1,\"description\":\"\",\"tags\":[],\
+                         \"license\":null,\"temper\":null,\"yanked\":false,\"published_at\":\"\"}}",
+                        "0".repeat(64)
+                    );
+                    let _ = s
+                        .write_all(
+                            format!(
+                                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
+                                 Content-Length: {}\r\nConnection: close\r\n\r\n{json}",
+                                json.len()
+                            )
+                            .as_bytes(),
+                        )
+                        .await;
+                    return;
+                }
+                if s.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let zeros = vec![0u8; 64 << 10];
+                let chunked = head.contains("chunked");
+                loop {
+                    let r = if chunked {
+                        let mut c = format!("{:x}\r\n", zeros.len()).into_bytes();
+                        c.extend_from_slice(&zeros);
+                        c.extend_from_slice(b"\r\n");
+                        s.write_all(&c).await
+                    } else {
+                        s.write_all(&zeros).await
+                    };
+                    if r.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue31_a_hub_cannot_crash_the_client_with_a_huge_download() {
+    let r = EnvRef::parse("acme/capitals@0.1.0").expect("ref");
+    for (head, cap) in [
+        // 2^50 bytes declared: refused before a byte is read or reserved.
+        (
+            "HTTP/1.1 200 OK\r\nContent-Length: 1125899906842624\r\n\r\n",
+            (temper_hub::server::DEFAULT_MAX_PACKAGE_MB as u64) << 20,
+        ),
+        // No length, an endless body: cut at the client's cap.
+        (
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+            4 << 20,
+        ),
+    ] {
+        let url = flooding_hub(head).await;
+        let cache_dir = tempfile::tempdir().expect("tmp");
+        let cache = Cache::new(cache_dir.path());
+        let client = HubClient::new(&url, None).with_max_download(cap);
+        let e = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            pull(Some(&client), &cache, &r, false, None),
+        )
+        .await
+        .expect("the pull hung")
+        .expect_err("flood accepted");
+        assert!(
+            matches!(&e, HubError::PayloadTooLarge(m) if m.contains("download limit")),
+            "{e}"
+        );
+        // Nothing is left behind but the hub's directory and its URL file.
+        let left: Vec<String> = listing(cache_dir.path())
+            .into_iter()
+            .filter(|p| p.contains('/'))
+            .filter(|p| !p.ends_with(".temper-hub"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+}
+
+#[tokio::test]
+async fn issue31_uninstallable_packages_are_refused_at_publish() {
+    let hub = start(HubSettings::default()).await;
+    let acme = hub.publisher("acme");
+    let src = tempfile::tempdir().expect("tmp");
+    let good = pack(src.path(), "acme", "capitals", "1.0.0", "Capitals", &[]);
+    for (what, archive, word) in common::uninstallable_packages() {
+        let e = acme
+            .publish(&good.manifest, archive, None)
+            .await
+            .expect_err(what);
+        match &e {
+            HubError::Remote {
+                status: 400,
+                message,
+                ..
+            } => assert!(message.contains(word), "{what}: {message}"),
+            other => panic!("{what}: expected a 400, got {other}"),
+        }
+    }
+    assert!(matches!(
+        acme.info("acme", "capitals").await,
+        Err(HubError::NotFound(_))
+    ));
+    assert!(hub.blob_files().is_empty(), "{:?}", hub.blob_files());
+    acme.publish(&good.manifest, good.bytes, None)
+        .await
+        .expect("a good package still publishes");
+}

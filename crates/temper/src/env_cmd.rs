@@ -48,6 +48,10 @@ pub enum EnvCommand {
         /// The hub.
         #[arg(long)]
         hub: Option<String>,
+        /// Refuse an archive over this many MiB (default: the hub's own
+        /// default --max-package-mb).
+        #[arg(long, default_value_t = crate::hub_cmd::DEFAULT_MAX_DOWNLOAD_MB)]
+        max_download_mb: u64,
     },
     /// Search the hub (free text over names and descriptions).
     Search {
@@ -213,9 +217,10 @@ fn hub_command(cmd: EnvCommand) -> Result<()> {
             reference,
             update,
             hub,
+            max_download_mb,
         } => {
             let r = temper_hub::EnvRef::parse(&reference)?;
-            let c = crate::hub_cmd::pull(&r, hub.as_deref(), update, false)?;
+            let c = crate::hub_cmd::pull(&r, hub.as_deref(), update, false, max_download_mb)?;
             eprintln!(
                 "{}@{} {} ({})",
                 c.id,

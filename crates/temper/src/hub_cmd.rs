@@ -36,8 +36,9 @@ pub struct ServeArgs {
     /// Reads need a token too (by default anyone who reaches the hub can read).
     #[arg(long)]
     private: bool,
-    /// Largest package accepted, MiB.
-    #[arg(long, default_value_t = 256)]
+    /// Largest package accepted, MiB (checked against Content-Length before
+    /// the upload is read, and as it streams to disk).
+    #[arg(long, default_value_t = temper_hub::server::DEFAULT_MAX_PACKAGE_MB)]
     max_package_mb: usize,
 }
 
@@ -123,6 +124,10 @@ fn serve(a: ServeArgs) -> Result<()> {
         Ok(())
     })
 }
+
+/// The default cap on one downloaded archive, MiB: the hub's own default
+/// `--max-package-mb`.
+pub const DEFAULT_MAX_DOWNLOAD_MB: u64 = temper_hub::server::DEFAULT_MAX_PACKAGE_MB as u64;
 
 /// The login file: `hub.toml` in temper's config directory.
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -254,14 +259,19 @@ pub fn bar(what: &str) -> (indicatif::ProgressBar, temper_hub::Progress) {
     (pb, progress)
 }
 
-/// Pull `r` (from the cache when it matches, unless `update`).
+/// Pull `r` (from the cache when it matches, unless `update`), refusing
+/// an archive over `max_download_mb` MiB.
 pub fn pull(
     r: &EnvRef,
     hub: Option<&str>,
     update: bool,
     quiet: bool,
+    max_download_mb: u64,
 ) -> Result<temper_hub::Cached> {
-    let client = client(hub)?;
+    if max_download_mb == 0 {
+        bail!("--max-download-mb must be at least 1");
+    }
+    let client = client(hub)?.map(|c| c.with_max_download(max_download_mb << 20));
     let cache = cache()?;
     let (pb, progress) = bar(&format!("pull {r}"));
     if quiet {
@@ -292,7 +302,8 @@ pub fn resolve_env(
         None if EnvRef::looks_like(spec) => EnvRef::parse(spec)?,
         None => return Ok((spec.to_string(), None)),
     };
-    let c = pull(&r, None, false, false).with_context(|| format!("pull {r}"))?;
+    let c = pull(&r, None, false, false, DEFAULT_MAX_DOWNLOAD_MB)
+        .with_context(|| format!("pull {r}"))?;
     if let Some(p) = recorded {
         if p.digest != c.digest {
             bail!(

@@ -63,7 +63,7 @@ fn serve(home: &Path) -> (Server, String) {
 fn push_search_pull_and_eval_through_a_hub() {
     let home = tempfile::tempdir().expect("tmp");
     let home = home.path();
-    let (_server, url) = serve(home);
+    let (server, url) = serve(home);
     let token = ok(temper(home)
         .args(["hub", "token", "create", "--namespace", "acme", "--dir"])
         .arg(home.join("hub"))
@@ -198,7 +198,7 @@ fn push_search_pull_and_eval_through_a_hub() {
         "{meta}"
     );
 
-    // Pulled, then pulled again with the hub unreachable: the cache answers.
+    // Pulled, then pulled again with the hub down: the cache answers.
     let pulled = ok(temper(home)
         .args(["env", "pull", "acme/capitals@0.2.0"])
         .output()
@@ -207,7 +207,14 @@ fn push_search_pull_and_eval_through_a_hub() {
         Path::new(pulled.trim()).join("env.toml").is_file(),
         "{pulled}"
     );
+    drop(server);
     let offline = temper(home)
+        .args(["env", "pull", "acme/capitals@0.2.0"])
+        .output()
+        .expect("pull");
+    assert_eq!(ok(offline), pulled);
+    // The cache is per hub: another hub's URL does not get this hub's copy.
+    let elsewhere = temper(home)
         .args([
             "env",
             "pull",
@@ -217,7 +224,7 @@ fn push_search_pull_and_eval_through_a_hub() {
         ])
         .output()
         .expect("pull");
-    assert_eq!(ok(offline), pulled);
+    assert!(!elsewhere.status.success());
 
     // A train config's `[[env]] id` is a hub reference too: the dry run
     // shows the pulled version and digest the run would record.
@@ -288,4 +295,145 @@ fn humaneval_publishes_to_a_hub_and_pulls_back_identical() {
     }
     let rows = std::fs::read_to_string(dir.join("humaneval.jsonl")).expect("rows");
     assert_eq!(rows.lines().count(), 164);
+}
+
+/// A hub that lies: `evil/thing` resolves (with the true digest) to the
+/// archive of another package, `acme/huge` declares 2^50 bytes, and
+/// `acme/flood` sends zeros with no length until the client hangs up.
+fn lying_hub(archive: Vec<u8>, digest: String) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut s) = conn else { return };
+            let (archive, digest) = (archive.clone(), digest.clone());
+            std::thread::spawn(move || {
+                let mut req = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let line = String::from_utf8_lossy(&req)
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+                let Some((ns, name)) = ["evil/thing", "acme/huge", "acme/flood"]
+                    .iter()
+                    .find(|id| line.contains(&format!("/packages/{id}/")))
+                    .and_then(|id| id.split_once('/'))
+                else {
+                    let _ = s.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n");
+                    return;
+                };
+                if line.contains("/resolve") {
+                    let json = serde_json::json!({
+                        "namespace": ns, "name": name, "version": "0.1.0",
+                        "digest": digest, "size": archive.len(), "description": "",
+                        "tags": [], "license": null, "temper": null, "yanked": false,
+                        "published_at": "",
+                    })
+                    .to_string();
+                    let _ = write!(
+                        s,
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{json}",
+                        json.len()
+                    );
+                    return;
+                }
+                let head = match name {
+                    "thing" => format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                        archive.len()
+                    ),
+                    "huge" => "HTTP/1.1 200 OK\r\nContent-Length: 1125899906842624\r\n\r\n".into(),
+                    _ => "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".into(),
+                };
+                if s.write_all(head.as_bytes()).is_err() {
+                    return;
+                }
+                if name == "thing" {
+                    let _ = s.write_all(&archive);
+                    return;
+                }
+                let zeros = vec![0u8; 64 << 10];
+                loop {
+                    let r = if name == "flood" {
+                        write!(s, "{:x}\r\n", zeros.len())
+                            .and_then(|()| s.write_all(&zeros))
+                            .and_then(|()| s.write_all(b"\r\n"))
+                    } else {
+                        s.write_all(&zeros)
+                    };
+                    if r.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+#[test]
+fn issue31_env_pull_refuses_a_hub_that_lies_or_floods() {
+    let home = tempfile::tempdir().expect("tmp");
+    let home = home.path();
+    let src = home.join("capitals");
+    std::fs::create_dir_all(&src).expect("mkdir");
+    std::fs::write(
+        src.join("env.toml"),
+        "name = \"capitals\"\nnamespace = \"acme\"\nversion = \"0.1.0\"\n\
+         [dataset]\neval = \"eval.jsonl\"\n[[rubric]]\nfunction = \"exact_match\"\n",
+    )
+    .expect("write");
+    std::fs::write(
+        src.join("eval.jsonl"),
+        "{\"question\": \"2?\", \"answer\": \"4\"}\n",
+    )
+    .expect("write");
+    let p = temper_hub::pack_dir(&src, None).expect("pack");
+    let url = lying_hub(p.bytes, p.digest);
+    let pull = |reference: &str, extra: &[&str]| {
+        let out = temper(home)
+            .args(["env", "pull", reference, "--hub", &url])
+            .args(extra)
+            .output()
+            .expect("pull");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // Another package's archive under evil/thing: refused, nothing cached.
+    let (code, err) = pull("evil/thing@0.1.0", &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("asked for evil/thing@0.1.0"), "{err}");
+    let cache = home.join("cache");
+    let mut stack = vec![cache.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            assert!(
+                name != "acme" && name != "evil" && !name.starts_with(".staging"),
+                "{:?}",
+                e.path()
+            );
+            if e.path().is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    // 2^50 bytes declared: a clean error (exit 1), not an allocation abort.
+    let (code, err) = pull("acme/huge@0.1.0", &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("download limit of 268435456"), "{err}");
+    // An endless body: cut at --max-download-mb.
+    let (code, err) = pull("acme/flood@0.1.0", &["--max-download-mb", "1"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("download limit of 1048576"), "{err}");
 }
