@@ -396,8 +396,8 @@ def main():
             "unsupported field `guided_json`")
         assert e.param == "guided_json", e.param
         expect(openai.BadRequestError, lambda: client.completions.create(
-            model=MODEL, prompt="x", max_tokens=2, extra_body={"min_tokens": 3}),
-            "unsupported field `min_tokens`")
+            model=MODEL, prompt="x", max_tokens=2, extra_body={"bad_words": ["x"]}),
+            "unsupported field `bad_words`")
 
     @check("errors: 400 context length exceeded, with the limit")
     def _():

@@ -1,0 +1,130 @@
+"""verifiers' train client against `temper serve` on a fixture model.
+
+Run: python tests/python/test_verifiers_train_client.py [--temper target/debug/temper]
+Needs `pip install -r tests/python/requirements-verifiers.txt` (see .ci/run).
+
+verifiers' `TrainClient` (`verifiers.v1.clients.train`, the class prime-rl drives
+for RL rollouts) renders the chat prompt to token ids itself and posts them to
+vLLM's `POST /inference/v1/generate`, reading back the completion's token ids
+and their logprobs (`choices[0].logprobs.content[i] = {"token": "token_id:<id>",
+"logprob": ...}`; it rejects any other shape). This drives the installed class
+itself against the real server and checks what it recorded: the prompt ids are
+the ones temper renders for the same chat, the completion ids decode to the
+message it parsed, and the logprobs equal temper's own `/v1/completions`
+logprobs for the same tokens (the scoring forward, `echo`). Prints
+`verifiers-train-client: N passed, M failed`; exits non-zero on any failure.
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_openai_server import MODEL, MODEL_DIR, post_json, start_server  # noqa: E402
+
+API_KEY = "sk-temper-verifiers"
+KEY_VAR = "TEMPER_VERIFIERS_TEST_KEY"
+
+
+def echo_logprobs(url, ids, temperature):
+    """temper's logprobs of ids[1:] given the ids before each (the scoring forward)."""
+    v = post_json(url, "/v1/completions", {
+        "model": MODEL, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0,
+        "temperature": temperature}, key=API_KEY)
+    return v["choices"][0]["logprobs"]["token_logprobs"][1:len(ids)]
+
+
+async def drive(url):
+    from verifiers.v1.clients.train import TrainClient
+    from verifiers.v1.configs.client import TrainClientConfig
+    from verifiers.v1.dialects.chat import ChatDialect
+    from verifiers.v1.types import SamplingConfig
+
+    os.environ[KEY_VAR] = API_KEY
+    client = TrainClient(TrainClientConfig(
+        base_url=url + "/v1", api_key_var=KEY_VAR, renderer_model_name=MODEL_DIR))
+    results = []
+    try:
+        turns = [
+            ({"model": MODEL, "messages": [{"role": "user", "content": "Say something."}]},
+             SamplingConfig(temperature=1.0, max_tokens=12, seed=5)),
+            ({"model": MODEL, "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Count to three."},
+                {"role": "assistant", "content": "one two"},
+                {"role": "user", "content": "Go on."}]},
+             SamplingConfig(temperature=0.7, max_tokens=20, seed=9, min_tokens=4)),
+        ]
+        for body, sampling in turns:
+            resp = await client.get_response(ChatDialect(), body, sampling)
+            results.append((body, sampling, resp))
+    finally:
+        await client.close()
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--temper", default=os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "target", "debug", "temper"))
+    args = ap.parse_args()
+    import verifiers  # noqa: F401  (fail early if the requirements are missing)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    server, url = start_server(args.temper, "--api-key", API_KEY)
+    passed, failed = 0, 0
+    try:
+        results = asyncio.run(drive(url))
+        for i, (body, sampling, resp) in enumerate(results):
+            name = f"turn {i}: {json.dumps(body['messages'])[:60]}..."
+            try:
+                t = resp.tokens
+                assert t is not None, "no tokens recorded"
+                # The prompt ids verifiers rendered are the ones temper renders.
+                v = post_json(url, "/v1/chat/completions", {
+                    "model": MODEL, "messages": body["messages"], "max_tokens": 1,
+                    "return_token_ids": True}, key=API_KEY)
+                assert t.prompt_ids == v["prompt_token_ids"], (t.prompt_ids, v["prompt_token_ids"])
+                ids, lps = t.completion_ids, t.completion_logprobs
+                assert ids and len(lps) == len(ids), (ids, lps)
+                assert len(ids) <= sampling.max_tokens
+                assert all(math.isfinite(x) and x <= 0 for x in lps), lps
+                min_tokens = getattr(sampling, "min_tokens", None) or 0
+                assert len(ids) > min_tokens, (len(ids), min_tokens)
+                assert resp.finish_reason in ("stop", "length"), resp.finish_reason
+                # The recorded logprobs are temper's scoring-forward logprobs of
+                # the same tokens at the sampling temperature.
+                want = echo_logprobs(url, t.prompt_ids + ids, sampling.temperature)[-len(ids):]
+                diff = max(abs(a - b) for a, b in zip(lps, want))
+                assert diff <= 1e-6, (diff, lps, want)
+                # The message verifiers parsed is the completion's text.
+                text = tok.decode(ids, skip_special_tokens=True)
+                assert (resp.message.content or "") == text.strip() or \
+                    (resp.message.content or "") == text, (resp.message.content, text)
+                print(f"ok   {name} ({len(ids)} tokens, finish {resp.finish_reason}, "
+                      f"logprob diff {diff:.1e}, first {ids[:4]} {[round(x, 4) for x in lps[:4]]})")
+                passed += 1
+            except Exception:
+                print(f"FAIL {name}\n{traceback.format_exc()}")
+                failed += 1
+    except Exception:
+        print(f"FAIL driving the train client\n{traceback.format_exc()}")
+        failed += 1
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except Exception:
+            server.kill()
+    print(f"verifiers-train-client: {passed} passed, {failed} failed")
+    sys.exit(1 if failed or not passed else 0)
+
+
+if __name__ == "__main__":
+    main()
