@@ -45,6 +45,8 @@ async def drive(url):
     from verifiers.v1.types import SamplingConfig
 
     os.environ[KEY_VAR] = API_KEY
+    # The renderer resolves from the model (the fixture's tokenizer has no Qwen3
+    # tool tokens, so it is renderers' default one: the model's chat template).
     client = TrainClient(TrainClientConfig(
         base_url=url + "/v1", api_key_var=KEY_VAR, renderer_model_name=MODEL_DIR))
     results = []
@@ -53,11 +55,15 @@ async def drive(url):
             ({"model": MODEL, "messages": [{"role": "user", "content": "Say something."}]},
              SamplingConfig(temperature=1.0, max_tokens=12, seed=5)),
             ({"model": MODEL, "messages": [
-                {"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Count to three."},
                 {"role": "assistant", "content": "one two"},
                 {"role": "user", "content": "Go on."}]},
              SamplingConfig(temperature=0.7, max_tokens=20, seed=9, min_tokens=4)),
+            # EOS (995, <|im_end|>) all but certain: min_tokens holds it back
+            # for 3 tokens, then it ends the turn.
+            ({"model": MODEL, "messages": [{"role": "user", "content": "Stop now."}]},
+             SamplingConfig(temperature=1.0, max_tokens=16, min_tokens=3,
+                            logit_bias={"995": 100})),
         ]
         for body, sampling in turns:
             resp = await client.get_response(ChatDialect(), body, sampling)
@@ -98,6 +104,10 @@ def main():
                 min_tokens = getattr(sampling, "min_tokens", None) or 0
                 assert len(ids) > min_tokens, (len(ids), min_tokens)
                 assert resp.finish_reason in ("stop", "length"), resp.finish_reason
+                if getattr(sampling, "logit_bias", None):
+                    assert ids[min_tokens:] == [995], ids
+                    assert 995 not in ids[:min_tokens], ids
+                    assert resp.finish_reason == "stop", resp.finish_reason
                 # The recorded logprobs are temper's scoring-forward logprobs of
                 # the same tokens at the sampling temperature.
                 want = echo_logprobs(url, t.prompt_ids + ids, sampling.temperature)[-len(ids):]
