@@ -419,12 +419,19 @@ fn earliest_stop(text: &str, stops: &[String], after: usize) -> Option<usize> {
     stops
         .iter()
         .filter_map(|s| {
-            // A match at `i` ends past `after` iff `i + len > after`.
+            // A match at `i` ends past `after` iff `i + len > after`: search
+            // from the first such `i` (down to a character boundary, so check).
             let mut start = (after + 1).saturating_sub(s.len()).min(text.len());
             while !text.is_char_boundary(start) {
                 start -= 1;
             }
-            text[start..].find(s.as_str()).map(|i| start + i)
+            loop {
+                let i = start + text[start..].find(s.as_str())?;
+                if i + s.len() > after {
+                    return Some(i);
+                }
+                start = i + text[i..].chars().next().map_or(1, char::len_utf8);
+            }
         })
         .min()
 }
@@ -543,6 +550,33 @@ mod tests {
     use super::*;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
+
+    /// `min_tokens`: only a stop string ending past the held-back text
+    /// counts, overlapping matches included; the earliest such one wins.
+    #[test]
+    fn stops_count_only_past_the_held_back_text() {
+        let stops = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(earliest_stop("aaa", &stops(&["aa"]), 0), Some(0));
+        assert_eq!(earliest_stop("aaa", &stops(&["aa"]), 2), Some(1));
+        assert_eq!(earliest_stop("aaa", &stops(&["aa"]), 3), None);
+        assert_eq!(earliest_stop("xyéz", &stops(&["z", "é"]), 3), Some(2));
+        assert_eq!(earliest_stop("xyéz", &stops(&["z", "é"]), 4), Some(4));
+        let mut eos_likely = vec![0.0f32; 4];
+        eos_likely[3] = 50.0;
+        let p = SamplingParams {
+            temperature: 0.0,
+            min_tokens: 2,
+            stop_token_ids: vec![2],
+            ..Default::default()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let mut l = eos_likely.clone();
+        l[2] = 40.0;
+        // EOS (3) and the stop id (2) are held back for two draws, then free.
+        assert_eq!(next_token(&l, &p, &[], &[], &[3], &mut rng), 0);
+        assert_eq!(next_token(&l, &p, &[], &[7], &[3], &mut rng), 0);
+        assert_eq!(next_token(&l, &p, &[], &[7, 7], &[3], &mut rng), 3);
+    }
 
     #[test]
     fn greedy_picks_argmax() {
