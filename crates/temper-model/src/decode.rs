@@ -16,6 +16,9 @@
 //! A sequence ends on an EOS token (unless `ignore_eos`), on one of
 //! `stop_token_ids` (both kept in the tokens, not in the text), on a stop
 //! string (the text is cut before it), or at `max_tokens` / the context.
+//! With `min_tokens` (vLLM's), none of the first `min_tokens` tokens ends
+//! it: EOS and `stop_token_ids` are masked out of those draws, and a stop
+//! string counts only once it ends past their text.
 //!
 //! # Which logprobs are reported
 //! Logprobs (the sampler's `Completion::logprobs`, the server's `logprobs`)
@@ -61,6 +64,12 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep going past the model's EOS tokens.
     pub ignore_eos: bool,
+    /// Tokens generated before EOS, a stop token id or a stop string may end
+    /// the sequence (vLLM's `min_tokens`); 0 disables.
+    pub min_tokens: usize,
+    /// Leave special tokens (EOS, chat markers) out of the decoded text
+    /// (vLLM's `skip_special_tokens`, default true).
+    pub skip_special_tokens: bool,
     /// Same seed, same prompt, same weights ⇒ same tokens. `None`: random.
     pub seed: Option<u64>,
     /// Compute per-token logprobs (one extra scoring forward per sequence).
@@ -82,6 +91,8 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            min_tokens: 0,
+            skip_special_tokens: true,
             seed: None,
             logprobs: true,
         }
@@ -230,20 +241,40 @@ pub fn scoring_temperature(t: f64) -> f64 {
 }
 
 /// Draw the next token of a sequence: [`process_logits`] on a copy when
-/// bias or penalties are set, then [`sample_token`].
+/// bias or penalties are set, and [`hold_back_stops`] before `min_tokens`,
+/// then [`sample_token`]. `eos` are the model's EOS tokens.
 pub fn next_token(
     logits: &[f32],
     p: &SamplingParams,
     prompt: &[u32],
     generated: &[u32],
+    eos: &[u32],
     rng: &mut impl Rng,
 ) -> u32 {
-    if p.reshapes_distribution() {
+    let hold = generated.len() < p.min_tokens;
+    if p.reshapes_distribution() || hold {
         let mut l = logits.to_vec();
-        process_logits(&mut l, p, prompt, generated);
+        if p.reshapes_distribution() {
+            process_logits(&mut l, p, prompt, generated);
+        }
+        if hold {
+            hold_back_stops(&mut l, p, eos);
+        }
         sample_token(&l, p, rng)
     } else {
         sample_token(logits, p, rng)
+    }
+}
+
+/// Give the tokens that would end a sequence — `eos` (unless `ignore_eos`)
+/// and `stop_token_ids` — probability 0: what vLLM does to a draw before
+/// `min_tokens` are generated. (Reported logprobs stay the model's.)
+pub fn hold_back_stops(logits: &mut [f32], p: &SamplingParams, eos: &[u32]) {
+    let eos = eos.iter().filter(|_| !p.ignore_eos);
+    for &id in eos.chain(&p.stop_token_ids) {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l = f32::NEG_INFINITY;
+        }
     }
 }
 
@@ -258,12 +289,16 @@ pub fn next_token_masked(
     p: &SamplingParams,
     prompt: &[u32],
     generated: &[u32],
+    eos: &[u32],
     allowed: impl Fn(usize) -> bool,
     rng: &mut impl Rng,
 ) -> Option<u32> {
     let mut l = logits.to_vec();
     if p.reshapes_distribution() {
         process_logits(&mut l, p, prompt, generated);
+    }
+    if generated.len() < p.min_tokens {
+        hold_back_stops(&mut l, p, eos);
     }
     let mut any = false;
     for (i, x) in l.iter_mut().enumerate() {
@@ -290,7 +325,8 @@ pub struct StopCheck {
 
 /// Whether `generated` (its last token just drawn) ends: EOS (unless
 /// `ignore_eos`), a stop token id, a stop string, `max_tokens`, or
-/// `context_full` (no room for another token).
+/// `context_full` (no room for another token). Within the first
+/// `min_tokens` tokens only the length limits end it.
 pub fn check_stop(
     generated: &[u32],
     p: &SamplingParams,
@@ -307,13 +343,24 @@ pub fn check_stop(
     let Some(&tok) = generated.last() else {
         return Ok(out);
     };
-    if (!p.ignore_eos && eos.contains(&tok)) || p.stop_token_ids.contains(&tok) {
+    let may_stop = generated.len() > p.min_tokens;
+    if may_stop && ((!p.ignore_eos && eos.contains(&tok)) || p.stop_token_ids.contains(&tok)) {
         out.finish = Some(FinishReason::Stop);
         return Ok(out);
     }
     if !p.stop.is_empty() || want_text {
-        let text = tokenizer.decode(generated, true)?;
-        if let Some(cut) = earliest_stop(&text, &p.stop) {
+        let text = tokenizer.decode(generated, p.skip_special_tokens)?;
+        let cut = if !may_stop || p.stop.is_empty() {
+            None
+        } else if p.min_tokens == 0 {
+            earliest_stop(&text, &p.stop, 0)
+        } else {
+            // Only a match that ends in the text past the first
+            // `min_tokens` tokens counts (vLLM checks the new text only).
+            let held = tokenizer.decode(&generated[..p.min_tokens], p.skip_special_tokens)?;
+            earliest_stop(&text, &p.stop, held.len())
+        };
+        if let Some(cut) = cut {
             out.stop_text = Some(text[..cut].to_string());
             out.finish = Some(FinishReason::Stop);
             return Ok(out);
@@ -327,11 +374,13 @@ pub fn check_stop(
 }
 
 /// The final text of a finished sequence: cut before a stop string, else
-/// everything but a final stop token.
+/// everything but a final stop token; special tokens left out unless
+/// `skip_special_tokens` is off.
 pub fn visible_text(
     generated: &[u32],
     finish: FinishReason,
     stop_text: Option<String>,
+    skip_special_tokens: bool,
     tokenizer: &Tokenizer,
 ) -> Result<String> {
     if let Some(t) = stop_text {
@@ -341,7 +390,7 @@ pub fn visible_text(
         (FinishReason::Stop, Some((_, rest))) => rest,
         _ => generated,
     };
-    tokenizer.decode(visible, true)
+    tokenizer.decode(visible, skip_special_tokens)
 }
 
 /// How much of `text` may be streamed now: all of it, less a trailing
@@ -364,8 +413,27 @@ pub fn streamable_len(text: &str, stops: &[String]) -> usize {
     end - hold
 }
 
-fn earliest_stop(text: &str, stops: &[String]) -> Option<usize> {
-    stops.iter().filter_map(|s| text.find(s.as_str())).min()
+/// Where the earliest match of a stop string ending past byte `after` of
+/// `text` starts.
+fn earliest_stop(text: &str, stops: &[String], after: usize) -> Option<usize> {
+    stops
+        .iter()
+        .filter_map(|s| {
+            // A match at `i` ends past `after` iff `i + len > after`: search
+            // from the first such `i` (down to a character boundary, so check).
+            let mut start = (after + 1).saturating_sub(s.len()).min(text.len());
+            while !text.is_char_boundary(start) {
+                start -= 1;
+            }
+            loop {
+                let i = start + text[start..].find(s.as_str())?;
+                if i + s.len() > after {
+                    return Some(i);
+                }
+                start = i + text[i..].chars().next().map_or(1, char::len_utf8);
+            }
+        })
+        .min()
 }
 
 /// Draw one token from `logits` under `p` (temperature, top-k, top-p,
@@ -483,6 +551,33 @@ mod tests {
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
 
+    /// `min_tokens`: only a stop string ending past the held-back text
+    /// counts, overlapping matches included; the earliest such one wins.
+    #[test]
+    fn stops_count_only_past_the_held_back_text() {
+        let stops = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(earliest_stop("aaa", &stops(&["aa"]), 0), Some(0));
+        assert_eq!(earliest_stop("aaa", &stops(&["aa"]), 2), Some(1));
+        assert_eq!(earliest_stop("aaa", &stops(&["aa"]), 3), None);
+        assert_eq!(earliest_stop("xyéz", &stops(&["z", "é"]), 3), Some(2));
+        assert_eq!(earliest_stop("xyéz", &stops(&["z", "é"]), 4), Some(4));
+        let mut eos_likely = vec![0.0f32; 4];
+        eos_likely[3] = 50.0;
+        let p = SamplingParams {
+            temperature: 0.0,
+            min_tokens: 2,
+            stop_token_ids: vec![2],
+            ..Default::default()
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let mut l = eos_likely.clone();
+        l[2] = 40.0;
+        // EOS (3) and the stop id (2) are held back for two draws, then free.
+        assert_eq!(next_token(&l, &p, &[], &[], &[3], &mut rng), 0);
+        assert_eq!(next_token(&l, &p, &[], &[7], &[3], &mut rng), 0);
+        assert_eq!(next_token(&l, &p, &[], &[7, 7], &[3], &mut rng), 3);
+    }
+
     #[test]
     fn greedy_picks_argmax() {
         let p = SamplingParams {
@@ -571,7 +666,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         let mut counts = vec![0usize; logits.len()];
         for _ in 0..n {
-            counts[next_token(logits, p, &[], generated, &mut rng) as usize] += 1;
+            counts[next_token(logits, p, &[], generated, &[], &mut rng) as usize] += 1;
         }
         counts.iter().map(|&c| c as f64 / n as f64).collect()
     }
@@ -590,7 +685,7 @@ mod tests {
             ..Default::default()
         };
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        assert_ne!(next_token(&logits, &greedy_ban, &[], &[], &mut rng), 0);
+        assert_ne!(next_token(&logits, &greedy_ban, &[], &[], &[], &mut rng), 0);
         assert!(force.reshapes_distribution());
     }
 
@@ -639,7 +734,7 @@ mod tests {
         };
         let mut rng = ChaCha8Rng::seed_from_u64(0);
         let logits = [4.0f32, -1.0, 3.0, 1.0];
-        assert_eq!(next_token(&logits, &greedy, &[0], &[1], &mut rng), 2);
+        assert_eq!(next_token(&logits, &greedy, &[0], &[1], &[], &mut rng), 2);
     }
 
     #[test]
@@ -666,7 +761,8 @@ mod tests {
         let p = SamplingParams::default();
         let mut counts = [0usize; 4];
         for _ in 0..20_000 {
-            let t = next_token_masked(&logits, &p, &[], &[], allowed, &mut rng).expect("token");
+            let t =
+                next_token_masked(&logits, &p, &[], &[], &[], allowed, &mut rng).expect("token");
             counts[t as usize] += 1;
         }
         assert_eq!(counts[0], 0, "{counts:?}");
@@ -680,7 +776,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            next_token_masked(&logits, &greedy, &[], &[], allowed, &mut rng),
+            next_token_masked(&logits, &greedy, &[], &[], &[], allowed, &mut rng),
             Some(1)
         );
         let top_k = SamplingParams {
@@ -688,11 +784,11 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            next_token_masked(&logits, &top_k, &[], &[], |i| i >= 2, &mut rng),
+            next_token_masked(&logits, &top_k, &[], &[], &[], |i| i >= 2, &mut rng),
             Some(2)
         );
         assert_eq!(
-            next_token_masked(&logits, &p, &[], &[], |_| false, &mut rng),
+            next_token_masked(&logits, &p, &[], &[], &[], |_| false, &mut rng),
             None
         );
     }

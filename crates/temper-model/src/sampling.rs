@@ -196,7 +196,14 @@ impl<'a> Sampler<'a> {
                 }
                 let p = &requests[live.req].params;
                 let prompt = &requests[live.req].prompt;
-                let tok = next_token(&live.logits, p, prompt, &live.tokens, &mut live.rng);
+                let tok = next_token(
+                    &live.logits,
+                    p,
+                    prompt,
+                    &live.tokens,
+                    &self.eos_token_ids,
+                    &mut live.rng,
+                );
                 if p.logprobs && decode_logprobs {
                     let t = scoring_temperature(p.temperature);
                     live.logprobs
@@ -252,7 +259,13 @@ impl<'a> Sampler<'a> {
             } else {
                 None
             };
-            let text = visible_text(&live.tokens, finish, live.stop_text, self.tokenizer)?;
+            let text = visible_text(
+                &live.tokens,
+                finish,
+                live.stop_text,
+                r.params.skip_special_tokens,
+                self.tokenizer,
+            )?;
             out[live.req].push(Completion {
                 tokens: live.tokens,
                 logprobs,

@@ -94,7 +94,10 @@ pub struct SchedulerConfig {
 /// the whole prompt: every kernel gives a token the same values whether its
 /// keys and values came from a cache or from a one-shot prefill (the
 /// invariance contract, `docs/kernels.md`). Entries are per adapter
-/// version, bounded by a token budget, evicted least recently used first.
+/// version and per cache salt (vLLM's `cache_salt`: requests share cached
+/// prefixes only with requests of the same salt, so one tenant cannot time
+/// another's prompts), bounded by a token budget, evicted least recently
+/// used first.
 struct PrefixCache {
     /// Least recently used first.
     entries: VecDeque<PrefixEntry>,
@@ -108,11 +111,16 @@ struct PrefixEntry {
     cache: KvCache,
     /// Held so the key (its address) stays unique while the entry lives.
     adapter: Option<Arc<LoadedAdapter>>,
+    salt: Option<Arc<str>>,
 }
 
 impl PrefixEntry {
     fn adapter_key(&self) -> usize {
         self.adapter.as_ref().map_or(0, |a| Arc::as_ptr(a) as usize)
+    }
+
+    fn matches(&self, key: usize, salt: Option<&str>) -> bool {
+        self.adapter_key() == key && self.salt.as_deref() == salt
     }
 }
 
@@ -126,7 +134,13 @@ impl PrefixCache {
     }
 
     /// Keep `cache` (holding `ids`); entries it extends are dropped.
-    fn insert(&mut self, ids: Vec<u32>, cache: KvCache, adapter: Option<Arc<LoadedAdapter>>) {
+    fn insert(
+        &mut self,
+        ids: Vec<u32>,
+        cache: KvCache,
+        adapter: Option<Arc<LoadedAdapter>>,
+        salt: Option<Arc<str>>,
+    ) {
         if ids.is_empty() || ids.len() > self.budget || cache.len() != ids.len() {
             return;
         }
@@ -134,11 +148,13 @@ impl PrefixCache {
             ids,
             cache,
             adapter,
+            salt,
         };
         let key = entry.adapter_key();
+        let salt = entry.salt.clone();
         let before = self.entries.len();
         self.entries
-            .retain(|e| !(e.adapter_key() == key && entry.ids.starts_with(&e.ids)));
+            .retain(|e| !(e.matches(key, salt.as_deref()) && entry.ids.starts_with(&e.ids)));
         if self.entries.len() != before {
             self.tokens = self.entries.iter().map(|e| e.ids.len()).sum();
         }
@@ -152,16 +168,16 @@ impl PrefixCache {
         }
     }
 
-    /// A copy of the longest cached prefix of `prompt` under adapter `key`,
-    /// leaving at least the prompt's last token to prefill (its logits are
-    /// needed); `None` when nothing is shared.
-    fn lookup(&mut self, prompt: &[u32], key: usize) -> Option<KvCache> {
+    /// A copy of the longest cached prefix of `prompt` under adapter `key`
+    /// and `salt`, leaving at least the prompt's last token to prefill (its
+    /// logits are needed); `None` when nothing is shared.
+    fn lookup(&mut self, prompt: &[u32], key: usize, salt: Option<&str>) -> Option<KvCache> {
         let usable = prompt.len().saturating_sub(1);
         let (at, len) = self
             .entries
             .iter()
             .enumerate()
-            .filter(|(_, e)| e.adapter_key() == key)
+            .filter(|(_, e)| e.matches(key, salt))
             .map(|(i, e)| {
                 let common = e.ids.iter().zip(prompt).take_while(|(a, b)| a == b).count();
                 (i, common.min(usable))
@@ -207,6 +223,9 @@ pub struct Job {
     /// Structured output: each sample draws only tokens this grammar allows
     /// (each gets its own copy of this fresh state).
     pub grammar: Option<Grammar>,
+    /// vLLM's `cache_salt`: the prefix cache shares this job's prompt only
+    /// with jobs of the same salt (`None`: with unsalted jobs).
+    pub cache_salt: Option<Arc<str>>,
 }
 
 /// What a job hears back.
@@ -379,6 +398,7 @@ struct JobCtx {
     stream: bool,
     events: UnboundedSender<Event>,
     scores: Option<usize>,
+    cache_salt: Option<Arc<str>>,
 }
 
 impl Job {
@@ -421,10 +441,17 @@ struct Seq {
 
 /// Draw `seq`'s next token from its logits (under its grammar's mask) and,
 /// when asked and `exact`, record the token's logprob and top alternatives.
-fn pick(seq: &mut Seq, exact: bool) -> Result<u32, StepError> {
+fn pick(seq: &mut Seq, exact: bool, eos: &[u32]) -> Result<u32, StepError> {
     let p = &seq.job.params;
     let tok = match &mut seq.grammar {
-        None => next_token(&seq.logits, p, &seq.job.prompt, &seq.tokens, &mut seq.rng),
+        None => next_token(
+            &seq.logits,
+            p,
+            &seq.job.prompt,
+            &seq.tokens,
+            eos,
+            &mut seq.rng,
+        ),
         Some(g) => {
             let mask = g.mask()?;
             next_token_masked(
@@ -432,6 +459,7 @@ fn pick(seq: &mut Seq, exact: bool) -> Result<u32, StepError> {
                 p,
                 &seq.job.prompt,
                 &seq.tokens,
+                eos,
                 |i| mask.allows(i),
                 &mut seq.rng,
             )
@@ -515,6 +543,13 @@ impl Pending {
         match self {
             Pending::New(j) => j.adapter_key(),
             Pending::Resume(s) => s.job.adapter_key(),
+        }
+    }
+
+    fn cache_salt(&self) -> Option<&str> {
+        match self {
+            Pending::New(j) => j.cache_salt.as_deref(),
+            Pending::Resume(s) => s.job.cache_salt.as_deref(),
         }
     }
 }
@@ -645,7 +680,10 @@ impl BatchLoop {
     /// Queue `input` for prefill, starting from the longest prefix of it
     /// the prefix cache holds for its adapter.
     fn push_prefill(&mut self, what: Pending, input: Vec<u32>, seqs: usize) {
-        let cache = match self.prefix_cache.lookup(&input, what.adapter_key()) {
+        let cache = match self
+            .prefix_cache
+            .lookup(&input, what.adapter_key(), what.cache_salt())
+        {
             Some(c) => {
                 self.metrics.prefix_hits.fetch_add(1, Ordering::Relaxed);
                 self.metrics
@@ -824,6 +862,7 @@ impl BatchLoop {
             stream: job.stream,
             events: job.events,
             scores: job.scores,
+            cache_salt: job.cache_salt,
         });
         let mut prefilled = Some(cache);
         for index in 0..job.n {
@@ -872,8 +911,10 @@ impl BatchLoop {
         // logits and random stream only: sequences run across threads,
         // with the same result as one after another.
         let exact = self.exact_scores;
-        let picks: Vec<Result<u32, StepError>> =
-            running.par_iter_mut().map(|s| pick(s, exact)).collect();
+        let picks: Vec<Result<u32, StepError>> = running
+            .par_iter_mut()
+            .map(|s| pick(s, exact, &eos))
+            .collect();
         let mut generated = 0u64;
         for (mut seq, tok) in running.into_iter().zip(picks) {
             generated += 1;
@@ -896,10 +937,12 @@ impl BatchLoop {
                         // room to grow (up to twice its length), and the
                         // budget counts tokens.
                         match seq.cache.truncated(seq.cache.len()) {
-                            Ok(cache) => {
-                                self.prefix_cache
-                                    .insert(cached_ids, cache, seq.job.adapter.clone())
-                            }
+                            Ok(cache) => self.prefix_cache.insert(
+                                cached_ids,
+                                cache,
+                                seq.job.adapter.clone(),
+                                seq.job.cache_salt.clone(),
+                            ),
                             Err(e) => tracing::warn!("prefix cache: {e}"),
                         }
                     }
@@ -949,7 +992,13 @@ impl BatchLoop {
         let Some(finish_reason) = check.finish else {
             return Ok(None);
         };
-        let text = visible_text(&seq.tokens, finish_reason, check.stop_text, tokenizer)?;
+        let text = visible_text(
+            &seq.tokens,
+            finish_reason,
+            check.stop_text,
+            p.skip_special_tokens,
+            tokenizer,
+        )?;
         Ok(Some(Finished {
             index: seq.job.first_index + seq.index,
             tokens: std::mem::take(&mut seq.tokens),

@@ -1380,3 +1380,477 @@ async fn constrained_samples_survive_preemption() {
     let m = get_text(&r, "/metrics").await;
     assert!(metric(&m, "temper_preemptions_total") > 0.0, "{m}");
 }
+
+/// `body` with the fields of `extra` set.
+fn with(body: Value, extra: Value) -> Value {
+    let mut b = body;
+    for (k, v) in extra.as_object().expect("object") {
+        b[k] = v.clone();
+    }
+    b
+}
+
+/// Issue 41: vLLM's `/inference/v1/generate` (what verifiers' train client
+/// and prime-rl call) answers in vLLM's shape: token ids, logprobs as
+/// `token_id:<id>` with the sampled token first among `top_logprobs`, the
+/// prompt's ids with `return_token_ids`; its tokens and logprobs are those
+/// `/v1/completions` gives for the same prompt ids, seed and temperature.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn inference_generate_answers_in_vllm_shape() {
+    let (_, s) = server();
+    let r = app(s);
+    let prompt: Vec<u32> = vec![5, 17, 300, 42, 7, 99];
+    let (st, v) = post(
+        &r,
+        "/inference/v1/generate",
+        json!({"token_ids": prompt, "request_id": "r1", "return_token_ids": true,
+               "cache_salt": "tenant-a",
+               "sampling_params": {"max_tokens": 10, "temperature": 0.8, "seed": 3,
+                                   "logprobs": 3, "skip_special_tokens": false,
+                                   "detokenize": true, "stop_token_ids": [995]}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["request_id"], "generate-tokens-r1");
+    assert_eq!(v["model"], MODEL, "an omitted model is the base model");
+    assert_eq!(u32s(&v["prompt_token_ids"]), prompt);
+    let c = &v["choices"][0];
+    let toks = u32s(&c["token_ids"]);
+    assert!(!toks.is_empty() && toks.len() <= 10, "{v}");
+    assert!(c.get("text").is_none(), "tokens only: {c}");
+    assert_eq!(v["usage"]["completion_tokens"], toks.len());
+    assert_eq!(v["usage"]["prompt_tokens"], prompt.len());
+    let content = c["logprobs"]["content"].as_array().expect("content");
+    assert_eq!(content.len(), toks.len());
+    let mut lps = Vec::new();
+    for (e, &t) in content.iter().zip(&toks) {
+        assert_eq!(e["token"], format!("token_id:{t}"));
+        let lp = e["logprob"].as_f64().expect("logprob");
+        assert!(lp <= 0.0 && lp > -9999.0, "{e}");
+        let top = e["top_logprobs"].as_array().expect("top");
+        assert_eq!(top.len(), 3, "{e}");
+        assert_eq!(top[0]["token"], e["token"], "the sampled token comes first");
+        assert_eq!(top[0]["logprob"], e["logprob"]);
+        let rest: Vec<f64> = top[1..]
+            .iter()
+            .map(|x| x["logprob"].as_f64().expect("lp"))
+            .collect();
+        assert!(rest.windows(2).all(|w| w[0] >= w[1]), "{e}");
+        lps.push(lp);
+    }
+    // The same prompt ids, seed and temperature on /v1/completions: the same
+    // tokens, and the same logprobs bit for bit.
+    let (st, w) = post(
+        &r,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0.8,
+               "seed": 3, "logprobs": 0, "stop_token_ids": [995], "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{w}");
+    assert_eq!(u32s(&w["choices"][0]["token_ids"]), toks);
+    assert_eq!(u32s(&w["choices"][0]["prompt_token_ids"]), prompt);
+    let want: Vec<f64> = w["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .expect("token_logprobs")
+        .iter()
+        .map(|x| x.as_f64().expect("lp"))
+        .collect();
+    assert_eq!(lps, want);
+    // Without `logprobs` there are none; `logprobs: 0` still names the
+    // sampled token among top_logprobs (vLLM's max(k, 1)).
+    let (_, v) = post(
+        &r,
+        "/inference/v1/generate",
+        json!({"token_ids": prompt, "sampling_params": {"max_tokens": 3, "seed": 1}}),
+    )
+    .await;
+    assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
+    assert!(v.get("prompt_token_ids").is_none(), "{v}");
+    assert_eq!(
+        v["choices"][0]["token_ids"].as_array().map(Vec::len),
+        Some(3)
+    );
+    let (_, v) = post(
+        &r,
+        "/inference/v1/generate",
+        json!({"token_ids": prompt, "sampling_params": {"max_tokens": 2, "logprobs": 0}}),
+    )
+    .await;
+    let e = &v["choices"][0]["logprobs"]["content"][0];
+    assert_eq!(e["top_logprobs"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(e["top_logprobs"][0]["token"], e["token"]);
+    // A stop token id is the stop_reason; EOS and length are null.
+    let (_, v) = post(
+        &r,
+        "/inference/v1/generate",
+        json!({"token_ids": prompt, "sampling_params": {"max_tokens": 5,
+               "logit_bias": {"42": 100}, "stop_token_ids": [42]}}),
+    )
+    .await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["choices"][0]["stop_reason"], 42);
+    let (_, v) = post(
+        &r,
+        "/inference/v1/generate",
+        json!({"token_ids": prompt, "sampling_params": {"max_tokens": 5, "logit_bias": {"995": 100}}}),
+    )
+    .await;
+    assert_eq!(u32s(&v["choices"][0]["token_ids"]), vec![995], "{v}");
+    assert!(v["choices"][0]["stop_reason"].is_null(), "{v}");
+    // What the route does not implement is a 400 naming it.
+    for (body, needle) in [
+        (
+            json!({"token_ids": prompt, "sampling_params": {"max_tokens": 2, "best_of": 2}}),
+            "sampling_params.best_of",
+        ),
+        (
+            json!({"token_ids": prompt, "sampling_params": {}, "stream": true}),
+            "stream",
+        ),
+        (
+            json!({"token_ids": prompt, "sampling_params": {}, "priority": 1}),
+            "priority",
+        ),
+        (
+            json!({"token_ids": prompt, "sampling_params": {}, "features": {"mm_hashes": {}}}),
+            "features",
+        ),
+        (json!({"token_ids": prompt}), "sampling_params"),
+        (
+            json!({"token_ids": [], "sampling_params": {}}),
+            "must not be empty",
+        ),
+        (
+            json!({"token_ids": prompt, "sampling_params": {}, "cache_salt": ""}),
+            "cache_salt",
+        ),
+        (
+            json!({"token_ids": prompt, "sampling_params": {"max_tokens": 2, "min_tokens": 3}}),
+            "min_tokens must be less than or equal to max_tokens=2",
+        ),
+    ] {
+        let (st, v) = post(&r, "/inference/v1/generate", body.clone()).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{body} -> {v}");
+        let msg = v["error"]["message"].as_str().expect("message");
+        assert!(msg.contains(needle), "{body}: {msg:?} lacks {needle:?}");
+    }
+}
+
+/// Issue 41: `return_token_ids` gives the prompt's ids and each choice's
+/// generated ids: the generated ids decode to the text; chat's prompt ids
+/// are exactly what the model saw (sent as a completions prompt with the
+/// same seed, they give the same sample); completions' are the prompt text's
+/// tokens. `return_tokens_as_token_ids` names logprob tokens `token_id:<id>`
+/// in both shapes. Streaming carries the same ids (the prompt's with the
+/// first chunk, a choice's with its last).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn return_token_ids_round_trip() {
+    let (m, s) = server();
+    let r = app(s);
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
+                      "max_tokens": 8, "temperature": 0.9, "seed": 11, "ignore_eos": true,
+                      "logprobs": true, "top_logprobs": 2, "return_token_ids": true,
+                      "return_tokens_as_token_ids": true});
+    let (st, v) = post(&r, "/v1/chat/completions", chat.clone()).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let prompt = u32s(&v["prompt_token_ids"]);
+    assert_eq!(v["usage"]["prompt_tokens"], prompt.len());
+    let rendered = m.tokenizer.decode(&prompt, false).expect("decode");
+    assert!(rendered.contains("hello there"), "{rendered:?}");
+    let c = &v["choices"][0];
+    let toks = u32s(&c["token_ids"]);
+    assert_eq!(toks.len(), 8);
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(
+        m.tokenizer.decode(&toks, true).expect("decode"),
+        c["message"]["content"].as_str().expect("content")
+    );
+    for (e, t) in c["logprobs"]["content"]
+        .as_array()
+        .expect("content")
+        .iter()
+        .zip(&toks)
+    {
+        let name = format!("token_id:{t}");
+        assert_eq!(e["token"], name);
+        assert_eq!(
+            u32s(&e["bytes"]),
+            name.bytes().map(u32::from).collect::<Vec<_>>()
+        );
+        for alt in e["top_logprobs"].as_array().expect("top") {
+            assert!(alt["token"].as_str().expect("t").starts_with("token_id:"));
+        }
+    }
+    let (st, w) = post(
+        &r,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.9,
+               "seed": 11, "ignore_eos": true, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{w}");
+    assert_eq!(u32s(&w["choices"][0]["token_ids"]), toks);
+    // Completions with a text prompt: the prompt's tokens; names as ids in
+    // `tokens` and `top_logprobs`, offsets still counting the text.
+    let text = "The quick brown fox";
+    let (st, w) = post(
+        &r,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": text, "max_tokens": 6, "temperature": 0.0,
+               "ignore_eos": true, "logprobs": 2, "return_token_ids": true,
+               "return_tokens_as_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{w}");
+    let c = &w["choices"][0];
+    assert_eq!(
+        u32s(&c["prompt_token_ids"]),
+        m.tokenizer.encode(text, true).expect("encode")
+    );
+    let toks = u32s(&c["token_ids"]);
+    assert_eq!(
+        m.tokenizer.decode(&toks, true).expect("decode"),
+        c["text"].as_str().expect("text")
+    );
+    let names: Vec<String> = toks.iter().map(|t| format!("token_id:{t}")).collect();
+    assert_eq!(c["logprobs"]["tokens"], json!(names));
+    for top in c["logprobs"]["top_logprobs"].as_array().expect("top") {
+        for k in top.as_object().expect("object").keys() {
+            assert!(k.starts_with("token_id:"), "{k}");
+        }
+    }
+    let mut offset = 0;
+    for (o, &t) in c["logprobs"]["text_offset"]
+        .as_array()
+        .expect("offsets")
+        .iter()
+        .zip(&toks)
+    {
+        assert_eq!(o.as_u64(), Some(offset as u64));
+        offset += m.tokenizer.decode(&[t], false).expect("decode").len();
+    }
+    // Streamed: the same ids.
+    let req = Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(with(chat, json!({"stream": true})).to_string()))
+        .expect("req");
+    let (st, bytes) = send(&r, req).await;
+    assert_eq!(st, StatusCode::OK);
+    let chunks: Vec<Value> = sse_payloads(&bytes)
+        .iter()
+        .filter(|p| p.as_str() != "[DONE]")
+        .map(|p| serde_json::from_str(p).expect("json"))
+        .collect();
+    assert_eq!(u32s(&chunks[0]["prompt_token_ids"]), prompt);
+    assert!(chunks[1..]
+        .iter()
+        .all(|c| c.get("prompt_token_ids").is_none()));
+    let streamed: Vec<u32> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0].get("token_ids"))
+        .flat_map(u32s)
+        .collect();
+    assert_eq!(streamed, u32s(&v["choices"][0]["token_ids"]));
+}
+
+/// Issue 41: vLLM's `min_tokens` holds back EOS, stop token ids and stop
+/// strings for the first `min_tokens` tokens, even when EOS is all but
+/// certain; on chat, completions and `/inference/v1/generate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn min_tokens_holds_back_eos_and_stops() {
+    let (m, s) = server();
+    let r = app(s);
+    let eos = 995u32;
+    assert!(m.generation.eos_token_ids.contains(&eos));
+    // A +100 bias makes EOS all but certain at every step.
+    let biased = json!({"model": MODEL, "max_tokens": 20, "temperature": 1.0, "seed": 5,
+                        "logit_bias": {"995": 100}});
+    let chat = with(
+        biased.clone(),
+        json!({"messages": [{"role": "user", "content": "hi"}], "return_token_ids": true}),
+    );
+    let cmpl = with(
+        biased.clone(),
+        json!({"prompt": "Once upon", "return_token_ids": true}),
+    );
+    for (path, body) in [("/v1/chat/completions", &chat), ("/v1/completions", &cmpl)] {
+        let (st, v) = post(&r, path, body.clone()).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(
+            u32s(&v["choices"][0]["token_ids"]),
+            vec![eos],
+            "{path}: {v}"
+        );
+        for min in [1usize, 6] {
+            let (st, v) = post(&r, path, with(body.clone(), json!({"min_tokens": min}))).await;
+            assert_eq!(st, StatusCode::OK, "{v}");
+            let toks = u32s(&v["choices"][0]["token_ids"]);
+            assert_eq!(toks.len(), min + 1, "{path} min_tokens {min}: {v}");
+            assert!(!toks[..min].contains(&eos), "{toks:?}");
+            assert_eq!(toks[min], eos);
+            assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        }
+    }
+    let (_, v) = post(
+        &r,
+        "/inference/v1/generate",
+        json!({"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 20, "min_tokens": 4,
+               "logit_bias": {"995": 100}, "logprobs": 0}}),
+    )
+    .await;
+    let toks = u32s(&v["choices"][0]["token_ids"]);
+    assert_eq!(toks.len(), 5, "{v}");
+    assert_eq!(toks[4], eos);
+    // Stop token ids are held back the same way.
+    let (_, v) = post(
+        &r,
+        "/v1/completions",
+        with(
+            cmpl.clone(),
+            json!({"logit_bias": {"42": 100}, "stop_token_ids": [42], "min_tokens": 3}),
+        ),
+    )
+    .await;
+    let toks = u32s(&v["choices"][0]["token_ids"]);
+    assert_eq!(toks.len(), 4, "{v}");
+    assert!(!toks[..3].contains(&42));
+    assert_eq!(toks[3], 42);
+    // A stop string counts only once it ends past the first min_tokens
+    // tokens' text: token 42 forced, its text the stop string.
+    let t42 = m.tokenizer.decode(&[42], true).expect("decode");
+    assert!(!t42.is_empty());
+    assert_eq!(
+        m.tokenizer.decode(&[42; 4], true).expect("decode"),
+        t42.repeat(4)
+    );
+    let (_, v) = post(
+        &r,
+        "/v1/completions",
+        with(
+            cmpl.clone(),
+            json!({"logit_bias": {"42": 100}, "stop": [t42.clone()], "min_tokens": 3,
+                   "ignore_eos": true}),
+        ),
+    )
+    .await;
+    let c = &v["choices"][0];
+    assert_eq!(u32s(&c["token_ids"]), vec![42; 4], "{v}");
+    assert_eq!(c["text"], t42.repeat(3));
+    assert_eq!(c["finish_reason"], "stop");
+    // Out of range, or with structured outputs (whose document ends in EOS).
+    for (path, body, needle) in [
+        (
+            "/v1/completions",
+            with(cmpl.clone(), json!({"min_tokens": -1})),
+            "min_tokens must be greater than or equal to 0",
+        ),
+        (
+            "/v1/completions",
+            with(cmpl.clone(), json!({"min_tokens": 21})),
+            "min_tokens must be less than or equal to max_tokens=20",
+        ),
+        (
+            "/v1/chat/completions",
+            with(
+                chat.clone(),
+                json!({"min_tokens": 2, "response_format": {"type": "json_object"}}),
+            ),
+            "min_tokens cannot be combined with structured outputs",
+        ),
+    ] {
+        let (st, v) = post(&r, path, body).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+        let msg = v["error"]["message"].as_str().expect("message");
+        assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
+    }
+}
+
+/// Issue 41: `skip_special_tokens` (default true) decides whether special
+/// tokens appear in the text; the token ids are the same either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn skip_special_tokens_controls_the_text() {
+    let (m, s) = server();
+    let r = app(s);
+    let body = json!({"model": MODEL, "prompt": "Once upon", "max_tokens": 3,
+                      "temperature": 1.0, "seed": 2, "ignore_eos": true,
+                      "logit_bias": {"995": 100}, "return_token_ids": true});
+    let (_, skipped) = post(&r, "/v1/completions", body.clone()).await;
+    let (_, kept) = post(
+        &r,
+        "/v1/completions",
+        with(body, json!({"skip_special_tokens": false})),
+    )
+    .await;
+    let toks = u32s(&kept["choices"][0]["token_ids"]);
+    assert_eq!(toks, vec![995; 3], "{kept}");
+    assert_eq!(u32s(&skipped["choices"][0]["token_ids"]), toks);
+    assert_eq!(skipped["choices"][0]["text"], "");
+    let special = m.tokenizer.decode(&[995], false).expect("decode");
+    assert_eq!(special, "<|im_end|>");
+    assert_eq!(kept["choices"][0]["text"], special.repeat(3));
+    // Chat too.
+    let (_, v) = post(
+        &r,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+               "ignore_eos": true, "logit_bias": {"995": 100}, "skip_special_tokens": false}),
+    )
+    .await;
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        special.repeat(2),
+        "{v}"
+    );
+}
+
+/// Issue 41: `cache_salt` partitions the prefix cache: a prompt is served
+/// from the cache only to requests of the same salt (a request of another
+/// salt, or none, prefills it again). A salt must be 1..=1024 characters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cache_salt_partitions_the_prefix_cache() {
+    let (_, s) = server();
+    let r = app(s);
+    let hits = |r: Router| async move {
+        metric(
+            &get_text(&r, "/metrics").await,
+            "temper_prefix_cache_hits_total",
+        )
+    };
+    let prompt: Vec<u32> = (1..40).collect();
+    let req = |salt: Option<&str>| {
+        let mut b = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                           "temperature": 0.0, "ignore_eos": true});
+        if let Some(s) = salt {
+            b["cache_salt"] = json!(s);
+        }
+        b
+    };
+    let mut seen = hits(r.clone()).await;
+    for (salt, hit) in [
+        (Some("alice"), false),
+        (Some("bob"), false),
+        (None, false),
+        (Some("alice"), true),
+        (None, true),
+        (Some("bob"), true),
+        (Some("carol"), false),
+    ] {
+        let (st, v) = post(&r, "/v1/completions", req(salt)).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let now = hits(r.clone()).await;
+        assert_eq!(now > seen, hit, "salt {salt:?}: hits {seen} -> {now}");
+        seen = now;
+    }
+    for bad in [String::new(), "x".repeat(1025)] {
+        let (st, v) = post(
+            &r,
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                   "max_tokens": 1, "cache_salt": bad}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(v["error"]["param"], "cache_salt");
+    }
+}

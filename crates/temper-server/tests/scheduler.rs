@@ -74,6 +74,7 @@ fn job(prompt: Vec<u32>, index: usize, max_tokens: usize, events: &UnboundedSend
         events: events.clone(),
         grammar: None,
         scores: None,
+        cache_salt: None,
     }
 }
 

@@ -225,6 +225,12 @@ fn chat_prompt(s: &OpenAiState, req: &ChatRequest) -> Result<(Vec<u32>, ToolMode
             "ignore_eos cannot be combined with structured outputs: a complete document ends with EOS",
         ));
     }
+    if constraint.is_some() && req.sampling.min_tokens.is_some_and(|m| m > 0) {
+        return Err(OpenAiError::invalid(
+            "min_tokens",
+            "min_tokens cannot be combined with structured outputs: a complete document ends with EOS, which min_tokens holds back",
+        ));
+    }
     let use_tools = tools.is_some() && parse;
     let tools_json = if use_tools {
         tools.map(Value::Array)
@@ -318,6 +324,7 @@ pub(super) async fn chat_completions(
             "top_logprobs needs logprobs: true",
         ));
     }
+    let vllm = req.vllm.clone().check()?;
     let (prompt, tools) = chat_prompt(&s, &req)?;
     let mut p = prepare(
         &s,
@@ -329,6 +336,7 @@ pub(super) async fn chat_completions(
         "messages",
     )?;
     p.capture = episode.chat(&req.messages, req.tools.as_ref());
+    p.vllm = vllm;
     p.logprobs = logprobs;
     p.top_logprobs = top;
     if let Some((c, param)) = tools.constraint.clone() {
@@ -360,21 +368,27 @@ pub(super) async fn chat_completions(
         completion_tokens += f.tokens.len();
         let scores = capture::score_choice(&s, &p, &f, false).await?;
         let lp = match &scores {
-            Some(r) if p.logprobs => chat_logprobs(&s, &f.tokens, r),
+            Some(r) if p.logprobs => chat_logprobs(&s, &f.tokens, r, p.vllm.tokens_as_ids),
             _ => Value::Null,
         };
         let (message, finish) = chat_message(&f, tools.parse, &id);
         capture::record(&s, &p, &id, &f, finish, scores.as_ref(), message.clone())?;
-        choices.push(
-            json!({"index": f.index, "message": message, "logprobs": lp, "finish_reason": finish}),
-        );
+        let mut choice =
+            json!({"index": f.index, "message": message, "logprobs": lp, "finish_reason": finish});
+        if p.vllm.return_token_ids {
+            choice["token_ids"] = json!(f.tokens);
+        }
+        choices.push(choice);
     }
-    Ok(Json(json!({
+    let mut body = json!({
         "id": id, "object": "chat.completion", "created": now_secs(), "model": p.model_name,
         "system_fingerprint": p.fingerprint(), "version": p.version, "choices": choices,
         "usage": usage(p.prompt_tokens(), completion_tokens),
-    }))
-    .into_response())
+    });
+    if p.vllm.return_token_ids {
+        body["prompt_token_ids"] = json!(p.prompts[0]);
+    }
+    Ok(Json(body).into_response())
 }
 
 /// The assistant message and finish reason of a finished chat sample.

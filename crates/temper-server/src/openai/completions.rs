@@ -39,6 +39,7 @@ pub(super) async fn completions(
     }
     let max_tokens = max_tokens_field("max_tokens", req.max_tokens)?;
     let top = top_logprobs_field("logprobs", req.logprobs)?;
+    let vllm = req.vllm.clone().check()?;
     let tok = &s.inner.model.tokenizer;
     let encode = |t: &str| {
         tok.encode(t, true)
@@ -77,6 +78,7 @@ pub(super) async fn completions(
     p.logprobs = req.logprobs.is_some();
     p.top_logprobs = top;
     p.capture = episode.completion();
+    p.vllm = vllm;
     let echo = req.echo.unwrap_or(false);
     let stream = req.stream.unwrap_or(false);
     if stream && echo {
@@ -143,14 +145,19 @@ pub(super) async fn completions(
             } else {
                 f.tokens.clone()
             };
-            completion_logprobs(&s, &toks, &entries, 0)
+            completion_logprobs(&s, &toks, &entries, 0, p.vllm.tokens_as_ids)
         } else {
             Value::Null
         };
-        choices.push(json!({
+        let mut choice = json!({
             "index": f.index, "text": format!("{prompt_text}{}", f.text), "logprobs": lp,
             "finish_reason": f.finish_reason.as_str(),
-        }));
+        });
+        if p.vllm.return_token_ids {
+            choice["prompt_token_ids"] = json!(prompt);
+            choice["token_ids"] = json!(f.tokens);
+        }
+        choices.push(choice);
     }
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": now_secs(), "model": p.model_name,

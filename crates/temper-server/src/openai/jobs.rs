@@ -9,7 +9,7 @@ use temper_model::TopLogprobs;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::error::OpenAiError;
-use super::protocol::Sampling;
+use super::protocol::{cache_salt_field, Sampling, VllmFields};
 
 use super::state::OpenAiState;
 use crate::scheduler::{Event, Finished, Job, LoadedAdapter, SubmitError};
@@ -28,6 +28,30 @@ pub(super) struct Prepared {
     pub(super) logprobs: bool,
     /// Structured output: the fresh grammar state every sample starts from.
     pub(super) grammar: Option<Grammar>,
+    /// vLLM's request extensions.
+    pub(super) vllm: Extensions,
+}
+
+/// vLLM's request extensions, checked.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Extensions {
+    /// The prefix cache's partition (see [`crate::scheduler::Job::cache_salt`]).
+    pub(super) cache_salt: Option<Arc<str>>,
+    /// Return `prompt_token_ids` and each choice's `token_ids`.
+    pub(super) return_token_ids: bool,
+    /// Logprob tokens as `token_id:<id>`.
+    pub(super) tokens_as_ids: bool,
+}
+
+impl VllmFields {
+    /// Check into [`Extensions`].
+    pub(super) fn check(self) -> Result<Extensions, OpenAiError> {
+        Ok(Extensions {
+            cache_salt: cache_salt_field(self.cache_salt)?,
+            return_token_ids: self.return_token_ids.unwrap_or(false),
+            tokens_as_ids: self.return_tokens_as_token_ids.unwrap_or(false),
+        })
+    }
 }
 
 impl Prepared {
@@ -130,6 +154,15 @@ pub(super) fn prepare(
         settled = settled.min(m);
     }
     sampling.params.max_tokens = settled;
+    if sampling.params.min_tokens > settled {
+        return Err(OpenAiError::invalid(
+            "min_tokens",
+            format!(
+                "min_tokens must be less than or equal to max_tokens={settled}, got {}",
+                sampling.params.min_tokens
+            ),
+        ));
+    }
     let (model_name, version) = match &adapter {
         Some(a) => (a.name.clone(), a.version),
         None => (s.inner.cfg.model_name.clone(), 0),
@@ -144,6 +177,7 @@ pub(super) fn prepare(
         top_logprobs: 0,
         logprobs: false,
         grammar: None,
+        vllm: Extensions::default(),
     })
 }
 
@@ -180,6 +214,7 @@ pub(super) fn submit(
             stream,
             events: tx.clone(),
             grammar: p.grammar.as_ref().map(Grammar::fork),
+            cache_salt: p.vllm.cache_salt.clone(),
         };
         s.inner.scheduler.submit(job).map_err(|e| match e {
             SubmitError::Overloaded { .. } => OpenAiError::Overloaded(e.to_string()),

@@ -1,7 +1,10 @@
 //! The OpenAI-compatible inference server: `/v1/chat/completions`,
 //! `/v1/completions`, `/v1/models`, the token-in / token-out `/v1/generate`
-//! for RL, vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
-//! `/health` and Prometheus `/metrics`.
+//! for RL and vLLM's `/inference/v1/generate`, vLLM's `/v1/load_lora_adapter`
+//! and `/v1/unload_lora_adapter`, `/health` and Prometheus `/metrics`.
+//! Chat and completions also take vLLM's request extensions `min_tokens`,
+//! `skip_special_tokens`, `cache_salt`, `return_token_ids` and
+//! `return_tokens_as_token_ids`.
 //!
 //! Every generation request becomes [`Job`]s on the continuous-batching
 //! [`Scheduler`]. The `model` field picks the base model or a loaded LoRA
@@ -24,7 +27,7 @@
 //!
 //! One module per concern: `state` (settings, the shared state, adapter
 //! loading), `jobs` (request → scheduler jobs → finished samples, scoring),
-//! `chat`, `completions` and `generate` (one endpoint each), `adapters`
+//! `chat`, `completions`, `generate` and `tokens` (one endpoint each), `adapters`
 //! (`/v1/models` and LoRA load / unload), `streaming` (server-sent events),
 //! `response` (logprobs and usage), `protocol` (request types), `tools` and
 //! `error`, `capture` (token capture per episode, `/v1/episodes`). This file holds the router and its middleware.
@@ -40,6 +43,7 @@ mod protocol;
 mod response;
 mod state;
 mod streaming;
+mod tokens;
 mod tools;
 
 use axum::extract::{Request, State};
@@ -58,14 +62,15 @@ use chat::chat_completions;
 use completions::completions;
 use generate::generate;
 
-/// The router. `/health` and `/metrics` need no key; `/v1/*` does when one
-/// is configured.
+/// The router. `/health` and `/metrics` need no key; `/v1/*` and
+/// `/inference/v1/generate` do when one is configured.
 pub fn app(state: OpenAiState) -> Router {
     let v1 = Router::new()
         .route("/v1/models", get(list_models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/generate", post(generate))
+        .route("/inference/v1/generate", post(tokens::generate_tokens))
         .route("/v1/load_lora_adapter", post(load_lora))
         .route("/v1/unload_lora_adapter", post(unload_lora))
         .route(
@@ -134,11 +139,12 @@ async fn auth(
     next.run(req).await
 }
 
-const ROUTES: [&str; 8] = [
+const ROUTES: [&str; 9] = [
     "/v1/models",
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/generate",
+    "/inference/v1/generate",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
     "/health",

@@ -84,6 +84,11 @@ pub struct SamplingFields {
     pub min_p: Option<f64>,
     /// `{"token id": bias}`, bias in [-100, 100].
     pub logit_bias: Option<Map<String, Value>>,
+    /// vLLM extension: tokens generated before EOS, a stop token id or a
+    /// stop string may end a sample (>= 0, <= `max_tokens`).
+    pub min_tokens: Option<i64>,
+    /// vLLM extension: leave special tokens out of the text (default true).
+    pub skip_special_tokens: Option<bool>,
 }
 
 /// Field names of [`SamplingFields`] (a flattened struct cannot deny
@@ -102,6 +107,8 @@ pub const SAMPLING_FIELDS: &[&str] = &[
     "repetition_penalty",
     "min_p",
     "logit_bias",
+    "min_tokens",
+    "skip_special_tokens",
 ];
 
 /// The fields a route accepts besides [`SAMPLING_FIELDS`].
@@ -129,6 +136,9 @@ impl KnownFields for ChatRequest {
         // An end-user id for the provider's abuse monitoring: it never
         // changes the output, so accepting it honours it.
         "user",
+        "cache_salt",
+        "return_token_ids",
+        "return_tokens_as_token_ids",
     ];
 }
 
@@ -144,11 +154,37 @@ impl KnownFields for CompletionRequest {
         "suffix",
         "best_of",
         "user",
+        "cache_salt",
+        "return_token_ids",
+        "return_tokens_as_token_ids",
     ];
 }
 
 impl KnownFields for GenerateRequest {
     const FIELDS: &'static [&'static str] = &["model", "prompt_token_ids", "max_tokens"];
+}
+
+impl KnownFields for TokensRequest {
+    const FIELDS: &'static [&'static str] = &[
+        "model",
+        "request_id",
+        "token_ids",
+        "sampling_params",
+        "stream",
+        "stream_options",
+        "cache_salt",
+        "priority",
+        "return_token_ids",
+        "kv_transfer_params",
+        "features",
+        "content_parts",
+    ];
+    const SAMPLING: bool = false;
+}
+
+impl KnownFields for TokensSampling {
+    // `detokenize` is accepted either way: the route answers token ids only.
+    const FIELDS: &'static [&'static str] = &["max_tokens", "logprobs", "detokenize"];
 }
 
 impl KnownFields for LoadLoraRequest {
@@ -191,9 +227,41 @@ pub struct ChatRequest {
     /// `{"type": "json_schema", "json_schema": {"name", "schema", ...}}`
     /// (constrained decoding, see [`crate::structured`]).
     pub response_format: Option<Value>,
+    /// vLLM extensions (`cache_salt`, `return_token_ids`,
+    /// `return_tokens_as_token_ids`).
+    #[serde(flatten)]
+    pub vllm: VllmFields,
     /// Sampling.
     #[serde(flatten)]
     pub sampling: SamplingFields,
+}
+
+/// vLLM's request extensions on chat and completions.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct VllmFields {
+    /// Partitions the prefix cache: requests share cached prompt prefixes
+    /// only with requests of the same salt (1..=1024 characters).
+    pub cache_salt: Option<String>,
+    /// Return the prompt's token ids and each choice's generated ids.
+    pub return_token_ids: Option<bool>,
+    /// Render logprob tokens as `token_id:<id>`.
+    pub return_tokens_as_token_ids: Option<bool>,
+}
+
+/// Longest `cache_salt` (vLLM's limit).
+pub const MAX_CACHE_SALT: usize = 1024;
+
+/// Check `cache_salt` as vLLM does: a non-empty string of at most
+/// [`MAX_CACHE_SALT`] characters.
+pub fn cache_salt_field(v: Option<String>) -> Result<Option<std::sync::Arc<str>>, OpenAiError> {
+    match v {
+        None => Ok(None),
+        Some(s) if s.is_empty() || s.chars().count() > MAX_CACHE_SALT => Err(OpenAiError::invalid(
+            "cache_salt",
+            format!("cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters"),
+        )),
+        Some(s) => Ok(Some(s.into())),
+    }
 }
 
 /// `prompt` of `/v1/completions`: text, texts, token ids, or lists of ids.
@@ -231,6 +299,9 @@ pub struct CompletionRequest {
     pub suffix: Option<String>,
     /// Unsupported unless equal to `n`.
     pub best_of: Option<i64>,
+    /// vLLM extensions.
+    #[serde(flatten)]
+    pub vllm: VllmFields,
     /// Sampling.
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -245,6 +316,51 @@ pub struct GenerateRequest {
     pub prompt_token_ids: Vec<u32>,
     /// Completion-length cap (default 16).
     pub max_tokens: Option<i64>,
+    /// Sampling.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// `POST /inference/v1/generate`: vLLM's token-in / token-out route, the
+/// one verifiers' train client (prime-rl's sampler) calls.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokensRequest {
+    /// Base model name or adapter name (default: the base model).
+    pub model: Option<String>,
+    /// Echoed in the response's `request_id` (`generate-tokens-<id>`).
+    pub request_id: Option<String>,
+    /// The prompt.
+    pub token_ids: Vec<u32>,
+    /// vLLM's `SamplingParams` (checked against [`TokensSampling`]).
+    pub sampling_params: Value,
+    /// Only `false` (streaming is not implemented on this route).
+    pub stream: Option<bool>,
+    /// Only without `stream`.
+    pub stream_options: Option<Value>,
+    /// See [`VllmFields::cache_salt`].
+    pub cache_salt: Option<String>,
+    /// Only 0 (vLLM refuses others without priority scheduling).
+    pub priority: Option<i64>,
+    /// Return `prompt_token_ids`.
+    pub return_token_ids: Option<bool>,
+    /// Disaggregated serving: only null.
+    pub kv_transfer_params: Option<Value>,
+    /// Multimodal inputs: only null.
+    pub features: Option<Value>,
+    /// Multimodal inputs: only null.
+    pub content_parts: Option<Value>,
+}
+
+/// `sampling_params` of [`TokensRequest`]: the sampling fields, plus
+/// `max_tokens`, `logprobs` (how many alternatives; absent or null: no
+/// logprobs) and `detokenize` (the route returns token ids only, so it
+/// changes nothing).
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokensSampling {
+    /// Completion-length cap (default: the rest of the context).
+    pub max_tokens: Option<i64>,
+    /// Alternatives per position (0..=20); `Some` turns logprobs on.
+    pub logprobs: Option<i64>,
     /// Sampling.
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -274,6 +390,15 @@ pub fn parse_body<T: serde::de::DeserializeOwned + KnownFields>(
 ) -> Result<T, OpenAiError> {
     let v: Value = serde_json::from_slice(bytes)
         .map_err(|e| OpenAiError::bad(format!("invalid request body: {e}")))?;
+    parse_value(v, "")
+}
+
+/// [`parse_body`] on a parsed JSON object; `path` prefixes the field names
+/// in errors (`"sampling_params."` for a nested object).
+pub fn parse_value<T: serde::de::DeserializeOwned + KnownFields>(
+    v: Value,
+    path: &str,
+) -> Result<T, OpenAiError> {
     if let Value::Object(m) = &v {
         let mut unknown: Vec<&String> = m
             .keys()
@@ -287,13 +412,13 @@ pub fn parse_body<T: serde::de::DeserializeOwned + KnownFields>(
         if let Some(first) = unknown.first() {
             return Err(OpenAiError::BadRequest {
                 message: format!(
-                    "unsupported field `{first}`: this server does not implement it{}",
+                    "unsupported field `{path}{first}`: this server does not implement it{}",
                     if unknown.len() > 1 {
                         format!(
                             " (nor {})",
                             unknown[1..]
                                 .iter()
-                                .map(|k| format!("`{k}`"))
+                                .map(|k| format!("`{path}{k}`"))
                                 .collect::<Vec<_>>()
                                 .join(", ")
                         )
@@ -301,12 +426,19 @@ pub fn parse_body<T: serde::de::DeserializeOwned + KnownFields>(
                         String::new()
                     }
                 ),
-                param: Some(first.to_string()),
+                param: Some(format!("{path}{first}")),
                 code: Some("unsupported_field"),
             });
         }
     }
-    serde_json::from_value(v).map_err(|e| OpenAiError::bad(format!("invalid request body: {e}")))
+    serde_json::from_value(v).map_err(|e| {
+        let what = if path.is_empty() {
+            "request body".to_string()
+        } else {
+            format!("`{}`", path.trim_end_matches('.'))
+        };
+        OpenAiError::bad(format!("invalid {what}: {e}"))
+    })
 }
 
 /// Checked sampling settings (`max_tokens` still unresolved).
@@ -395,6 +527,16 @@ impl SamplingFields {
             logit_bias.push((id, b as f32));
         }
         logit_bias.sort_by_key(|(id, _)| *id);
+        let min_tokens = match self.min_tokens {
+            None => 0,
+            Some(m) if m >= 0 => m as usize,
+            Some(m) => {
+                return Err(OpenAiError::invalid(
+                    "min_tokens",
+                    format!("min_tokens must be greater than or equal to 0, got {m}"),
+                ))
+            }
+        };
         let params = SamplingParams {
             max_tokens: 1,
             temperature,
@@ -408,6 +550,8 @@ impl SamplingFields {
             stop,
             stop_token_ids: self.stop_token_ids.unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            min_tokens,
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             seed,
             logprobs: false,
         };

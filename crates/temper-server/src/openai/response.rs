@@ -6,7 +6,13 @@ use temper_model::TopLogprobs;
 
 use super::state::OpenAiState;
 
-fn token_text(s: &OpenAiState, id: u32) -> String {
+/// A token as logprobs name it: its text, or with `as_id` (vLLM's
+/// `return_tokens_as_token_ids`) `token_id:<id>`, which names tokens whose
+/// bytes are not valid UTF-8 on their own.
+pub(super) fn token_text(s: &OpenAiState, id: u32, as_id: bool) -> String {
+    if as_id {
+        return format!("token_id:{id}");
+    }
     s.inner
         .model
         .tokenizer
@@ -15,9 +21,14 @@ fn token_text(s: &OpenAiState, id: u32) -> String {
 }
 
 /// Chat-style logprobs: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
-pub(super) fn chat_logprobs(s: &OpenAiState, tokens: &[u32], lp: &TopLogprobs) -> Value {
+pub(super) fn chat_logprobs(
+    s: &OpenAiState,
+    tokens: &[u32],
+    lp: &TopLogprobs,
+    as_ids: bool,
+) -> Value {
     let entry = |id: u32, logprob: f32| {
-        let t = token_text(s, id);
+        let t = token_text(s, id, as_ids);
         json!({"token": t, "logprob": logprob, "bytes": t.as_bytes()})
     };
     let content: Vec<Value> = tokens
@@ -43,15 +54,17 @@ pub(super) fn completion_logprobs(
     tokens: &[u32],
     lp: &[TokenEntry],
     text_start: usize,
+    as_ids: bool,
 ) -> Value {
     let mut offset = text_start;
     let mut toks = Vec::new();
     let mut offsets = Vec::new();
     for &id in tokens {
-        let t = token_text(s, id);
+        // Offsets count the text, whatever names the tokens.
+        let t = token_text(s, id, false);
         offsets.push(offset);
         offset += t.len();
-        toks.push(t);
+        toks.push(if as_ids { token_text(s, id, true) } else { t });
     }
     let token_logprobs: Vec<Value> = lp.iter().map(|e| json!(e.as_ref().map(|x| x.0))).collect();
     let top: Vec<Value> = lp
@@ -61,7 +74,7 @@ pub(super) fn completion_logprobs(
             Some((_, top)) => {
                 let mut m = Map::new();
                 for &(t, l) in top {
-                    m.insert(token_text(s, t), json!(l));
+                    m.insert(token_text(s, t, as_ids), json!(l));
                 }
                 Value::Object(m)
             }

@@ -1,5 +1,8 @@
 //! Server-sent events: chunks per choice as text arrives, logprobs and
-//! tool calls with the last chunk, then `[DONE]`.
+//! tool calls with the last chunk, then `[DONE]`. With vLLM's
+//! `return_token_ids`, the prompt's ids come with the first chunk (chat: of
+//! the stream; completions: of each choice) and a choice's generated ids
+//! with its last chunk.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -32,6 +35,8 @@ struct ChoiceState {
     /// Bytes of `text` sent as content.
     sent: usize,
     started: bool,
+    /// A chunk of this choice went out (completions' `prompt_token_ids`).
+    chunked: bool,
 }
 
 impl ChoiceState {
@@ -55,18 +60,39 @@ struct StreamState {
     queue: VecDeque<Bytes>,
     first_token: bool,
     finished: bool,
+    /// Chat's `prompt_token_ids` went out (with the first chunk).
+    prompt_ids_sent: bool,
 }
 
 impl StreamState {
-    pub(super) fn chunk(&self, choices: Value, usage: Option<Value>) -> Bytes {
+    pub(super) fn chunk(&mut self, mut choices: Value, usage: Option<Value>) -> Bytes {
         let object = match self.kind {
             StreamKind::Chat { .. } => "chat.completion.chunk",
             StreamKind::Completion => "text_completion",
         };
+        let ids = self.p.vllm.return_token_ids;
+        if let (true, StreamKind::Completion, Some(list)) =
+            (ids, &self.kind, choices.as_array_mut())
+        {
+            for c in list {
+                let Some(i) = c["index"].as_u64().map(|i| i as usize) else {
+                    continue;
+                };
+                if let Some(st) = self.choices.get_mut(i).filter(|st| !st.chunked) {
+                    st.chunked = true;
+                    let pi = i / self.p.sampling.n;
+                    c["prompt_token_ids"] = json!(self.p.prompts.get(pi));
+                }
+            }
+        }
         let mut v = json!({
             "id": self.id, "object": object, "created": self.created, "model": self.p.model_name,
             "system_fingerprint": self.p.fingerprint(), "version": self.p.version, "choices": choices,
         });
+        if ids && matches!(self.kind, StreamKind::Chat { .. }) && !self.prompt_ids_sent {
+            self.prompt_ids_sent = true;
+            v["prompt_token_ids"] = json!(self.p.prompts.first());
+        }
         if let Some(u) = usage {
             v["usage"] = u;
         }
@@ -150,9 +176,10 @@ impl StreamState {
                         response,
                     )?;
                 }
+                let as_ids = self.p.vllm.tokens_as_ids;
                 let lp = if let (true, Some(r)) = (self.p.logprobs, scores) {
                     match self.kind {
-                        StreamKind::Chat { .. } => chat_logprobs(&self.s, &f.tokens, &r),
+                        StreamKind::Chat { .. } => chat_logprobs(&self.s, &f.tokens, &r, as_ids),
                         StreamKind::Completion => {
                             let e: Vec<_> = r
                                 .logprobs
@@ -160,7 +187,7 @@ impl StreamState {
                                 .zip(r.top)
                                 .map(|(&l, t)| Some((l, t)))
                                 .collect();
-                            completion_logprobs(&self.s, &f.tokens, &e, 0)
+                            completion_logprobs(&self.s, &f.tokens, &e, 0, as_ids)
                         }
                     }
                 } else {
@@ -203,6 +230,10 @@ impl StreamState {
                         json!([{"index": i, "text": "", "logprobs": lp, "finish_reason": f.finish_reason.as_str()}])
                     }
                 };
+                let mut last = last;
+                if self.p.vllm.return_token_ids {
+                    last[0]["token_ids"] = json!(f.tokens);
+                }
                 let b = self.chunk(last, None);
                 self.queue.push_back(b);
                 if self.left == 0 {
@@ -252,6 +283,7 @@ pub(super) fn sse(
                 text: String::new(),
                 sent: 0,
                 started: false,
+                chunked: false,
             })
             .collect(),
         left: total,
@@ -259,6 +291,7 @@ pub(super) fn sse(
         queue: VecDeque::new(),
         first_token: true,
         finished: false,
+        prompt_ids_sent: false,
         p,
     };
     let stream = futures_util::stream::unfold(Some(state), |st| async move {
@@ -332,6 +365,7 @@ mod tests {
             top_logprobs: 0,
             logprobs: false,
             grammar: None,
+            vllm: Default::default(),
         };
         let mut st = StreamState {
             s,
@@ -346,12 +380,14 @@ mod tests {
                 text: String::new(),
                 sent: 0,
                 started: false,
+                chunked: false,
             }],
             left: 1,
             completion_tokens: 0,
             queue: VecDeque::new(),
             first_token: true,
             finished: false,
+            prompt_ids_sent: false,
         };
         let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
         let full = format!("Let me check. {call}");
