@@ -86,24 +86,89 @@ fn with_layout(schema: &Value) -> Result<Value, StructuredError> {
 /// (on a 2-core box).
 pub const MAX_PATTERN_PROPERTIES: usize = 64;
 
-/// Refuses what the engine would spend unbounded time on before compiling:
-/// too many `patternProperties` patterns in all (every object's and
-/// `$defs`' counted, so merged objects cannot exceed it either).
-fn check_cost(schema: &Value) -> Result<(), StructuredError> {
-    fn count(v: &Value, n: &mut usize) {
-        match v {
-            Value::Object(m) => {
-                if let Some(Value::Object(pp)) = m.get("patternProperties") {
-                    *n += pp.len();
-                }
-                m.values().for_each(|x| count(x, n));
+/// Most characters a `pattern`'s counted repetition may stand for, unrolled
+/// (`a{1000}` is 1,000, `(a{100}){100}` 10,000, `a+` 1). llguidance's lexer
+/// works in proportion to it on every token: 10,000 costs about 15 ms a
+/// step, 100,000 about 90 ms (on a 2-core box), on the engine's thread that
+/// every request shares; `((a{1000}){1000}){1000}` stalled it for 3.6 s.
+pub const MAX_PATTERN_REPETITION: u64 = 10_000;
+
+/// Characters `h` stands for, counted repetitions unrolled (saturating).
+fn unrolled(h: &regex_syntax::hir::Hir) -> u64 {
+    use regex_syntax::hir::HirKind;
+    match h.kind() {
+        HirKind::Empty | HirKind::Look(_) => 0,
+        HirKind::Literal(l) => l.0.len() as u64,
+        HirKind::Class(_) => 1,
+        HirKind::Repetition(r) => {
+            let times = r.max.unwrap_or(r.min).max(r.min).max(1);
+            unrolled(&r.sub).max(1).saturating_mul(u64::from(times))
+        }
+        HirKind::Capture(c) => unrolled(&c.sub),
+        HirKind::Concat(v) | HirKind::Alternation(v) => {
+            v.iter().map(unrolled).fold(0, u64::saturating_add)
+        }
+    }
+}
+
+/// The largest repetition in `pattern`, unrolled; 0 when the Rust regex
+/// parser cannot read it (llguidance then judges it alone).
+fn largest_repetition(pattern: &str) -> u64 {
+    fn walk(h: &regex_syntax::hir::Hir, most: &mut u64) {
+        use regex_syntax::hir::HirKind;
+        match h.kind() {
+            HirKind::Repetition(r) => {
+                *most = (*most).max(unrolled(h));
+                walk(&r.sub, most);
             }
-            Value::Array(a) => a.iter().for_each(|x| count(x, n)),
+            HirKind::Capture(c) => walk(&c.sub, most),
+            HirKind::Concat(v) | HirKind::Alternation(v) => v.iter().for_each(|x| walk(x, most)),
             _ => {}
         }
     }
+    let mut most = 0;
+    if let Ok(h) = regex_syntax::parse(pattern) {
+        walk(&h, &mut most);
+    }
+    most
+}
+
+/// Refuses what the engine would spend unbounded time on, before compiling:
+/// too many `patternProperties` patterns in all (every object's and
+/// `$defs`' counted, so merged objects cannot exceed it either), and a
+/// `pattern` (or `patternProperties` key) whose counted repetitions unroll
+/// past [`MAX_PATTERN_REPETITION`].
+fn check_cost(schema: &Value) -> Result<(), StructuredError> {
+    fn walk(v: &Value, n: &mut usize) -> Result<(), StructuredError> {
+        match v {
+            Value::Object(m) => {
+                let mut patterns: Vec<&str> = Vec::new();
+                if let Some(Value::String(p)) = m.get("pattern") {
+                    patterns.push(p);
+                }
+                if let Some(Value::Object(pp)) = m.get("patternProperties") {
+                    *n += pp.len();
+                    patterns.extend(pp.keys().map(String::as_str));
+                }
+                for p in patterns {
+                    let size = largest_repetition(p);
+                    if size > MAX_PATTERN_REPETITION {
+                        return Err(StructuredError::Compile(format!(
+                            "the pattern {:?} repeats {size} characters once unrolled; the \
+                             limit is {MAX_PATTERN_REPETITION} (nested counted repetitions \
+                             multiply)",
+                            p.chars().take(80).collect::<String>()
+                        )));
+                    }
+                }
+                m.values().try_for_each(|x| walk(x, n))
+            }
+            Value::Array(a) => a.iter().try_for_each(|x| walk(x, n)),
+            _ => Ok(()),
+        }
+    }
     let mut n = 0;
-    count(schema, &mut n);
+    walk(schema, &mut n)?;
     if n > MAX_PATTERN_PROPERTIES {
         return Err(StructuredError::Compile(format!(
             "the schema has {n} `patternProperties` patterns; the limit is \
@@ -460,6 +525,28 @@ mod tests {
             assert!(r.is_ok(), "panicked on {:.80}", shown);
             assert!(took.as_secs() < 10, "{took:?} on {:.80}", shown);
         }
+    }
+
+    #[test]
+    fn repetitions_are_measured_unrolled() {
+        assert_eq!(largest_repetition("^a+$"), 1);
+        assert_eq!(largest_repetition("^[a-z]{1,255}$"), 255);
+        assert_eq!(largest_repetition("^(a{100}){100}$"), 10_000);
+        assert_eq!(
+            largest_repetition("^((a{1000}){1000}){1000}$"),
+            1_000_000_000
+        );
+        assert_eq!(largest_repetition("^(ab|cde){3}x{2,4}$"), 15);
+        let (_, c) = compiler();
+        let nested = json!({"type": "object", "properties":
+            {"s": {"type": "string", "pattern": "^(a{200}){100}$"}}});
+        let err = c
+            .compile(&Constraint::JsonSchema(nested))
+            .expect_err("20,000 unrolled");
+        assert!(err.to_string().contains("20000"), "{err}");
+        // A property named `pattern` is no pattern.
+        let named = json!({"type": "object", "properties": {"pattern": {"type": "string"}}});
+        assert!(c.compile(&Constraint::JsonSchema(named)).is_ok());
     }
 
     #[test]

@@ -1404,7 +1404,8 @@ fn schema_body(schema: Value) -> Value {
 /// without work); its compile keeps its slot until it really ends (it cannot
 /// be interrupted), so while it runs another schema waits for the slot and
 /// then gets a 429 with `Retry-After`; a compile whose client went away
-/// still fills the cache; an accepted schema compiles once.
+/// still fills the cache; an accepted schema compiles once (counted by the
+/// `temper_grammar_*` metrics).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn issue31_grammar_compiles_are_bounded() {
     // The attack's schema: refused before any compile work.
@@ -1425,6 +1426,15 @@ async fn issue31_grammar_compiles_are_bounded() {
 
     // How long the largest allowed pattern set takes here, compiled once:
     // a second request with it is answered from the cache.
+    let grammar_metrics = |r: Router| async move {
+        let m = get_text(&r, "/metrics").await;
+        [
+            "temper_grammar_compiles_total",
+            "temper_grammar_cache_hits_total",
+            "temper_grammar_compiles_running",
+        ]
+        .map(|n| metric(&m, n))
+    };
     let slow = |p: &str| pattern_properties_schema(p, 64);
     let t = Instant::now();
     let (st, v) = post(&r, "/v1/chat/completions", schema_body(slow("a"))).await;
@@ -1433,9 +1443,12 @@ async fn issue31_grammar_compiles_are_bounded() {
     let t = Instant::now();
     let (st, _) = post(&r, "/v1/chat/completions", schema_body(slow("a"))).await;
     assert_eq!(st, StatusCode::OK);
-    let cached = t.elapsed();
-    eprintln!("64 patternProperties: compiled in {compile:?}, then {cached:?} from the cache");
-    assert!(cached * 4 < compile, "{cached:?} vs {compile:?}");
+    eprintln!(
+        "64 patternProperties: compiled in {compile:?}, then {:?} from the cache",
+        t.elapsed()
+    );
+    // Two compiles (the refused attack schema and a), one cache hit.
+    assert_eq!(grammar_metrics(r.clone()).await, [2.0, 1.0, 0.0]);
 
     // One compile at a time, a time limit of an eighth of that compile.
     let limit = (compile / 8).max(Duration::from_millis(1));
@@ -1443,7 +1456,6 @@ async fn issue31_grammar_compiles_are_bounded() {
         c.grammars.compile_timeout = limit;
         c.grammars.max_compiles = 1;
     }));
-    let t = Instant::now();
     let (st, v) = post(&r, "/v1/chat/completions", schema_body(slow("b"))).await;
     assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
     let refused = v["error"]["message"].clone();
@@ -1453,8 +1465,8 @@ async fn issue31_grammar_compiles_are_bounded() {
             .is_some_and(|m| m.contains("took longer") && m.contains("--grammar-compile-timeout-s")),
         "{refused}"
     );
-    assert!(t.elapsed() < compile / 2, "{:?}", t.elapsed());
     // b's compile still holds the only slot: c waits `limit`, then 429.
+    assert_eq!(grammar_metrics(r.clone()).await, [1.0, 0.0, 1.0]);
     let req = Request::post("/v1/chat/completions")
         .header("content-type", "application/json")
         .body(Body::from(schema_body(slow("c")).to_string()))
@@ -1463,38 +1475,50 @@ async fn issue31_grammar_compiles_are_bounded() {
     assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(resp.headers().contains_key("retry-after"));
     // b again: the remembered refusal, without compiling.
-    let t = Instant::now();
     let (st, v) = post(&r, "/v1/chat/completions", schema_body(slow("b"))).await;
     assert_eq!(st, StatusCode::BAD_REQUEST);
     assert_eq!(v["error"]["message"], refused);
-    assert!(t.elapsed() < compile / 2, "{:?}", t.elapsed());
+    assert_eq!(grammar_metrics(r.clone()).await[..2], [1.0, 1.0]);
 
-    // A client that goes away: its compile (d) ends on its own and fills
-    // the cache, so d then answers as fast as a cached schema.
+    // A client that goes away once its compile (d) started: the compile
+    // ends on its own and fills the cache, so d is then answered without
+    // compiling again.
     let r = app(server_with(load(), |_| {}));
     let gone = {
         let r = r.clone();
         tokio::spawn(async move { post(&r, "/v1/chat/completions", schema_body(slow("d"))).await })
     };
-    tokio::time::sleep(compile / 8).await;
+    let started = Instant::now();
+    while grammar_metrics(r.clone()).await[2] < 1.0 {
+        assert!(
+            !gone.is_finished(),
+            "d finished before it was seen compiling"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "d never compiled"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     gone.abort();
-    tokio::time::sleep(compile * 3).await;
-    let t = Instant::now();
+    while grammar_metrics(r.clone()).await[2] > 0.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "d's compile never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let (st, v) = post(&r, "/v1/chat/completions", schema_body(slow("d"))).await;
     assert_eq!(st, StatusCode::OK, "{v}");
-    assert!(
-        t.elapsed() < compile / 2,
-        "{:?} vs {compile:?}",
-        t.elapsed()
-    );
+    assert_eq!(grammar_metrics(r.clone()).await, [1.0, 1.0, 0.0]);
 }
 
 /// Issue 31, item 7: grammar failures caused by the client's schema are
 /// 400s naming what was hit, streamed or not — a recursive `$ref` that
 /// admits no finite document, a self-referential `$defs` loop, an `anyOf`
 /// of 5,000 `const` objects (llguidance's 2,000 items per row, hit while
-/// generating) and a nested-quantifier `pattern` (the lexer's expression
-/// budget) — never 500s; llguidance's verbose errors (its state and grammar)
+/// generating) and a nested-quantifier `pattern` (refused before compiling:
+/// it stalled the engine's thread 3.6 s per request) — never 500s; llguidance's verbose errors (its state and grammar)
 /// stay out of the answer. The issue's own recursive schema (no `type`)
 /// admits finite documents (any non-object), so it generates.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1513,7 +1537,7 @@ async fn issue31_client_grammar_failures_are_400s() {
         (json!({"anyOf": consts}), "max is 2000"),
         (
             json!({"type": "string", "pattern": "^((a{1000}){1000}){1000}$"}),
-            "too many expressions",
+            "the limit is 10000",
         ),
     ];
     for (schema, needle) in cases {

@@ -17,12 +17,14 @@
 //!   soon as its client goes away (the scheduler drops the job).
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
 use super::error::OpenAiError;
+use crate::metrics::Metrics;
 use crate::structured::{Constraint, Grammar, GrammarCompiler, StructuredError};
 
 /// Bounds of grammar compilation in `temper serve`.
@@ -94,6 +96,7 @@ impl Cache {
 /// the compile slots and the cache.
 pub(super) struct Grammars {
     limits: GrammarLimits,
+    metrics: Arc<Metrics>,
     compiler: Arc<OnceLock<Result<GrammarCompiler, String>>>,
     slots: Arc<Semaphore>,
     cache: Arc<Mutex<Cache>>,
@@ -110,9 +113,10 @@ fn fork(o: &Outcome) -> Result<Grammar, String> {
 }
 
 impl Grammars {
-    pub(super) fn new(limits: GrammarLimits) -> Self {
+    pub(super) fn new(limits: GrammarLimits, metrics: Arc<Metrics>) -> Self {
         Self {
             limits,
+            metrics,
             compiler: Arc::new(OnceLock::new()),
             slots: Arc::new(Semaphore::new(limits.max_compiles.max(1))),
             cache: Arc::new(Mutex::new(Cache {
@@ -124,11 +128,17 @@ impl Grammars {
     }
 
     fn cached(&self, key: &[u8; 32]) -> Result<Option<Outcome>, OpenAiError> {
-        Ok(self
+        let hit = self
             .cache
             .lock()
             .map_err(|_| OpenAiError::Internal("grammar cache lock poisoned".into()))?
-            .get(key))
+            .get(key);
+        if hit.is_some() {
+            self.metrics
+                .grammar_cache_hits
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(hit)
     }
 
     /// A fresh grammar state for `c`, or a 400 about `param` (a schema that
@@ -168,6 +178,9 @@ impl Grammars {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let compiler = self.compiler.clone();
         let cache = self.cache.clone();
+        let metrics = self.metrics.clone();
+        metrics.grammar_compiles.fetch_add(1, Ordering::Relaxed);
+        metrics.grammar_compiling.fetch_add(1, Ordering::Relaxed);
         tokio::task::spawn_blocking(move || {
             // Held until the compile ends, even when nobody waits for it.
             let _permit = permit;
@@ -184,6 +197,7 @@ impl Grammars {
             if let Ok(mut cache) = cache.lock() {
                 cache.insert_first(key, outcome.clone());
             }
+            metrics.grammar_compiling.fetch_sub(1, Ordering::Relaxed);
             let _ = tx.send(outcome);
         });
         match tokio::time::timeout(limit, rx).await {

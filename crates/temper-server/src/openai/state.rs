@@ -125,12 +125,12 @@ impl OpenAiState {
                 scheduler,
                 adapters: RwLock::new(HashMap::new()),
                 versions: Mutex::new(HashMap::new()),
-                metrics,
+                metrics: metrics.clone(),
                 captures: CaptureStore::new(cfg.capture),
                 defaults,
                 created: now_secs(),
                 next_id: AtomicU64::new(start & 0xffff_ffff_ffff),
-                grammars: Grammars::new(cfg.grammars),
+                grammars: Grammars::new(cfg.grammars, metrics.clone()),
             }),
         }
     }
