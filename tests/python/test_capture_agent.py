@@ -132,10 +132,11 @@ def main():
             # The agent held the episode's token, never the server's key.
             token = open(os.path.join(trial, "agent", "key.txt")).read()
             check(token and token != API_KEY, "the agent's key is the episode's token")
-            # Collected, then dropped on the server (asked with the token,
-            # which opened it: without it every episode is a 404 anyway).
+            # Collected, then dropped on the server (asked with the key and
+            # the token, which opened it: without it every episode is a 404).
             req = urllib.request.Request(f"{url}/v1/episodes/{episode}",
-                                         headers={"Authorization": f"Bearer {token}"})
+                                         headers={"Authorization": f"Bearer {API_KEY}",
+                                                  "X-Temper-Episode-Token": token})
             try:
                 urllib.request.urlopen(req, timeout=10)
                 check(False, "the episode is dropped on the server after the trial")

@@ -86,10 +86,9 @@ fn random_string(n: usize) -> String {
 
 /// The episode a request names, if any: `/episodes/ID/...` or
 /// `/v1/episodes/ID`, else the `X-Temper-Episode` header (raw, unchecked).
-pub(super) fn named_episode(parts_path: &str, headers: &HeaderMap) -> Option<String> {
-    parts_path
-        .strip_prefix("/episodes/")
-        .or_else(|| parts_path.strip_prefix("/v1/episodes/"))
+pub(super) fn named_episode(path: &str, headers: &HeaderMap) -> Option<String> {
+    path.strip_prefix("/episodes/")
+        .or_else(|| path.strip_prefix("/v1/episodes/"))
         .map(|rest| rest.split('/').next().unwrap_or_default().to_string())
         .or_else(|| {
             headers
