@@ -9,7 +9,8 @@ agent's calls is in the trial's agent/tokens.jsonl with the chat-templated
 prompt's token ids, the sampled token ids, and logprobs equal bit for bit to
 the server's scoring of prompt + completion (the trainer's `Model::score`,
 through `/v1/completions` with `echo`); that the episode is dropped on the
-server afterwards; and that `temper traces export` turns the trial into one
+server afterwards; that the agent's key was the episode's token, not the
+server's; and that `temper traces export` turns the trial into one
 chat-jsonl row with the captured conversation. A few seconds.
 """
 
@@ -48,6 +49,8 @@ for turn in range(2):
     messages.append({"role": "assistant", "content": text})
     messages.append({"role": "user", "content": "Go on."})
 json.dump(answers, open("answers.json", "w"))
+# The key it was given: the episode's token, not the server's key.
+open("key.txt", "w").write(os.environ["OPENAI_API_KEY"])
 req = urllib.request.Request(
     os.environ["TEMPER_EXEC_URL"],
     data=json.dumps({"command": "echo 'Hello, world!' > /app/hello.txt"}).encode(),
@@ -126,9 +129,14 @@ def main():
                 text = scored["choices"][0]["text"]
                 check(all(m["content"] in text for m in rec["messages"]),
                       f"call {i}: prompt ids render every message")
-            # Collected, then dropped on the server.
+            # The agent held the episode's token, never the server's key.
+            token = open(os.path.join(trial, "agent", "key.txt")).read()
+            check(token and token != API_KEY, "the agent's key is the episode's token")
+            # Collected, then dropped on the server (asked with the key and
+            # the token, which opened it: without it every episode is a 404).
             req = urllib.request.Request(f"{url}/v1/episodes/{episode}",
-                                         headers={"Authorization": f"Bearer {API_KEY}"})
+                                         headers={"Authorization": f"Bearer {API_KEY}",
+                                                  "X-Temper-Episode-Token": token})
             try:
                 urllib.request.urlopen(req, timeout=10)
                 check(False, "the episode is dropped on the server after the trial")

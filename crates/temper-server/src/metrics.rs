@@ -92,6 +92,12 @@ pub struct Metrics {
     pub prefix_hits: AtomicU64,
     /// Prompt tokens taken from the prefix cache instead of prefilled.
     pub prefix_reused_tokens: AtomicU64,
+    /// Structured-output grammars compiled (started).
+    pub grammar_compiles: AtomicU64,
+    /// Grammar compiles running now (abandoned ones included).
+    pub grammar_compiling: AtomicU64,
+    /// Structured-output requests answered from the grammar cache.
+    pub grammar_cache_hits: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -112,6 +118,9 @@ impl Default for Metrics {
             adapter_loads: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
             prefix_reused_tokens: AtomicU64::new(0),
+            grammar_compiles: AtomicU64::new(0),
+            grammar_compiling: AtomicU64::new(0),
+            grammar_cache_hits: AtomicU64::new(0),
         }
     }
 }
@@ -194,6 +203,24 @@ impl Metrics {
             "temper_adapter_loads_total",
             "LoRA adapter loads and swaps.",
             &self.adapter_loads,
+        );
+        counter(
+            &mut out,
+            "temper_grammar_compiles_total",
+            "Structured-output grammars compiled.",
+            &self.grammar_compiles,
+        );
+        counter(
+            &mut out,
+            "temper_grammar_cache_hits_total",
+            "Structured-output requests answered from the grammar cache (compiled or refused).",
+            &self.grammar_cache_hits,
+        );
+        gauge(
+            &mut out,
+            "temper_grammar_compiles_running",
+            "Grammar compiles running, abandoned ones included.",
+            &self.grammar_compiling,
         );
         gauge(
             &mut out,

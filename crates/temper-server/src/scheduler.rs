@@ -244,6 +244,9 @@ pub enum Event {
     Done(Finished),
     /// The job failed (an internal error; already logged).
     Failed(String),
+    /// The job's own request made it fail (its grammar exhausted an engine
+    /// limit while generating): a client error, not logged as the server's.
+    Rejected(String),
 }
 
 /// A finished sample.
@@ -947,6 +950,13 @@ impl BatchLoop {
                         }
                     }
                     let _ = seq.job.events.send(Event::Done(done));
+                }
+                Err(e @ (StepError::Grammar(_) | StepError::EmptyMask)) => {
+                    // The request's own schema hit an engine limit: its
+                    // client hears why; the log gets one short line at
+                    // debug level (a client can cause these at will).
+                    tracing::debug!("constrained sample refused: {e:.200}");
+                    let _ = seq.job.events.send(Event::Rejected(format!("{e}")));
                 }
                 Err(e) => {
                     tracing::error!("sampling failed: {e}");

@@ -34,10 +34,12 @@ pub enum StructuredError {
     #[error("structured outputs are unavailable for this model: {0}")]
     Unavailable(String),
     /// The schema or grammar does not compile (an unsupported keyword, a bad
-    /// `$ref`, an unsatisfiable schema, ...).
+    /// `$ref`, an unsatisfiable schema, a limit of [`MAX_PATTERN_PROPERTIES`]
+    /// or of the engine exceeded, ...): the request's fault.
     #[error("{0}")]
     Compile(String),
-    /// The grammar failed while generating (a bug or an exhausted limit).
+    /// The grammar failed while generating: an engine limit exhausted by the
+    /// request's schema (llguidance names it), so the request's fault.
     #[error("the grammar failed while generating: {0}")]
     Step(String),
 }
@@ -78,8 +80,128 @@ fn with_layout(schema: &Value) -> Result<Value, StructuredError> {
     Ok(Value::Object(m))
 }
 
+/// Most `patternProperties` patterns in one schema: llguidance checks every
+/// pair of an object's patterns for overlap, so compile time grows faster
+/// than the square of their number: 64 take 0.1 s, 128 0.4 s, 500 168 s
+/// (on a 2-core box).
+pub const MAX_PATTERN_PROPERTIES: usize = 64;
+
+/// Most characters a `pattern`'s counted repetition may stand for, unrolled
+/// (`a{1000}` is 1,000, `(a{100}){100}` 10,000, `a+` 1). llguidance's lexer
+/// works in proportion to it on every token: 10,000 costs about 15 ms a
+/// step, 100,000 about 90 ms (on a 2-core box), on the engine's thread that
+/// every request shares; `((a{1000}){1000}){1000}` stalled it for 3.6 s.
+pub const MAX_PATTERN_REPETITION: u64 = 10_000;
+
+/// Characters `h` stands for, counted repetitions unrolled (saturating).
+fn unrolled(h: &regex_syntax::hir::Hir) -> u64 {
+    use regex_syntax::hir::HirKind;
+    match h.kind() {
+        HirKind::Empty | HirKind::Look(_) => 0,
+        HirKind::Literal(l) => l.0.len() as u64,
+        HirKind::Class(_) => 1,
+        HirKind::Repetition(r) => {
+            let times = r.max.unwrap_or(r.min).max(r.min).max(1);
+            unrolled(&r.sub).max(1).saturating_mul(u64::from(times))
+        }
+        HirKind::Capture(c) => unrolled(&c.sub),
+        HirKind::Concat(v) | HirKind::Alternation(v) => {
+            v.iter().map(unrolled).fold(0, u64::saturating_add)
+        }
+    }
+}
+
+/// The largest repetition in `pattern`, unrolled; 0 when the Rust regex
+/// parser cannot read it (llguidance then judges it alone).
+fn largest_repetition(pattern: &str) -> u64 {
+    fn walk(h: &regex_syntax::hir::Hir, most: &mut u64) {
+        use regex_syntax::hir::HirKind;
+        match h.kind() {
+            HirKind::Repetition(r) => {
+                *most = (*most).max(unrolled(h));
+                walk(&r.sub, most);
+            }
+            HirKind::Capture(c) => walk(&c.sub, most),
+            HirKind::Concat(v) | HirKind::Alternation(v) => v.iter().for_each(|x| walk(x, most)),
+            _ => {}
+        }
+    }
+    let mut most = 0;
+    if let Ok(h) = regex_syntax::parse(pattern) {
+        walk(&h, &mut most);
+    }
+    most
+}
+
+/// Refuses what the engine would spend unbounded time on, before compiling:
+/// too many `patternProperties` patterns in all (every object's and
+/// `$defs`' counted, so merged objects cannot exceed it either), and a
+/// `pattern` (or `patternProperties` key) whose counted repetitions unroll
+/// past [`MAX_PATTERN_REPETITION`].
+fn check_cost(schema: &Value) -> Result<(), StructuredError> {
+    fn walk(v: &Value, n: &mut usize) -> Result<(), StructuredError> {
+        match v {
+            Value::Object(m) => {
+                let mut patterns: Vec<&str> = Vec::new();
+                if let Some(Value::String(p)) = m.get("pattern") {
+                    patterns.push(p);
+                }
+                if let Some(Value::Object(pp)) = m.get("patternProperties") {
+                    *n += pp.len();
+                    patterns.extend(pp.keys().map(String::as_str));
+                }
+                for p in patterns {
+                    let size = largest_repetition(p);
+                    if size > MAX_PATTERN_REPETITION {
+                        return Err(StructuredError::Compile(format!(
+                            "the pattern {:?} repeats {size} characters once unrolled; the \
+                             limit is {MAX_PATTERN_REPETITION} (nested counted repetitions \
+                             multiply)",
+                            p.chars().take(80).collect::<String>()
+                        )));
+                    }
+                }
+                m.values().try_for_each(|x| walk(x, n))
+            }
+            Value::Array(a) => a.iter().try_for_each(|x| walk(x, n)),
+            _ => Ok(()),
+        }
+    }
+    let mut n = 0;
+    walk(schema, &mut n)?;
+    if n > MAX_PATTERN_PROPERTIES {
+        return Err(StructuredError::Compile(format!(
+            "the schema has {n} `patternProperties` patterns; the limit is \
+             {MAX_PATTERN_PROPERTIES} (each pair is checked for overlap at compile time)"
+        )));
+    }
+    Ok(())
+}
+
 impl Constraint {
+    /// The schema constrained to.
+    fn schema(&self) -> &Value {
+        match self {
+            Constraint::JsonSchema(s) | Constraint::ToolCall(s) => s,
+        }
+    }
+
+    /// A digest naming this constraint exactly (the cache key of compiled
+    /// grammars): its kind and its schema's JSON text.
+    pub fn digest(&self) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let kind: &[u8] = match self {
+            Constraint::JsonSchema(_) => b"json_schema\0",
+            Constraint::ToolCall(_) => b"tool_call\0",
+        };
+        let mut h = Sha256::new();
+        h.update(kind);
+        h.update(self.schema().to_string().as_bytes());
+        h.finalize().into()
+    }
+
     fn grammar(&self) -> Result<TopLevelGrammar, StructuredError> {
+        check_cost(self.schema())?;
         match self {
             Constraint::JsonSchema(s) => Ok(TopLevelGrammar::from_json_schema(with_layout(s)?)),
             Constraint::ToolCall(s) => {
@@ -182,24 +304,52 @@ impl GrammarCompiler {
         )
         .map_err(|e| unavailable(format!("{e}")))?;
         // Errors come back as values; llguidance's own stderr logging would
-        // only duplicate them.
+        // only duplicate them, and its verbose errors append the parser's
+        // state and the grammar (kilobytes per failed request, in the
+        // client's answer and the log).
         factory.quiet();
+        factory.limits_mut().verbose_errors = false;
         Ok(Self { factory })
     }
 
-    /// Compile `c` into a fresh grammar state.
+    /// Compile `c` into a fresh grammar state, and compute its first mask
+    /// here rather than on the engine's thread: a grammar that fails there
+    /// (no document satisfies the schema, or an engine limit is hit) is a
+    /// compile error, and the work is done once for every sample.
     pub fn compile(&self, c: &Constraint) -> Result<Grammar, StructuredError> {
         let grammar = c.grammar()?;
         let parser = self
             .factory
             .create_parser(grammar)
-            .map_err(|e| StructuredError::Compile(format!("{e}")))?;
-        let matcher = Matcher::new(Ok(parser));
+            .map_err(|e| StructuredError::Compile(engine_message(e)))?;
+        let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(StructuredError::Compile(e));
+            return Err(StructuredError::Compile(engine_message(e)));
+        }
+        let first = matcher.compute_mask_or_eos().map_err(|e| {
+            let e = engine_message(e);
+            if e.contains("NoExtensionBias") {
+                StructuredError::Compile(format!(
+                    "no document satisfies the schema (a `$ref` cycle with no way out?): {e}"
+                ))
+            } else {
+                StructuredError::Compile(format!("the grammar fails at its first token: {e}"))
+            }
+        })?;
+        if first.is_zero() {
+            return Err(StructuredError::Compile(
+                "no document satisfies the schema: no token can start one".into(),
+            ));
         }
         Ok(Grammar { matcher })
     }
+}
+
+/// An llguidance error's first line (without verbose errors it still ends
+/// with a `<non-verbose/>` marker line).
+fn engine_message(e: impl std::fmt::Display) -> String {
+    let e = e.to_string();
+    e.lines().next().unwrap_or_default().trim().to_string()
 }
 
 fn special_name(id: usize) -> Vec<u8> {
@@ -244,14 +394,14 @@ impl Grammar {
         self.matcher
             .compute_mask_or_eos()
             .map(TokenMask)
-            .map_err(|e| StructuredError::Step(format!("{e}")))
+            .map_err(|e| StructuredError::Step(engine_message(e)))
     }
 
     /// Advance past `token` (drawn from [`Grammar::mask`]).
     pub fn advance(&mut self, token: u32) -> Result<(), StructuredError> {
         self.matcher
             .consume_token(token)
-            .map_err(|e| StructuredError::Step(format!("{e}")))
+            .map_err(|e| StructuredError::Step(engine_message(e)))
     }
 }
 
@@ -375,6 +525,28 @@ mod tests {
             assert!(r.is_ok(), "panicked on {:.80}", shown);
             assert!(took.as_secs() < 10, "{took:?} on {:.80}", shown);
         }
+    }
+
+    #[test]
+    fn repetitions_are_measured_unrolled() {
+        assert_eq!(largest_repetition("^a+$"), 1);
+        assert_eq!(largest_repetition("^[a-z]{1,255}$"), 255);
+        assert_eq!(largest_repetition("^(a{100}){100}$"), 10_000);
+        assert_eq!(
+            largest_repetition("^((a{1000}){1000}){1000}$"),
+            1_000_000_000
+        );
+        assert_eq!(largest_repetition("^(ab|cde){3}x{2,4}$"), 15);
+        let (_, c) = compiler();
+        let nested = json!({"type": "object", "properties":
+            {"s": {"type": "string", "pattern": "^(a{200}){100}$"}}});
+        let err = c
+            .compile(&Constraint::JsonSchema(nested))
+            .expect_err("20,000 unrolled");
+        assert!(err.to_string().contains("20000"), "{err}");
+        // A property named `pattern` is no pattern.
+        let named = json!({"type": "object", "properties": {"pattern": {"type": "string"}}});
+        assert!(c.compile(&Constraint::JsonSchema(named)).is_ok());
     }
 
     #[test]

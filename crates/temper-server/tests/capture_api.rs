@@ -1,6 +1,8 @@
 //! Token capture (issue 17): `temper serve` records the calls of an episode
-//! (per-episode base URL `/episodes/ID/v1` or header `X-Temper-Episode`) at
-//! the token level, read back at `/v1/episodes/ID`. Driven in process with
+//! (created by `POST /v1/episodes`, which answers its id and token; calls
+//! under the per-episode base URL `/episodes/ID/v1` or with the header
+//! `X-Temper-Episode`, presenting the token) at the token level, read back at
+//! `/v1/episodes/ID`. Driven in process with
 //! `oneshot`, like `openai_api.rs`. The end-to-end check with the official
 //! `openai` client and `temper tasks run` is
 //! `tests/python/test_capture_agent.py`.
@@ -55,6 +57,20 @@ fn trainer_logprobs(m: &Pretrained, prompt: &[u32], completion: &[u32], t: f64) 
     all[all.len() - completion.len()..].to_vec()
 }
 
+/// A new episode: its id and token (`auth`: the API key's header, if any).
+async fn create(router: &Router, auth: &[(&str, &str)]) -> (String, String) {
+    let (status, v) = request(router, "POST", "/v1/episodes", auth, None).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "episode");
+    let id = v["id"].as_str().expect("id").to_string();
+    let token = v["token"].as_str().expect("token").to_string();
+    (id, token)
+}
+
+fn bearer(token: &str) -> String {
+    format!("Bearer {token}")
+}
+
 fn assert_bits(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
     for (a, b) in got.iter().zip(want) {
@@ -71,6 +87,11 @@ fn assert_bits(got: &[f32], want: &[f32], what: &str) {
 async fn episodes_capture_tokens_and_logprobs_equal_to_training_score() {
     let (m, s) = server();
     let r = app(s);
+    let (ep_a, tok_a) = create(&r, &[]).await;
+    let (ep_b, tok_b) = create(&r, &[]).await;
+    let auth_a = bearer(&tok_a);
+    let as_a = [("Authorization", auth_a.as_str())];
+    let url_a = |route: &str| format!("/episodes/{ep_a}/v1/{route}");
     let msgs_a = json!([{"role": "system", "content": "be brief"},
                         {"role": "user", "content": "hello there"}]);
     // Episode a, by URL: a chat call without logprobs (n = 2), a streamed
@@ -78,8 +99,8 @@ async fn episodes_capture_tokens_and_logprobs_equal_to_training_score() {
     let (status, chat_a) = request(
         &r,
         "POST",
-        "/episodes/ep-a/v1/chat/completions",
-        &[],
+        &url_a("chat/completions"),
+        &as_a,
         Some(
             json!({"model": MODEL, "messages": msgs_a, "max_tokens": 8, "n": 2,
                     "temperature": 0.7, "seed": 11}),
@@ -90,8 +111,9 @@ async fn episodes_capture_tokens_and_logprobs_equal_to_training_score() {
     assert!(chat_a["choices"][0]["logprobs"].is_null());
     let (status, bytes) = send(
         &r,
-        Request::post("/episodes/ep-a/v1/chat/completions")
+        Request::post(url_a("chat/completions"))
             .header("content-type", "application/json")
+            .header("Authorization", auth_a.as_str())
             .body(Body::from(
                 json!({"model": MODEL, "messages": [{"role": "user", "content": "stream"}],
                        "max_tokens": 5, "stream": true, "temperature": 1.0, "seed": 3})
@@ -105,8 +127,8 @@ async fn episodes_capture_tokens_and_logprobs_equal_to_training_score() {
     let (status, cmpl_a) = request(
         &r,
         "POST",
-        "/episodes/ep-a/v1/completions",
-        &[],
+        &url_a("completions"),
+        &as_a,
         Some(json!({"model": MODEL, "prompt": "one two", "max_tokens": 4, "temperature": 0})),
     )
     .await;
@@ -117,7 +139,10 @@ async fn episodes_capture_tokens_and_logprobs_equal_to_training_score() {
         &r,
         "POST",
         "/v1/chat/completions",
-        &[("X-Temper-Episode", "ep-b")],
+        &[
+            ("X-Temper-Episode", ep_b.as_str()),
+            ("X-Temper-Episode-Token", tok_b.as_str()),
+        ],
         Some(
             json!({"model": MODEL, "messages": [{"role": "user", "content": "other"}],
                     "max_tokens": 6, "temperature": 0.5, "seed": 5, "logprobs": true}),
@@ -135,11 +160,13 @@ async fn episodes_capture_tokens_and_logprobs_equal_to_training_score() {
     .await;
     assert_eq!(status, StatusCode::OK);
 
-    let (status, ep_a) = request(&r, "GET", "/v1/episodes/ep-a", &[], None).await;
-    assert_eq!(status, StatusCode::OK, "{ep_a}");
-    assert_eq!(ep_a["object"], "episode");
-    assert_eq!(ep_a["dropped_records"], 0);
-    let recs = ep_a["records"].as_array().expect("records");
+    let records_a = format!("/v1/episodes/{ep_a}");
+    let records_b = format!("/v1/episodes/{ep_b}");
+    let (status, got_a) = request(&r, "GET", &records_a, &as_a, None).await;
+    assert_eq!(status, StatusCode::OK, "{got_a}");
+    assert_eq!(got_a["object"], "episode");
+    assert_eq!(got_a["dropped_records"], 0);
+    let recs = got_a["records"].as_array().expect("records");
     assert_eq!(recs.len(), 4, "2 chat choices, 1 streamed, 1 completion");
     let tmpl = m.chat_template.as_ref().expect("template");
     let templated = |msgs: &Value| {
@@ -150,7 +177,7 @@ async fn episodes_capture_tokens_and_logprobs_equal_to_training_score() {
     };
     let temps = [0.7, 0.7, 1.0, 0.0];
     for (i, rec) in recs.iter().enumerate() {
-        assert_eq!(rec["episode"], "ep-a");
+        assert_eq!(rec["episode"], ep_a.as_str());
         assert_eq!(rec["seq"], i);
         assert_eq!(rec["model"], MODEL);
         assert_eq!(rec["version"], 0);
@@ -201,12 +228,19 @@ async fn episodes_capture_tokens_and_logprobs_equal_to_training_score() {
         )
     );
 
-    let (status, ep_b) = request(&r, "GET", "/v1/episodes/ep-b", &[], None).await;
-    assert_eq!(status, StatusCode::OK, "{ep_b}");
-    let recs_b = ep_b["records"].as_array().expect("records");
-    assert_eq!(recs_b.len(), 1, "episodes do not mix: {ep_b}");
+    let (status, got_b) = request(
+        &r,
+        "GET",
+        &records_b,
+        &[("X-Temper-Episode-Token", tok_b.as_str())],
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{got_b}");
+    let recs_b = got_b["records"].as_array().expect("records");
+    assert_eq!(recs_b.len(), 1, "episodes do not mix: {got_b}");
     let rec = &recs_b[0];
-    assert_eq!(rec["episode"], "ep-b");
+    assert_eq!(rec["episode"], ep_b.as_str());
     let answered: Vec<f32> = chat_b["choices"][0]["logprobs"]["content"]
         .as_array()
         .expect("content")
@@ -228,14 +262,18 @@ async fn episodes_capture_tokens_and_logprobs_equal_to_training_score() {
     // Bad ids: 400 (URL, header, both disagreeing, GET); unknown: 404.
     let chat =
         json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2});
+    let url_chat_a = url_a("chat/completions");
     for (path, headers) in [
         ("/episodes/a%2Fb/v1/chat/completions", vec![]),
         ("/episodes/..%2F..%2Fetc/v1/chat/completions", vec![]),
         ("/v1/chat/completions", vec![("X-Temper-Episode", "../x")]),
         ("/v1/chat/completions", vec![("X-Temper-Episode", "")]),
         (
-            "/episodes/ep-a/v1/chat/completions",
-            vec![("X-Temper-Episode", "ep-b")],
+            url_chat_a.as_str(),
+            vec![
+                ("X-Temper-Episode", ep_b.as_str()),
+                ("Authorization", auth_a.as_str()),
+            ],
         ),
     ] {
         let (status, v) = request(&r, "POST", path, &headers, Some(chat.clone())).await;
@@ -247,51 +285,152 @@ async fn episodes_capture_tokens_and_logprobs_equal_to_training_score() {
         let (status, v) = request(&r, "GET", path, &[], None).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {v}");
     }
-    let (status, v) = request(&r, "GET", "/v1/episodes/never", &[], None).await;
+    let (status, v) = request(&r, "GET", "/v1/episodes/never", &as_a, None).await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
     assert_eq!(v["error"]["code"], "episode_not_found", "{v}");
     // DELETE drops an episode, and only that one.
-    let (status, v) = request(&r, "DELETE", "/v1/episodes/ep-a", &[], None).await;
+    let (status, v) = request(&r, "DELETE", &records_a, &as_a, None).await;
     assert_eq!(status, StatusCode::OK, "{v}");
-    let (status, _) = request(&r, "GET", "/v1/episodes/ep-a", &[], None).await;
+    let (status, _) = request(&r, "GET", &records_a, &as_a, None).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
-    let (status, _) = request(&r, "DELETE", "/v1/episodes/ep-a", &[], None).await;
+    let (status, _) = request(&r, "DELETE", &records_a, &as_a, None).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
-    let (status, _) = request(&r, "GET", "/v1/episodes/ep-b", &[], None).await;
+    let auth_b = bearer(&tok_b);
+    let (status, _) = request(
+        &r,
+        "GET",
+        &records_b,
+        &[("Authorization", auth_b.as_str())],
+        None,
+    )
+    .await;
     assert_eq!(status, StatusCode::OK);
 }
 
-/// With an API key, the episode routes need it like every `/v1` route.
+/// Issue 31, item 9: an episode is bound to the token its creator got
+/// back, not to the shared API key. Holding the key is enough to create an
+/// episode, not to append to, read or delete another's: without its token
+/// (or with another episode's) every such request is the same 404 as for an
+/// id never created, and nothing is recorded. The token alone (as the
+/// bearer, what an agent given only its base URL sends) opens its own
+/// episode's routes and nothing else. Without the key nothing opens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn episode_routes_need_the_api_key() {
+async fn issue31_episodes_are_bound_to_their_token() {
     let m = load();
     let r = app(server_with(m, |c| c.api_key = Some("sk-test".into())));
     let chat =
         json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2});
-    let (status, _) = request(
-        &r,
-        "POST",
-        "/episodes/k/v1/chat/completions",
-        &[],
-        Some(chat.clone()),
-    )
-    .await;
+    let key = [("Authorization", "Bearer sk-test")];
+    let (status, _) = request(&r, "POST", "/v1/episodes", &[], None).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    let auth = [("Authorization", "Bearer sk-test")];
+    let (ep, token) = create(&r, &key).await;
+    let (other, other_token) = create(&r, &key).await;
+    let url = format!("/episodes/{ep}/v1/chat/completions");
+    let records = format!("/v1/episodes/{ep}");
+    let own = bearer(&token);
+    let foreign = bearer(&other_token);
+    // The token alone, as the bearer; the key with the token beside it.
     let (status, v) = request(
         &r,
         "POST",
-        "/episodes/k/v1/chat/completions",
-        &auth,
-        Some(chat),
+        &url,
+        &[("Authorization", own.as_str())],
+        Some(chat.clone()),
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{v}");
-    let (status, _) = request(&r, "GET", "/v1/episodes/k", &[], None).await;
-    assert_eq!(status, StatusCode::UNAUTHORIZED);
-    let (status, v) = request(&r, "GET", "/v1/episodes/k", &auth, None).await;
+    let with_key_and_token = [
+        ("Authorization", "Bearer sk-test"),
+        ("X-Temper-Episode-Token", token.as_str()),
+    ];
+    let (status, v) = request(&r, "POST", &url, &with_key_and_token, Some(chat.clone())).await;
     assert_eq!(status, StatusCode::OK, "{v}");
-    assert_eq!(v["records"].as_array().map(Vec::len), Some(1));
+    let (status, v) = request(
+        &r,
+        "POST",
+        "/v1/chat/completions",
+        &[
+            ("Authorization", "Bearer sk-test"),
+            ("X-Temper-Episode", ep.as_str()),
+            ("X-Temper-Episode-Token", token.as_str()),
+        ],
+        Some(chat.clone()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    // The key without the token, or another episode's token: 404, as for
+    // an id never created (no episode is made implicitly).
+    let other_url = format!("/episodes/{other}/v1/chat/completions");
+    let with_foreign_token = [
+        ("Authorization", "Bearer sk-test"),
+        ("X-Temper-Episode-Token", other_token.as_str()),
+    ];
+    for (path, headers) in [
+        (url.as_str(), key.to_vec()),
+        (url.as_str(), with_foreign_token.to_vec()),
+        (
+            "/v1/chat/completions",
+            vec![key[0], ("X-Temper-Episode", ep.as_str())],
+        ),
+        ("/episodes/made-up/v1/chat/completions", key.to_vec()),
+    ] {
+        let (status, v) = request(&r, "POST", path, &headers, Some(chat.clone())).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{path} {headers:?}: {v}");
+        assert_eq!(v["error"]["code"], "episode_not_found", "{v}");
+    }
+    for method in ["GET", "DELETE"] {
+        for headers in [key.to_vec(), with_foreign_token.to_vec()] {
+            let (status, v) = request(&r, method, &records, &headers, None).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "{method} {headers:?}: {v}");
+        }
+    }
+    // Another episode's token is no credential here, nor on other routes.
+    let (status, _) = request(
+        &r,
+        "GET",
+        &records,
+        &[("Authorization", foreign.as_str())],
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    for (method, path) in [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/episodes"),
+        ("POST", other_url.as_str()),
+    ] {
+        let body = (method == "POST").then(|| chat.clone());
+        let (status, v) = request(&r, method, path, &[("Authorization", own.as_str())], body).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{method} {path}: {v}");
+    }
+    let (status, _) = request(&r, "GET", &records, &[], None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    // Its own token reads exactly its three calls, then deletes it.
+    let (status, v) = request(
+        &r,
+        "GET",
+        &records,
+        &[("Authorization", own.as_str())],
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["records"].as_array().map(Vec::len), Some(3), "{v}");
+    let (status, v) = request(
+        &r,
+        "GET",
+        &format!("/v1/episodes/{other}"),
+        &[("Authorization", foreign.as_str())],
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["records"].as_array().map(Vec::len), Some(0), "{v}");
+    let (status, _) = request(&r, "DELETE", &records, &with_key_and_token, None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = request(&r, "GET", &records, &with_key_and_token, None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
 }
 
 /// Concurrent calls of several episodes, batched together by the
@@ -300,16 +439,21 @@ async fn episode_routes_need_the_api_key() {
 async fn concurrent_episodes_do_not_mix() {
     let (_, s) = server();
     let r = app(s);
+    let mut episodes = Vec::new();
+    for _ in 0..3 {
+        episodes.push(create(&r, &[]).await);
+    }
     let mut calls = Vec::new();
     for i in 0..12 {
         let r = r.clone();
+        let (ep, token) = episodes[i as usize % 3].clone();
         calls.push(tokio::spawn(async move {
-            let ep = format!("ep-{}", i % 3);
+            let auth = bearer(&token);
             let (status, v) = request(
                 &r,
                 "POST",
                 &format!("/episodes/{ep}/v1/chat/completions"),
-                &[],
+                &[("Authorization", auth.as_str())],
                 Some(json!({"model": MODEL, "max_tokens": 4, "seed": i,
                             "messages": [{"role": "user", "content": format!("call {i}")}]})),
             )
@@ -320,14 +464,23 @@ async fn concurrent_episodes_do_not_mix() {
     for c in calls {
         c.await.expect("call");
     }
-    for e in 0..3 {
-        let (status, v) = request(&r, "GET", &format!("/v1/episodes/ep-{e}"), &[], None).await;
+    for (e, (ep, token)) in episodes.iter().enumerate() {
+        let e = e as u64;
+        let auth = bearer(token);
+        let (status, v) = request(
+            &r,
+            "GET",
+            &format!("/v1/episodes/{ep}"),
+            &[("Authorization", auth.as_str())],
+            None,
+        )
+        .await;
         assert_eq!(status, StatusCode::OK, "{v}");
         let recs = v["records"].as_array().expect("records");
         let mut seen: Vec<u64> = recs
             .iter()
             .map(|rec| {
-                assert_eq!(rec["episode"], format!("ep-{e}"));
+                assert_eq!(rec["episode"], ep.as_str());
                 let content = rec["messages"][0]["content"].as_str().expect("content");
                 let i: u64 = content["call ".len()..].parse().expect("call number");
                 assert_eq!(i % 3, e, "a call of another episode: {content}");

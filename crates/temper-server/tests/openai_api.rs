@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -1853,4 +1853,208 @@ async fn cache_salt_partitions_the_prefix_cache() {
         assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
         assert_eq!(v["error"]["param"], "cache_salt");
     }
+}
+
+/// A schema of `n` pairwise-disjoint `patternProperties` patterns named
+/// `{prefix}{i}_...`: llguidance checks every pair, so it compiles in time
+/// quadratic in `n`.
+fn pattern_properties_schema(prefix: &str, n: usize) -> Value {
+    let pp: serde_json::Map<String, Value> = (0..n)
+        .map(|i| (format!("^{prefix}{i}_[a-z]+$"), json!({"type": "integer"})))
+        .collect();
+    json!({"type": "object", "patternProperties": pp, "additionalProperties": false})
+}
+
+fn schema_body(schema: Value) -> Value {
+    chat_body(json!({"max_tokens": 4, "response_format":
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}))
+}
+
+/// Issue 31, item 6: grammar compilation is bounded. The attack's schema
+/// (500 `patternProperties`, 17 KB) took 168 s to compile on the 2-core CI
+/// box before (22.6 s on the attacker's); now it is a 400 naming the limit
+/// at once. A schema under that limit that still compiles slowly is a 400
+/// after `compile_timeout`, remembered (the same schema again is refused
+/// without work); its compile keeps its slot until it really ends (it cannot
+/// be interrupted), so while it runs another schema waits for the slot and
+/// then gets a 429 with `Retry-After`; a compile whose client went away
+/// still fills the cache; an accepted schema compiles once (counted by the
+/// `temper_grammar_*` metrics).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn issue31_grammar_compiles_are_bounded() {
+    // The attack's schema: refused before any compile work.
+    let r = app(server_with(load(), |_| {}));
+    let attack = pattern_properties_schema("p", 500);
+    assert!(attack.to_string().len() > 15_000);
+    let t = Instant::now();
+    let (st, v) = post(&r, "/v1/chat/completions", schema_body(attack)).await;
+    let took = t.elapsed();
+    eprintln!("500 patternProperties: {st} in {took:?}");
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    let msg = v["error"]["message"].as_str().expect("message");
+    assert!(
+        msg.contains("500 `patternProperties`") && msg.contains("64"),
+        "{msg}"
+    );
+    assert!(took < Duration::from_secs(2), "{took:?}");
+
+    // How long the largest allowed pattern set takes here, compiled once:
+    // a second request with it is answered from the cache.
+    let grammar_metrics = |r: Router| async move {
+        let m = get_text(&r, "/metrics").await;
+        [
+            "temper_grammar_compiles_total",
+            "temper_grammar_cache_hits_total",
+            "temper_grammar_compiles_running",
+        ]
+        .map(|n| metric(&m, n))
+    };
+    let slow = |p: &str| pattern_properties_schema(p, 64);
+    let t = Instant::now();
+    let (st, v) = post(&r, "/v1/chat/completions", schema_body(slow("a"))).await;
+    let compile = t.elapsed();
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let t = Instant::now();
+    let (st, _) = post(&r, "/v1/chat/completions", schema_body(slow("a"))).await;
+    assert_eq!(st, StatusCode::OK);
+    eprintln!(
+        "64 patternProperties: compiled in {compile:?}, then {:?} from the cache",
+        t.elapsed()
+    );
+    // Two compiles (the refused attack schema and a), one cache hit.
+    assert_eq!(grammar_metrics(r.clone()).await, [2.0, 1.0, 0.0]);
+
+    // One compile at a time, a time limit of an eighth of that compile.
+    let limit = (compile / 8).max(Duration::from_millis(1));
+    let r = app(server_with(load(), |c| {
+        c.grammars.compile_timeout = limit;
+        c.grammars.max_compiles = 1;
+    }));
+    let (st, v) = post(&r, "/v1/chat/completions", schema_body(slow("b"))).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    let refused = v["error"]["message"].clone();
+    assert!(
+        refused
+            .as_str()
+            .is_some_and(|m| m.contains("took longer") && m.contains("--grammar-compile-timeout-s")),
+        "{refused}"
+    );
+    // b's compile still holds the only slot: c waits `limit`, then 429.
+    assert_eq!(grammar_metrics(r.clone()).await, [1.0, 0.0, 1.0]);
+    let req = Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(schema_body(slow("c")).to_string()))
+        .expect("request");
+    let resp = r.clone().oneshot(req).await.expect("response");
+    assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(resp.headers().contains_key("retry-after"));
+    // b again: the remembered refusal, without compiling.
+    let (st, v) = post(&r, "/v1/chat/completions", schema_body(slow("b"))).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["message"], refused);
+    assert_eq!(grammar_metrics(r.clone()).await[..2], [1.0, 1.0]);
+
+    // A client that goes away once its compile (d) started: the compile
+    // ends on its own and fills the cache, so d is then answered without
+    // compiling again.
+    let r = app(server_with(load(), |_| {}));
+    let gone = {
+        let r = r.clone();
+        tokio::spawn(async move { post(&r, "/v1/chat/completions", schema_body(slow("d"))).await })
+    };
+    let started = Instant::now();
+    while grammar_metrics(r.clone()).await[2] < 1.0 {
+        assert!(
+            !gone.is_finished(),
+            "d finished before it was seen compiling"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "d never compiled"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    gone.abort();
+    while grammar_metrics(r.clone()).await[2] > 0.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "d's compile never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (st, v) = post(&r, "/v1/chat/completions", schema_body(slow("d"))).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(grammar_metrics(r.clone()).await, [1.0, 1.0, 0.0]);
+}
+
+/// Issue 31, item 7: grammar failures caused by the client's schema are
+/// 400s naming what was hit, streamed or not — a recursive `$ref` that
+/// admits no finite document, a self-referential `$defs` loop, an `anyOf`
+/// of 5,000 `const` objects (llguidance's 2,000 items per row, hit while
+/// generating) and a nested-quantifier `pattern` (refused before compiling:
+/// it stalled the engine's thread 3.6 s per request) — never 500s; llguidance's verbose errors (its state and grammar)
+/// stay out of the answer. The issue's own recursive schema (no `type`)
+/// admits finite documents (any non-object), so it generates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn issue31_client_grammar_failures_are_400s() {
+    let r = app(server_with(load(), |_| {}));
+    let consts: Vec<Value> = (0..5000).map(|i| json!({"const": {"k": i}})).collect();
+    let cases = [
+        (
+            json!({"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}),
+            "Too many items (limit 50000",
+        ),
+        (
+            json!({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
+            "no document satisfies the schema",
+        ),
+        (json!({"anyOf": consts}), "max is 2000"),
+        (
+            json!({"type": "string", "pattern": "^((a{1000}){1000}){1000}$"}),
+            "the limit is 10000",
+        ),
+    ];
+    for (schema, needle) in cases {
+        let shown = format!("{:.60}", schema.to_string());
+        for stream in [false, true] {
+            let mut body = schema_body(schema.clone());
+            body["stream"] = json!(stream);
+            let req = Request::post("/v1/chat/completions")
+                .header("content-type", "application/json")
+                .body(Body::from(body.to_string()))
+                .expect("request");
+            let (st, bytes) = send(&r, req).await;
+            let text = String::from_utf8_lossy(&bytes).to_string();
+            let err: Value = if st == StatusCode::OK {
+                // Failed after the stream began: the error is in-band.
+                assert!(stream, "{shown}: {text}");
+                let last = sse_payloads(&bytes).pop().expect("an event");
+                serde_json::from_str(&last).expect("json")
+            } else {
+                assert_eq!(
+                    st,
+                    StatusCode::BAD_REQUEST,
+                    "{shown} stream={stream}: {text}"
+                );
+                serde_json::from_slice(&bytes).expect("json")
+            };
+            assert_eq!(
+                err["error"]["type"], "invalid_request_error",
+                "{shown}: {err}"
+            );
+            let msg = err["error"]["message"].as_str().expect("message");
+            assert!(msg.contains(needle), "{shown}: {msg:?} lacks {needle:?}");
+            assert!(
+                !msg.contains("<state>") && msg.len() < 600,
+                "{shown}: {msg}"
+            );
+        }
+    }
+    let (st, v) = post(
+        &r,
+        "/v1/chat/completions",
+        schema_body(json!({"properties": {"next": {"$ref": "#"}}, "required": ["next"]})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
 }

@@ -84,7 +84,7 @@ fn collect(rx: &mut UnboundedReceiver<Event>, count: usize) -> Vec<Finished> {
     while done.len() < count {
         match rx.blocking_recv().expect("engine alive") {
             Event::Done(f) => done.push(f),
-            Event::Failed(e) => panic!("job failed: {e}"),
+            Event::Failed(e) | Event::Rejected(e) => panic!("job failed: {e}"),
             Event::Delta { .. } => {}
         }
     }

@@ -1,12 +1,15 @@
 //! Token capture from the task runner's side: a fresh episode per trial on a
-//! `temper serve` endpoint, the agent pointed at the episode's base URL, and
-//! the episode's records fetched into the trial's `agent/tokens.jsonl`
-//! afterwards.
+//! `temper serve` endpoint (`POST /v1/episodes`: its id and token), the
+//! agent pointed at the episode's base URL with the episode's token as its
+//! API key, and the episode's records fetched into the trial's
+//! `agent/tokens.jsonl` afterwards.
 //!
 //! `temper serve` records every call made under `<root>/episodes/<id>/v1`
 //! (prompt and completion token ids, logprobs, policy version; see
 //! `temper_server::openai::capture`), so the agent program needs no change:
-//! it only sees a different `OPENAI_BASE_URL`.
+//! it only sees a different `OPENAI_BASE_URL` and `OPENAI_API_KEY`. The
+//! token opens that one episode only, so an agent can neither read nor
+//! write another trial's records, and never holds the server's key.
 
 use std::io::Write;
 use std::path::Path;
@@ -20,29 +23,78 @@ use crate::error::TaskError;
 pub const TOKENS_FILE: &str = "tokens.jsonl";
 
 /// One trial's episode on a temper endpoint.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Episode {
     /// The server's root (`http://host:port`).
     root: String,
-    /// The episode id (`[a-z0-9-]`).
+    /// The episode id, chosen by the server.
     pub id: String,
-    api_key: Option<String>,
+    /// The episode's secret (see [`Episode::token`]).
+    token: String,
+}
+
+impl std::fmt::Debug for Episode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Episode")
+            .field("root", &self.root)
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `http://host:port` of a `temper serve` base URL ending in `/v1`.
+fn root_of(base_url: &str) -> Result<&str, TaskError> {
+    base_url
+        .trim_end_matches('/')
+        .strip_suffix("/v1")
+        .ok_or_else(|| {
+            TaskError::Invalid(format!(
+                "token capture needs a temper serve base URL ending in /v1, got {base_url:?}"
+            ))
+        })
+}
+
+fn client() -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(60))
+        .build()
 }
 
 impl Episode {
     /// A fresh episode on the server whose OpenAI base URL is `base_url`
-    /// (`http://host:port/v1`, as given to `--base-url`).
-    pub fn new(base_url: &str, api_key: Option<String>) -> Result<Self, TaskError> {
-        let trimmed = base_url.trim_end_matches('/');
-        let root = trimmed.strip_suffix("/v1").ok_or_else(|| {
-            TaskError::Invalid(format!(
-                "token capture needs a temper serve base URL ending in /v1, got {base_url:?}"
-            ))
-        })?;
-        Ok(Self {
-            root: root.to_string(),
-            id: format!("ep-{}", crate::job::random_id(24)),
-            api_key,
+    /// (`http://host:port/v1`, as given to `--base-url`), created with the
+    /// server's `api_key`. Blocking: call it off the runtime's threads.
+    pub fn create(
+        base_url: &str,
+        api_key: Option<&str>,
+        runtime: &tokio::runtime::Handle,
+    ) -> Result<Self, TaskError> {
+        let root = root_of(base_url)?;
+        let err = |e: String| TaskError::Invalid(format!("creating a capture episode: {e}"));
+        runtime.block_on(async {
+            let c = client().map_err(|e| err(e.to_string()))?;
+            let mut req = c.post(format!("{root}/v1/episodes"));
+            if let Some(k) = api_key {
+                req = req.bearer_auth(k);
+            }
+            let resp = req.send().await.map_err(|e| err(e.to_string()))?;
+            if !resp.status().is_success() {
+                let status = resp.status();
+                let body = resp.text().await.unwrap_or_default();
+                return Err(err(format!("POST /v1/episodes: {status}: {body}")));
+            }
+            let v: Value = resp.json().await.map_err(|e| err(e.to_string()))?;
+            let field = |k: &str| {
+                v.get(k)
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+                    .ok_or_else(|| err(format!("the answer has no `{k}`: {v}")))
+            };
+            Ok(Self {
+                root: root.to_string(),
+                id: field("id")?,
+                token: field("token")?,
+            })
         })
     }
 
@@ -51,16 +103,19 @@ impl Episode {
         format!("{}/episodes/{}/v1", self.root, self.id)
     }
 
+    /// The key the agent gets: the episode's token, which opens this
+    /// episode's routes only.
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
     fn records_url(&self) -> String {
         format!("{}/v1/episodes/{}", self.root, self.id)
     }
 
     fn request(&self, c: &reqwest::Client, method: reqwest::Method) -> reqwest::RequestBuilder {
-        let r = c.request(method, self.records_url());
-        match &self.api_key {
-            Some(k) => r.bearer_auth(k),
-            None => r,
-        }
+        c.request(method, self.records_url())
+            .bearer_auth(&self.token)
     }
 
     /// The episode's records in call order (none when the agent made no
@@ -69,10 +124,7 @@ impl Episode {
     pub fn collect(&self, runtime: &tokio::runtime::Handle) -> Result<Vec<Value>, TaskError> {
         let err = |e: String| TaskError::Invalid(format!("episode {}: {e}", self.id));
         runtime.block_on(async {
-            let c = reqwest::Client::builder()
-                .timeout(std::time::Duration::from_secs(60))
-                .build()
-                .map_err(|e| err(e.to_string()))?;
+            let c = client().map_err(|e| err(e.to_string()))?;
             let resp = self
                 .request(&c, reqwest::Method::GET)
                 .send()
@@ -225,18 +277,17 @@ mod tests {
 
     #[test]
     fn episode_urls_hang_off_the_server_root() {
-        let e = Episode::new("http://127.0.0.1:8000/v1/", None).expect("episode");
-        assert!(e.id.starts_with("ep-") && e.id.len() == 27);
-        assert_eq!(
-            e.base_url(),
-            format!("http://127.0.0.1:8000/episodes/{}/v1", e.id)
-        );
-        assert_eq!(
-            e.records_url(),
-            format!("http://127.0.0.1:8000/v1/episodes/{}", e.id)
-        );
-        assert_ne!(Episode::new("http://h/v1", None).expect("e").id, e.id);
-        assert!(Episode::new("https://api.example.com/openai", None).is_err());
+        let root = root_of("http://127.0.0.1:8000/v1/").expect("root");
+        assert_eq!(root, "http://127.0.0.1:8000");
+        let e = Episode {
+            root: root.into(),
+            id: "ep-x".into(),
+            token: "secret".into(),
+        };
+        assert_eq!(e.base_url(), "http://127.0.0.1:8000/episodes/ep-x/v1");
+        assert_eq!(e.records_url(), "http://127.0.0.1:8000/v1/episodes/ep-x");
+        assert!(!format!("{e:?}").contains("secret"));
+        assert!(root_of("https://api.example.com/openai").is_err());
     }
 
     #[test]

@@ -14,7 +14,8 @@
 //! - with token capture on (`capture`, `temper tasks run --capture`),
 //!   `OPENAI_BASE_URL` is a fresh episode's base URL on the `temper serve`
 //!   endpoint (`http://host:port/episodes/<id>/v1`, id also in
-//!   `$TEMPER_EPISODE`): its calls are recorded there and land in
+//!   `$TEMPER_EPISODE`) and `OPENAI_API_KEY` the episode's token (not the
+//!   server's key): its calls are recorded there and land in
 //!   `agent/tokens.jsonl`;
 //! - `TEMPER_TRAJECTORY_FILE`: where it may write its own ATIF trajectory
 //!   (otherwise the trajectory records its exec calls).
@@ -187,7 +188,8 @@ impl Agent for CommandAgent {
             .stdout(log("command-stdout.txt"))
             .stderr(log("command-stderr.txt"));
         let episode = match (&self.base_url, self.capture) {
-            (Some(url), true) => match Episode::new(url, self.api_key.clone()) {
+            (Some(url), true) => match Episode::create(url, self.api_key.as_deref(), &self.runtime)
+            {
                 Ok(e) => Some(e),
                 Err(e) => {
                     server.abort();
@@ -205,7 +207,10 @@ impl Agent for CommandAgent {
             (_, false) => None,
         };
         if let Some(e) = &episode {
+            // The episode's token is the agent's key: it opens this episode
+            // only, never the server's other routes or another trial's.
             cmd.env("OPENAI_BASE_URL", e.base_url());
+            cmd.env("OPENAI_API_KEY", e.token());
             cmd.env("TEMPER_EPISODE", &e.id);
         } else if let Some(url) = &self.base_url {
             cmd.env("OPENAI_BASE_URL", url);

@@ -100,7 +100,7 @@ impl std::fmt::Debug for Terminal {
 impl Terminal {
     /// An agent calling `config.base_url`; model calls run on `runtime`.
     pub fn new(config: TerminalConfig, runtime: tokio::runtime::Handle) -> Result<Self, TaskError> {
-        let model = http_model(&config, &config.base_url)?;
+        let model = http_model(&config, &config.base_url, config.api_key.clone())?;
         Ok(Self::with_model(config, model, runtime))
     }
 
@@ -119,9 +119,13 @@ impl Terminal {
     }
 }
 
-/// The OpenAI client of `config` at `base_url`.
-fn http_model(config: &TerminalConfig, base_url: &str) -> Result<Arc<dyn ChatModel>, TaskError> {
-    let mut model = OpenAiChatModel::new(base_url, &config.model, config.api_key.clone())
+/// The OpenAI client of `config` at `base_url` with `api_key`.
+fn http_model(
+    config: &TerminalConfig,
+    base_url: &str,
+    api_key: Option<String>,
+) -> Result<Arc<dyn ChatModel>, TaskError> {
+    let mut model = OpenAiChatModel::new(base_url, &config.model, api_key)
         .map_err(|e| TaskError::Invalid(format!("endpoint {base_url}: {e}")))?;
     model.retry = RetryPolicy {
         max_retries: 2,
@@ -211,7 +215,7 @@ impl Agent for Terminal {
         // Token capture: this trial's calls go to a fresh episode's URL.
         let episode = match c
             .capture
-            .then(|| Episode::new(&c.base_url, c.api_key.clone()))
+            .then(|| Episode::create(&c.base_url, c.api_key.as_deref(), &self.runtime))
         {
             None => None,
             Some(Ok(e)) => Some(e),
@@ -219,7 +223,8 @@ impl Agent for Terminal {
         };
         let model = match &episode {
             None => self.model.clone(),
-            Some(e) => match http_model(c, &e.base_url()) {
+            // The episode's token opens its routes (see `crate::capture`).
+            Some(e) => match http_model(c, &e.base_url(), Some(e.token().to_string())) {
                 Ok(m) => m,
                 Err(e) => return setup_failure(traj, e),
             },

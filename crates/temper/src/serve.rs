@@ -43,6 +43,18 @@ pub struct ServeArgs {
     /// oldest episodes are dropped beyond it.
     #[arg(long, default_value_t = 512)]
     capture_max_mib: usize,
+    /// A structured-output schema that takes longer to compile is refused
+    /// with a 400 (seconds).
+    #[arg(long, default_value_t = 10)]
+    grammar_compile_timeout_s: u64,
+    /// Structured-output schemas compiled at once (each on its own thread);
+    /// a request waits for a slot up to the compile timeout, then gets 429.
+    #[arg(long, default_value_t = 2)]
+    max_grammar_compiles: usize,
+    /// Compiled structured-output grammars (and refused schemas) kept, by
+    /// the schema's SHA-256; 0: none.
+    #[arg(long, default_value_t = 256)]
+    grammar_cache_size: usize,
     /// Most sequences decoded at once (default 256).
     #[arg(long)]
     max_running: Option<usize>,
@@ -103,6 +115,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let mut cfg = ServeConfig::defaults(name.clone(), &model);
     cfg.api_key = args.api_key.clone();
     cfg.capture.max_bytes = args.capture_max_mib.saturating_mul(1 << 20);
+    if args.grammar_compile_timeout_s == 0 || args.max_grammar_compiles == 0 {
+        bail!("--grammar-compile-timeout-s and --max-grammar-compiles must be >= 1");
+    }
+    cfg.grammars = temper_server::openai::GrammarLimits {
+        compile_timeout: std::time::Duration::from_secs(args.grammar_compile_timeout_s),
+        max_compiles: args.max_grammar_compiles,
+        cache_entries: args.grammar_cache_size,
+    };
     for root in &args.lora_roots {
         std::fs::create_dir_all(root)
             .with_context(|| format!("creating --lora-root {}", root.display()))?;

@@ -2,16 +2,25 @@
 //! the trajectory of any program that speaks the OpenAI API is known
 //! exactly (what the model saw, what it sampled, with which weights).
 //!
+//! `POST /v1/episodes` creates an episode and answers its id and its
+//! *token*, a secret that every later request about the episode must
+//! present — as `Authorization: Bearer TOKEN` (in place of the API key: an
+//! agent given only the episode's base URL and token can use any OpenAI
+//! client unmodified, and never sees the server's key) or as
+//! `X-Temper-Episode-Token: TOKEN` beside the key. Knowing an id is not
+//! enough to read or append to an episode (one API key is shared by every
+//! client of a server). A wrong token and an unknown id get the same 404.
+//!
 //! A request belongs to episode `ID` when it is sent under the per-episode
-//! base URL `/episodes/ID/v1/...` (any OpenAI client can use it unmodified:
-//! it is just a `base_url`) or carries the header `X-Temper-Episode: ID`.
+//! base URL `/episodes/ID/v1/...` (it is just a `base_url`) or carries the
+//! header `X-Temper-Episode: ID`.
 //! Each finished choice of a chat or completions call of an episode adds one
 //! [`CaptureRecord`]: prompt token ids after the chat template, completion
 //! token ids, their logprobs (always computed, whether or not the client
 //! asked for logprobs, by the same `Model::score` forward the trainer uses),
 //! the model / adapter name and version (the policy version), the finish
 //! reason and the sampling settings. `GET /v1/episodes/ID` answers the
-//! records in call order; `DELETE /v1/episodes/ID` drops them.
+//! records in call order; `DELETE /v1/episodes/ID` drops the episode.
 //!
 //! The store is in memory and bounded ([`CaptureLimits`]): when it is full
 //! the oldest episodes go first; an episode that alone outgrows the budget
@@ -21,8 +30,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 use axum::extract::{FromRequestParts, Path, State};
-use axum::http::header;
 use axum::http::request::Parts;
+use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -36,8 +45,58 @@ use crate::scheduler::Finished;
 /// The header that tags a request with an episode.
 pub const EPISODE_HEADER: &str = "x-temper-episode";
 
+/// The header that carries an episode's token beside the API key.
+pub const EPISODE_TOKEN_HEADER: &str = "x-temper-episode-token";
+
 /// Longest episode id.
 pub const MAX_EPISODE_ID_LEN: usize = 128;
+
+/// The tokens a request presents for an episode: `X-Temper-Episode-Token`
+/// and the bearer token.
+fn presented(headers: &HeaderMap) -> impl Iterator<Item = &str> {
+    let named = headers
+        .get(EPISODE_TOKEN_HEADER)
+        .and_then(|v| v.to_str().ok());
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    named.into_iter().chain(bearer)
+}
+
+/// Equal, in time independent of where they differ.
+fn same_secret(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+/// A fresh random string of `n` characters of `[a-z0-9]` (ids and tokens;
+/// `rand`'s thread generator is a CSPRNG seeded by the OS).
+fn random_string(n: usize) -> String {
+    use rand::Rng;
+    const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    (0..n)
+        .map(|_| CHARS[rng.random_range(0..CHARS.len())] as char)
+        .collect()
+}
+
+/// The episode a request names, if any: `/episodes/ID/...` or
+/// `/v1/episodes/ID`, else the `X-Temper-Episode` header (raw, unchecked).
+pub(super) fn named_episode(path: &str, headers: &HeaderMap) -> Option<String> {
+    path.strip_prefix("/episodes/")
+        .or_else(|| path.strip_prefix("/v1/episodes/"))
+        .map(|rest| rest.split('/').next().unwrap_or_default().to_string())
+        .or_else(|| {
+            headers
+                .get(EPISODE_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        })
+}
 
 /// Bounds of the in-memory capture store.
 #[derive(Debug, Clone, Copy)]
@@ -142,10 +201,13 @@ fn check_id(id: &str) -> Result<(), OpenAiError> {
     }
 }
 
-impl<S: Send + Sync> FromRequestParts<S> for EpisodeTag {
+impl FromRequestParts<OpenAiState> for EpisodeTag {
     type Rejection = OpenAiError;
 
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(
+        parts: &mut Parts,
+        s: &OpenAiState,
+    ) -> Result<Self, Self::Rejection> {
         // The raw path: a percent-encoded id is refused, not decoded.
         let from_path = parts
             .uri
@@ -171,6 +233,7 @@ impl<S: Send + Sync> FromRequestParts<S> for EpisodeTag {
         };
         if let Some(id) = &id {
             check_id(id)?;
+            s.inner.captures.authorize(id, &parts.headers)?;
         }
         Ok(EpisodeTag(id))
     }
@@ -284,8 +347,9 @@ pub(super) fn record(
     s.inner.captures.push(rec)
 }
 
-#[derive(Default)]
 struct Episode {
+    /// The secret every request about the episode presents.
+    token: String,
     /// Records as JSON text (their size is what the budget counts).
     records: VecDeque<String>,
     bytes: usize,
@@ -321,18 +385,65 @@ impl CaptureStore {
             .map_err(|_| OpenAiError::Internal("capture store lock poisoned".into()))
     }
 
+    /// A new, empty episode: its id and token. The oldest episodes make
+    /// room when the store holds its most.
+    fn create(&self) -> Result<(String, String), OpenAiError> {
+        let mut st = self.lock()?;
+        let st = &mut *st;
+        let id = loop {
+            let id = format!("ep-{}", random_string(24));
+            if !st.episodes.contains_key(&id) {
+                break id;
+            }
+        };
+        let token = random_string(40);
+        while st.episodes.len() >= self.limits.max_episodes.max(1) {
+            if !evict_oldest(st) {
+                break;
+            }
+        }
+        st.order.push_back(id.clone());
+        st.episodes.insert(
+            id.clone(),
+            Episode {
+                token: token.clone(),
+                records: VecDeque::new(),
+                bytes: 0,
+                next_seq: 0,
+                dropped: 0,
+            },
+        );
+        Ok((id, token))
+    }
+
+    /// Whether `headers` present episode `id`'s token; an unknown id and a
+    /// wrong token are the same 404 (ids are no secret, tokens are).
+    pub(super) fn authorize(&self, id: &str, headers: &HeaderMap) -> Result<(), OpenAiError> {
+        if self.opens(id, headers)? {
+            Ok(())
+        } else {
+            Err(OpenAiError::EpisodeNotFound(id.to_string()))
+        }
+    }
+
+    /// Whether episode `id` exists and `headers` present its token.
+    pub(super) fn opens(&self, id: &str, headers: &HeaderMap) -> Result<bool, OpenAiError> {
+        let st = self.lock()?;
+        Ok(st
+            .episodes
+            .get(id)
+            .is_some_and(|ep| presented(headers).any(|t| same_secret(t, &ep.token))))
+    }
+
     fn push(&self, mut rec: CaptureRecord) -> Result<(), OpenAiError> {
         let mut st = self.lock()?;
         let st = &mut *st;
-        if !st.episodes.contains_key(&rec.episode) {
-            while st.episodes.len() >= self.limits.max_episodes.max(1) {
-                if !evict_oldest(st) {
-                    break;
-                }
-            }
-            st.order.push_back(rec.episode.clone());
-        }
-        let ep = st.episodes.entry(rec.episode.clone()).or_default();
+        // Deleted or evicted while the call ran: its token is gone, and a
+        // record must not bring the episode back without one.
+        let Some(ep) = st.episodes.get_mut(&rec.episode) else {
+            tracing::debug!(episode = %rec.episode, "episode gone before its call finished");
+            return Ok(());
+        };
         rec.seq = ep.next_seq;
         ep.next_seq += 1;
         let text = serde_json::to_string(&rec)
@@ -408,36 +519,37 @@ fn evict_oldest(st: &mut Store) -> bool {
     true
 }
 
-/// 404 in OpenAI's error shape (the generic `NotFound` says
-/// `model_not_found`, which would mislead here).
-fn unknown(id: &str) -> Response {
-    let body = json!({"error": {
-        "message": format!("no captured calls for episode {id:?} (none made, already deleted, or evicted)"),
-        "type": "invalid_request_error", "param": null, "code": "episode_not_found",
-    }});
-    (axum::http::StatusCode::NOT_FOUND, axum::Json(body)).into_response()
+/// `POST /v1/episodes`: a new episode, `{"object": "episode", "id",
+/// "token"}`.
+pub(super) async fn create_episode(State(s): State<OpenAiState>) -> Result<Response, OpenAiError> {
+    let (id, token) = s.inner.captures.create()?;
+    Ok(axum::Json(json!({"object": "episode", "id": id, "token": token})).into_response())
 }
 
-/// `GET /v1/episodes/{id}`.
+/// `GET /v1/episodes/{id}` (with the episode's token).
 pub(super) async fn get_episode(
     State(s): State<OpenAiState>,
     Path(id): Path<String>,
+    headers: HeaderMap,
 ) -> Result<Response, OpenAiError> {
     check_id(&id)?;
-    Ok(match s.inner.captures.get(&id)? {
-        Some(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
-        None => unknown(&id),
-    })
+    s.inner.captures.authorize(&id, &headers)?;
+    match s.inner.captures.get(&id)? {
+        Some(body) => Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response()),
+        None => Err(OpenAiError::EpisodeNotFound(id)),
+    }
 }
 
-/// `DELETE /v1/episodes/{id}`.
+/// `DELETE /v1/episodes/{id}` (with the episode's token).
 pub(super) async fn delete_episode(
     State(s): State<OpenAiState>,
     Path(id): Path<String>,
+    headers: HeaderMap,
 ) -> Result<Response, OpenAiError> {
     check_id(&id)?;
+    s.inner.captures.authorize(&id, &headers)?;
     if !s.inner.captures.remove(&id)? {
-        return Ok(unknown(&id));
+        return Err(OpenAiError::EpisodeNotFound(id));
     }
     Ok(axum::Json(json!({"object": "episode.deleted", "id": id, "deleted": true})).into_response())
 }
@@ -494,34 +606,72 @@ mod tests {
 
     #[test]
     fn the_store_stays_within_its_bounds_and_says_what_it_dropped() {
-        let one = serde_json::to_string(&rec("a", 10)).expect("json").len();
+        let one = serde_json::to_string(&rec("ep-x", 10)).expect("json").len();
         let s = CaptureStore::new(CaptureLimits {
             max_episodes: 2,
-            max_bytes: 3 * one + 8,
+            // Ids are all the same length, so every record is `one` long.
+            max_bytes: 3 * (one + 24) + 8,
         });
-        s.push(rec("a", 10)).expect("push");
-        s.push(rec("b", 10)).expect("push");
-        s.push(rec("c", 10)).expect("push");
-        // Two episodes at most: the oldest went.
-        assert!(records(&s, "a").is_none());
-        assert_eq!(records(&s, "c").expect("c")["records"][0]["seq"], 0);
+        let (a, _) = s.create().expect("create");
+        let (b, _) = s.create().expect("create");
+        s.push(rec(&a, 10)).expect("push");
+        s.push(rec(&b, 10)).expect("push");
+        let (c, _) = s.create().expect("create");
+        s.push(rec(&c, 10)).expect("push");
+        // Two episodes at most: the oldest went, and a record of it finds
+        // no episode to revive.
+        assert!(records(&s, &a).is_none());
+        s.push(rec(&a, 10)).expect("push");
+        assert!(records(&s, &a).is_none());
+        assert_eq!(records(&s, &c).expect("c")["records"][0]["seq"], 0);
         // Bytes: c grows; b (older) is evicted first, then c's oldest records.
         for _ in 0..4 {
-            s.push(rec("c", 10)).expect("push");
+            s.push(rec(&c, 10)).expect("push");
         }
-        assert!(records(&s, "b").is_none());
-        let c = records(&s, "c").expect("c");
-        let seqs: Vec<u64> = c["records"]
+        assert!(records(&s, &b).is_none());
+        let got = records(&s, &c).expect("c");
+        let seqs: Vec<u64> = got["records"]
             .as_array()
             .expect("records")
             .iter()
             .map(|r| r["seq"].as_u64().expect("seq"))
             .collect();
         assert_eq!(seqs, vec![2, 3, 4]);
-        assert_eq!(c["dropped_records"], 2);
-        assert!(s.lock().expect("lock").bytes <= 3 * one + 8);
-        assert!(s.remove("c").expect("remove"));
-        assert!(!s.remove("c").expect("remove"));
+        assert_eq!(got["dropped_records"], 2);
+        assert!(s.lock().expect("lock").bytes <= 3 * (one + 24) + 8);
+        assert!(s.remove(&c).expect("remove"));
+        assert!(!s.remove(&c).expect("remove"));
         assert_eq!(s.lock().expect("lock").bytes, 0);
+    }
+
+    #[test]
+    fn only_the_episodes_token_opens_it() {
+        let s = CaptureStore::new(CaptureLimits::default());
+        let (id, token) = s.create().expect("create");
+        let (other, other_token) = s.create().expect("create");
+        assert_ne!(id, other);
+        assert_ne!(token, other_token);
+        assert!(id.starts_with("ep-") && valid_episode_id(&id));
+        assert_eq!(token.len(), 40);
+        let with = |name: &str, v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(
+                axum::http::HeaderName::from_bytes(name.as_bytes()).expect("name"),
+                v.parse().expect("value"),
+            );
+            h
+        };
+        let bearer = |t: &str| with("authorization", &format!("Bearer {t}"));
+        assert!(s.opens(&id, &bearer(&token)).expect("opens"));
+        assert!(s
+            .opens(&id, &with(EPISODE_TOKEN_HEADER, &token))
+            .expect("opens"));
+        assert!(!s.opens(&id, &bearer(&other_token)).expect("opens"));
+        assert!(!s.opens(&id, &HeaderMap::new()).expect("opens"));
+        assert!(!s.opens("ep-unknown", &bearer(&token)).expect("opens"));
+        assert!(s.authorize(&other, &bearer(&token)).is_err());
+        assert!(
+            same_secret("abc", "abc") && !same_secret("abc", "abd") && !same_secret("ab", "abc")
+        );
     }
 }

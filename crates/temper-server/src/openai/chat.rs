@@ -340,11 +340,7 @@ pub(super) async fn chat_completions(
     p.logprobs = logprobs;
     p.top_logprobs = top;
     if let Some((c, param)) = tools.constraint.clone() {
-        let st = s.clone();
-        let grammar = tokio::task::spawn_blocking(move || st.compile_constraint(&c, param))
-            .await
-            .map_err(|e| OpenAiError::Internal(format!("grammar task: {e}")))??;
-        p.grammar = Some(grammar);
+        p.grammar = Some(s.grammar(c, param).await?);
     }
     let stream = req.stream.unwrap_or(false);
     let rx = submit(&s, &p, stream)?;

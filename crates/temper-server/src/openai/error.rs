@@ -26,9 +26,21 @@ pub enum OpenAiError {
     /// Unknown model or route (404).
     #[error("{0}")]
     NotFound(String),
+    /// No such episode, or not with the token presented (404; the same
+    /// answer for both).
+    #[error("no episode {0:?} with this token")]
+    EpisodeNotFound(String),
     /// The queue is full (503); retry later.
     #[error("{0}")]
     Overloaded(String),
+    /// Too many requests of one kind at once (429 with `Retry-After`).
+    #[error("{message}")]
+    RateLimited {
+        /// What is busy, for the client.
+        message: String,
+        /// Seconds to wait before retrying.
+        retry_after_s: u64,
+    },
     /// A bug or an unexpected failure (500; logged, answered generically).
     #[error("{0}")]
     Internal(String),
@@ -41,6 +53,19 @@ impl OpenAiError {
             message: message.into(),
             param: Some(param.to_string()),
             code: None,
+        }
+    }
+
+    /// A 400: the request's grammar exhausted an engine limit while
+    /// generating (`message` names it).
+    pub fn grammar_limit(message: impl Into<String>) -> Self {
+        OpenAiError::BadRequest {
+            message: format!(
+                "the request's schema exceeds a limit of the structured-output engine: {}",
+                message.into()
+            ),
+            param: None,
+            code: Some("grammar_limit"),
         }
     }
 
@@ -58,8 +83,9 @@ impl OpenAiError {
         match self {
             OpenAiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             OpenAiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            OpenAiError::NotFound(_) => StatusCode::NOT_FOUND,
+            OpenAiError::NotFound(_) | OpenAiError::EpisodeNotFound(_) => StatusCode::NOT_FOUND,
             OpenAiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+            OpenAiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             OpenAiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -68,6 +94,10 @@ impl OpenAiError {
 impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
         let status = self.status();
+        let retry_after = match &self {
+            OpenAiError::RateLimited { retry_after_s, .. } => Some(*retry_after_s),
+            _ => None,
+        };
         let (message, kind, param, code) = match self {
             OpenAiError::BadRequest {
                 message,
@@ -78,7 +108,22 @@ impl IntoResponse for OpenAiError {
                 (m, "invalid_request_error", None, Some("invalid_api_key"))
             }
             OpenAiError::NotFound(m) => (m, "invalid_request_error", None, Some("model_not_found")),
+            OpenAiError::EpisodeNotFound(id) => (
+                format!(
+                    "no episode {id:?} with this token (never created, deleted, evicted, or the \
+                     wrong X-Temper-Episode-Token / bearer token)"
+                ),
+                "invalid_request_error",
+                None,
+                Some("episode_not_found"),
+            ),
             OpenAiError::Overloaded(m) => (m, "server_error", None, Some("overloaded")),
+            OpenAiError::RateLimited { message, .. } => (
+                message,
+                "rate_limit_error",
+                None,
+                Some("rate_limit_exceeded"),
+            ),
             OpenAiError::Internal(m) => {
                 tracing::error!("internal error: {m}");
                 (
@@ -91,6 +136,11 @@ impl IntoResponse for OpenAiError {
         };
         let body =
             json!({"error": {"message": message, "type": kind, "param": param, "code": code}});
-        (status, axum::Json(body)).into_response()
+        let mut resp = (status, axum::Json(body)).into_response();
+        if let Some(s) = retry_after {
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        resp
     }
 }

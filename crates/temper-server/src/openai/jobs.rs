@@ -257,6 +257,7 @@ pub(super) async fn collect(
             }
             Some(Event::Delta { .. }) => {}
             Some(Event::Failed(m)) => return Err(OpenAiError::Internal(m)),
+            Some(Event::Rejected(m)) => return Err(OpenAiError::grammar_limit(m)),
             None => return Err(OpenAiError::Internal("the engine dropped a request".into())),
         }
     }

@@ -29,7 +29,8 @@
 //! loading), `jobs` (request → scheduler jobs → finished samples, scoring),
 //! `chat`, `completions`, `generate` and `tokens` (one endpoint each), `adapters`
 //! (`/v1/models` and LoRA load / unload), `streaming` (server-sent events),
-//! `response` (logprobs and usage), `protocol` (request types), `tools` and
+//! `response` (logprobs and usage), `protocol` (request types), `tools`,
+//! `grammars` (structured-output grammars compiled under bounds, cached) and
 //! `error`, `capture` (token capture per episode, `/v1/episodes`). This file holds the router and its middleware.
 
 mod adapters;
@@ -38,6 +39,7 @@ mod chat;
 mod completions;
 mod error;
 mod generate;
+mod grammars;
 mod jobs;
 mod protocol;
 mod response;
@@ -55,6 +57,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 pub use error::OpenAiError;
+pub use grammars::GrammarLimits;
 pub use state::{OpenAiState, ServeConfig};
 
 use adapters::{list_models, load_lora, unload_lora};
@@ -73,6 +76,7 @@ pub fn app(state: OpenAiState) -> Router {
         .route("/inference/v1/generate", post(tokens::generate_tokens))
         .route("/v1/load_lora_adapter", post(load_lora))
         .route("/v1/unload_lora_adapter", post(unload_lora))
+        .route("/v1/episodes", post(capture::create_episode))
         .route(
             "/v1/episodes/{id}",
             get(capture::get_episode).delete(capture::delete_episode),
@@ -129,7 +133,13 @@ async fn auth(
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_str()) {
+        // An episode's token stands in for the key on requests about that
+        // episode (what an agent given only its episode's base URL sends).
+        let episode_token = || {
+            capture::named_episode(req.uri().path(), &headers)
+                .is_some_and(|id| s.inner.captures.opens(&id, &headers).unwrap_or(false))
+        };
+        if given != Some(key.as_str()) && !episode_token() {
             return OpenAiError::Unauthorized(
                 "Incorrect API key provided (send it as `Authorization: Bearer <key>`)".into(),
             )

@@ -4,18 +4,19 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use temper_model::{LoraAdapter, Pretrained};
 
 use super::capture::{CaptureLimits, CaptureStore};
 use super::error::OpenAiError;
+use super::grammars::{GrammarLimits, Grammars};
 use super::protocol::SamplingDefaults;
 
 use crate::metrics::Metrics;
 use crate::scheduler::{LoadedAdapter, Scheduler, SchedulerConfig};
-use crate::structured::{Constraint, Grammar, GrammarCompiler, StructuredError};
+use crate::structured::{Constraint, Grammar, GrammarCompiler};
 
 /// Server settings.
 #[derive(Debug, Clone)]
@@ -31,6 +32,8 @@ pub struct ServeConfig {
     pub lora_roots: Vec<PathBuf>,
     /// Bounds of the token-capture store (`/v1/episodes`).
     pub capture: CaptureLimits,
+    /// Bounds of structured-output grammar compilation.
+    pub grammars: GrammarLimits,
 }
 
 impl ServeConfig {
@@ -52,6 +55,7 @@ impl ServeConfig {
             api_key: None,
             lora_roots: Vec::new(),
             capture: CaptureLimits::default(),
+            grammars: GrammarLimits::default(),
             scheduler: SchedulerConfig {
                 max_running: 256,
                 kv_budget_tokens,
@@ -82,9 +86,10 @@ pub(super) struct Inner {
     pub(super) defaults: SamplingDefaults,
     pub(super) created: u64,
     next_id: AtomicU64,
-    /// Built on the first structured-output request (a server that never
-    /// gets one never pays for the vocabulary trie).
-    grammars: OnceLock<Result<GrammarCompiler, String>>,
+    /// Structured-output grammars; the compiler is built on the first
+    /// structured-output request (a server that never gets one never pays
+    /// for the vocabulary trie).
+    grammars: Grammars,
 }
 
 pub(super) fn now_secs() -> u64 {
@@ -120,12 +125,12 @@ impl OpenAiState {
                 scheduler,
                 adapters: RwLock::new(HashMap::new()),
                 versions: Mutex::new(HashMap::new()),
-                metrics,
+                metrics: metrics.clone(),
                 captures: CaptureStore::new(cfg.capture),
                 defaults,
                 created: now_secs(),
                 next_id: AtomicU64::new(start & 0xffff_ffff_ffff),
-                grammars: OnceLock::new(),
+                grammars: Grammars::new(cfg.grammars, metrics.clone()),
             }),
         }
     }
@@ -228,31 +233,27 @@ impl OpenAiState {
         }
     }
 
-    /// Compile a structured-output constraint for this model (blocking: the
-    /// first call builds the vocabulary trie). A schema that does not
-    /// compile is a 400 about `param` with llguidance's message.
-    pub(super) fn compile_constraint(
+    /// A grammar for a structured-output constraint on this model
+    /// (compiled under [`GrammarLimits`], or cached). A schema that does not
+    /// compile or exceeds a limit is a 400 about `param` naming why.
+    pub(super) async fn grammar(
         &self,
-        c: &Constraint,
+        c: Constraint,
         param: &'static str,
     ) -> Result<Grammar, OpenAiError> {
-        let compiler = self.inner.grammars.get_or_init(|| {
-            let m = &self.inner.model;
-            let vocab = m.config.vocab_size;
-            GrammarCompiler::new(&m.tokenizer, vocab, &m.generation.eos_token_ids).map_err(|e| {
-                tracing::warn!("structured outputs unavailable: {e}");
-                e.to_string()
+        let m = self.inner.model.clone();
+        self.inner
+            .grammars
+            .grammar(c, param, move || {
+                let vocab = m.config.vocab_size;
+                GrammarCompiler::new(&m.tokenizer, vocab, &m.generation.eos_token_ids).map_err(
+                    |e| {
+                        tracing::warn!("structured outputs unavailable: {e}");
+                        e.to_string()
+                    },
+                )
             })
-        });
-        let compiler = compiler
-            .as_ref()
-            .map_err(|e| OpenAiError::invalid(param, e.clone()))?;
-        compiler.compile(c).map_err(|e| match e {
-            StructuredError::Compile(m) => {
-                OpenAiError::invalid(param, format!("{param}: the schema does not compile: {m}"))
-            }
-            other => OpenAiError::invalid(param, other.to_string()),
-        })
+            .await
     }
 
     pub(super) fn request_id(&self, prefix: &str) -> String {

@@ -254,6 +254,7 @@ impl StreamState {
                 Ok(())
             }
             Event::Failed(m) => Err(OpenAiError::Internal(m)),
+            Event::Rejected(m) => Err(OpenAiError::grammar_limit(m)),
         }
     }
 }
@@ -311,8 +312,15 @@ pub(super) fn sse(
                 None => OpenAiError::Internal("the engine dropped a request".into()),
             };
             // Headers are sent: report the failure in-band and end the stream.
-            tracing::error!("stream failed: {failure}");
-            let body = json!({"error": {"message": "internal error (see the server log)", "type": "server_error"}});
+            let body = match failure {
+                OpenAiError::BadRequest { message, code, .. } => {
+                    json!({"error": {"message": message, "type": "invalid_request_error", "code": code}})
+                }
+                other => {
+                    tracing::error!("stream failed: {other}");
+                    json!({"error": {"message": "internal error (see the server log)", "type": "server_error"}})
+                }
+            };
             return Some((Ok(Bytes::from(format!("data: {body}\n\n"))), None));
         }
     });
