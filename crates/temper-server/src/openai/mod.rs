@@ -1,5 +1,5 @@
 //! The OpenAI-compatible inference server: `/v1/chat/completions`,
-//! `/v1/completions`, `/v1/models`, the token-in / token-out `/v1/generate`
+//! `/v1/responses`, `/v1/completions`, `/v1/models`, the token-in / token-out `/v1/generate`
 //! for RL, vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
 //! `/health` and Prometheus `/metrics`.
 //!
@@ -24,7 +24,8 @@
 //!
 //! One module per concern: `state` (settings, the shared state, adapter
 //! loading), `jobs` (request → scheduler jobs → finished samples, scoring),
-//! `chat`, `completions` and `generate` (one endpoint each), `adapters`
+//! `chat`, `completions` and `generate` (one endpoint each), `responses`
+//! (OpenAI's Responses API, turned into a chat request), `adapters`
 //! (`/v1/models` and LoRA load / unload), `streaming` (server-sent events),
 //! `response` (logprobs and usage), `protocol` (request types), `tools` and
 //! `error`, `capture` (token capture per episode, `/v1/episodes`). This file holds the router and its middleware.
@@ -38,6 +39,7 @@ mod generate;
 mod jobs;
 mod protocol;
 mod response;
+mod responses;
 mod state;
 mod streaming;
 mod tools;
@@ -57,6 +59,7 @@ use adapters::{list_models, load_lora, unload_lora};
 use chat::chat_completions;
 use completions::completions;
 use generate::generate;
+use responses::responses;
 
 /// The router. `/health` and `/metrics` need no key; `/v1/*` does when one
 /// is configured.
@@ -64,6 +67,7 @@ pub fn app(state: OpenAiState) -> Router {
     let v1 = Router::new()
         .route("/v1/models", get(list_models))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses))
         .route("/v1/completions", post(completions))
         .route("/v1/generate", post(generate))
         .route("/v1/load_lora_adapter", post(load_lora))
@@ -78,6 +82,7 @@ pub fn app(state: OpenAiState) -> Router {
             "/episodes/{episode}/v1/chat/completions",
             post(chat_completions),
         )
+        .route("/episodes/{episode}/v1/responses", post(responses))
         .route("/episodes/{episode}/v1/completions", post(completions))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -134,9 +139,10 @@ async fn auth(
     next.run(req).await
 }
 
-const ROUTES: [&str; 8] = [
+const ROUTES: [&str; 9] = [
     "/v1/models",
     "/v1/chat/completions",
+    "/v1/responses",
     "/v1/completions",
     "/v1/generate",
     "/v1/load_lora_adapter",
