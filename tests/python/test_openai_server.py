@@ -31,10 +31,10 @@ API_KEY = "sk-temper-test"
 MODEL = "tiny"
 
 
-def start_server(binary, *extra, max_model_len=512):
+def start_server(binary, *extra, max_model_len=512, model=MODEL_DIR):
     """Start `temper serve` on a free port; return (process, base URL)."""
     proc = subprocess.Popen(
-        [binary, "serve", "--model", MODEL_DIR, "--served-model-name", MODEL,
+        [binary, "serve", "--model", model, "--served-model-name", MODEL,
          "--host", "127.0.0.1", "--port", "0", "--max-model-len", str(max_model_len),
          "--lora-root", os.path.dirname(ADAPTER_DIR), *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
