@@ -1507,7 +1507,7 @@ fn flat_tools() -> (Value, Value) {
 /// input items (input_text parts, a developer message, a function_call and
 /// its function_call_output) render as the equivalent chat history; usage
 /// counts in the Responses shape; max_output_tokens reached is status
-/// `incomplete`.
+/// `incomplete`; token capture records it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn responses_answer_as_chat_completions_would() {
     let s = server_with(load(), |c| c.scheduler.max_model_len = 1024);
@@ -1594,6 +1594,26 @@ async fn responses_answer_as_chat_completions_would() {
     assert_eq!(
         v["output"][0]["content"][0]["text"],
         chat["choices"][0]["message"]["content"]
+    );
+    // Token capture works as for chat (per-episode base URL).
+    let (st, v) = post(
+        &r,
+        "/episodes/resp-ep/v1/responses",
+        responses_body(json!({"input": "hello"})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let rec = &serde_json::from_str::<Value>(&get_text(&r, "/v1/episodes/resp-ep").await)
+        .expect("episode json")["records"][0];
+    assert_eq!(rec["endpoint"], "responses");
+    assert_eq!(rec["request_id"], v["id"]);
+    assert_eq!(
+        rec["prompt_token_ids"].as_array().expect("ids").len() as u64,
+        v["usage"]["input_tokens"].as_u64().expect("n")
+    );
+    assert_eq!(
+        rec["completion_token_ids"].as_array().expect("ids").len() as u64,
+        v["usage"]["output_tokens"].as_u64().expect("n")
     );
 }
 
