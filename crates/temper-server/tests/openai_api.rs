@@ -1390,6 +1390,112 @@ fn with(body: Value, extra: Value) -> Value {
     b
 }
 
+/// SmolLM2-135M-Instruct's chat template (from its GGUF): it concatenates
+/// `message['content']` and renders every role literally, as many do.
+const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// A server over the fixture model with SmolLM2's chat template.
+fn smollm2_template_server() -> Router {
+    let mut m = temper_model::Pretrained::load(
+        &fixtures().join("models/tiny-qwen3"),
+        &temper_model::LoadOptions::default(),
+    )
+    .expect("fixture model");
+    m.chat_template =
+        Some(temper_model::ChatTemplate::new(SMOLLM2_TEMPLATE, None, None).expect("template"));
+    app(server_with(std::sync::Arc::new(m), |_| {}))
+}
+
+/// The prompt a chat request renders, seen from outside: its token count
+/// and the greedy first token's top-20 logprobs (a function of the prompt).
+async fn prompt_probe(r: &Router, messages: Value) -> (Value, Value) {
+    let (st, v) = post(
+        r,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0,
+               "logprobs": true, "top_logprobs": 20}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    (
+        v["usage"]["prompt_tokens"].clone(),
+        v["choices"][0]["logprobs"].clone(),
+    )
+}
+
+/// Issue 41: an assistant message with `tool_calls` and `content: null`
+/// (or no content) renders under a template that concatenates content
+/// (SmolLM2's: before, `400 chat template: ... unsupported types string and
+/// none`), as vLLM renders it: content "". The `developer` role is the
+/// system role: the same prompt as `system`. Issue 31 item 9: an unknown
+/// role is a 400 naming it, as is a user message without content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn assistant_null_content_renders_and_developer_is_system() {
+    let r = smollm2_template_server();
+    let call = json!([{"id": "call_1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]);
+    let with_content = |content: Option<Value>| {
+        let mut assistant = json!({"role": "assistant", "tool_calls": call});
+        if let Some(c) = content {
+            assistant["content"] = c;
+        }
+        json!([{"role": "user", "content": "weather in Paris?"}, assistant,
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    };
+    let empty = prompt_probe(&r, with_content(Some(json!("")))).await;
+    assert_eq!(
+        prompt_probe(&r, with_content(Some(Value::Null))).await,
+        empty
+    );
+    assert_eq!(prompt_probe(&r, with_content(None)).await, empty);
+    let user = json!({"role": "user", "content": "hi"});
+    let as_system =
+        prompt_probe(&r, json!([{"role": "system", "content": "be brief"}, user])).await;
+    let as_developer = prompt_probe(
+        &r,
+        json!([{"role": "developer", "content": "be brief"}, user]),
+    )
+    .await;
+    assert_eq!(as_developer, as_system);
+    // Without the mapping the template would add its default system prompt.
+    let alone = prompt_probe(&r, json!([user])).await;
+    assert_ne!(alone, as_system);
+    for (messages, needle) in [
+        (json!([{"role": "wizard", "content": "hi"}]), "\"wizard\""),
+        (
+            json!([user, {"role": "user"}]),
+            "messages[1] (user) needs `content`",
+        ),
+        (
+            json!([{"role": "tool", "content": null}]),
+            "messages[0] (tool) needs `content`",
+        ),
+        (
+            json!([{"role": "user", "content": 3}]),
+            "messages[0].content must be",
+        ),
+    ] {
+        let (st, v) = post(
+            &r,
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": messages, "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{messages}: {v}");
+        assert_eq!(v["error"]["param"], "messages", "{v}");
+        let msg = v["error"]["message"].as_str().expect("message");
+        assert!(msg.contains(needle), "{msg}");
+    }
+}
+
+fn responses_body(extra: Value) -> Value {
+    let mut b = json!({"model": MODEL, "max_output_tokens": 24, "temperature": 1.0, "seed": 5});
+    for (k, v) in extra.as_object().expect("object") {
+        b[k] = v.clone();
+    }
+    b
+}
+
 /// Issue 41: vLLM's `/inference/v1/generate` (what verifiers' train client
 /// and prime-rl call) answers in vLLM's shape: token ids, logprobs as
 /// `token_id:<id>` with the sampled token first among `top_logprobs`, the
@@ -2057,4 +2163,406 @@ async fn issue31_client_grammar_failures_are_400s() {
     )
     .await;
     assert_eq!(st, StatusCode::OK, "{v}");
+}
+
+/// Calculator tools in the Responses API's flat shape, and the same in the
+/// chat shape.
+fn flat_tools() -> (Value, Value) {
+    let add = json!({"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": -99, "maximum": 99},
+        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": false});
+    let flat = json!([{"type": "function", "name": "add", "description": "Add two integers",
+                       "parameters": add, "strict": true}]);
+    let chat = json!([{"type": "function", "function": {"name": "add",
+                       "description": "Add two integers", "parameters": add, "strict": true}}]);
+    (flat, chat)
+}
+
+/// Issue 41: `POST /v1/responses` runs on the chat machinery: a string
+/// input with instructions gives the chat answer of [system, user] (same
+/// prompt tokens, same text under the same seed) as a `message` output item;
+/// input items (input_text parts, a developer message, a function_call and
+/// its function_call_output) render as the equivalent chat history; usage
+/// counts in the Responses shape; max_output_tokens reached is status
+/// `incomplete`; token capture records it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn responses_answer_as_chat_completions_would() {
+    let s = server_with(load(), |c| c.scheduler.max_model_len = 1024);
+    let r = app(s);
+    let (st, v) = post(
+        &r,
+        "/v1/responses",
+        responses_body(json!({"instructions": "be brief", "input": "tell me a story"})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let (_, chat) = post(
+        &r,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "max_tokens": 24, "temperature": 1.0, "seed": 5, "messages": [
+            {"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me a story"}]}),
+    )
+    .await;
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["model"], MODEL);
+    assert_eq!(v["instructions"], "be brief");
+    let output = v["output"].as_array().expect("output");
+    assert_eq!(output.len(), 1, "{v}");
+    let item = &output[0];
+    assert_eq!(item["type"], "message");
+    assert_eq!(item["role"], "assistant");
+    assert_eq!(item["content"][0]["type"], "output_text");
+    assert_eq!(
+        item["content"][0]["text"],
+        chat["choices"][0]["message"]["content"]
+    );
+    let status = if chat["choices"][0]["finish_reason"] == "length" {
+        assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+        "incomplete"
+    } else {
+        "completed"
+    };
+    assert_eq!(v["status"], status);
+    let u = &v["usage"];
+    assert_eq!(u["input_tokens"], chat["usage"]["prompt_tokens"]);
+    assert_eq!(u["output_tokens"], chat["usage"]["completion_tokens"]);
+    assert_eq!(u["total_tokens"], chat["usage"]["total_tokens"]);
+    assert_eq!(u["output_tokens_details"]["reasoning_tokens"], 0);
+    // One output token, certainly cut: incomplete.
+    let (_, short) = post(
+        &r,
+        "/v1/responses",
+        responses_body(json!({"input": "hello", "max_output_tokens": 1, "temperature": 0})),
+    )
+    .await;
+    if short["output"][0]["content"][0]["text"] != "" {
+        assert_eq!(short["status"], "incomplete", "{short}");
+        assert_eq!(short["output"][0]["status"], "incomplete");
+    }
+    // A tool-call round trip as input items, and its chat equivalent.
+    let (flat, chat_tools) = flat_tools();
+    let items = json!([
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "use tools"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "what is 2 + 3?"}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "add",
+         "arguments": "{\"a\": 2, \"b\": 3}", "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+    ]);
+    let (st, v) = post(
+        &r,
+        "/v1/responses",
+        responses_body(json!({"input": items, "tools": flat, "temperature": 0})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["tools"], flat);
+    let (_, chat) = post(
+        &r,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "max_tokens": 24, "temperature": 0, "tools": chat_tools, "messages": [
+            {"role": "system", "content": "use tools"},
+            {"role": "user", "content": "what is 2 + 3?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+             "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "5"}]}),
+    )
+    .await;
+    assert_eq!(v["usage"]["input_tokens"], chat["usage"]["prompt_tokens"]);
+    assert_eq!(
+        v["output"][0]["content"][0]["text"],
+        chat["choices"][0]["message"]["content"]
+    );
+    // Token capture works as for chat (per-episode base URL).
+    let (st, v) = post(
+        &r,
+        "/episodes/resp-ep/v1/responses",
+        responses_body(json!({"input": "hello"})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let rec = &serde_json::from_str::<Value>(&get_text(&r, "/v1/episodes/resp-ep").await)
+        .expect("episode json")["records"][0];
+    assert_eq!(rec["endpoint"], "responses");
+    assert_eq!(rec["request_id"], v["id"]);
+    assert_eq!(
+        rec["prompt_token_ids"].as_array().expect("ids").len() as u64,
+        v["usage"]["input_tokens"].as_u64().expect("n")
+    );
+    assert_eq!(
+        rec["completion_token_ids"].as_array().expect("ids").len() as u64,
+        v["usage"]["output_tokens"].as_u64().expect("n")
+    );
+}
+
+/// Issue 41: tools in the flat shape; tool_choice "required" or a named
+/// function returns `function_call` output items (arguments valid under
+/// the tool's schema, a call_id to answer with), which a next turn accepts
+/// back with the output; `text.format` json_schema constrains the text
+/// (ignored when a call is forced: there is no text); logprobs when
+/// `include`d.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn responses_call_tools_and_format_text() {
+    let s = server_with(load(), |c| c.scheduler.max_model_len = 1024);
+    let r = app(s);
+    let (flat, _) = flat_tools();
+    let schema = ticket_schema();
+    let validator = jsonschema::validator_for(&flat[0]["parameters"]).expect("schema");
+    let format = json!({"format": {"type": "json_schema", "name": "ticket", "schema": schema, "strict": true}});
+    for (choice, text) in [
+        (json!("required"), Value::Null),
+        (json!({"type": "function", "name": "add"}), format.clone()),
+    ] {
+        let mut body = responses_body(json!({"input": "what is 2 + 3?", "tools": flat,
+                                             "tool_choice": choice, "max_output_tokens": 64}));
+        if !text.is_null() {
+            body["text"] = text;
+        }
+        let (st, v) = post(&r, "/v1/responses", body).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["status"], "completed", "{v}");
+        assert_eq!(v["tool_choice"], choice);
+        let output = v["output"].as_array().expect("output");
+        assert_eq!(output.len(), 1, "{v}");
+        let call = &output[0];
+        assert_eq!(call["type"], "function_call");
+        assert_eq!(call["name"], "add");
+        assert_eq!(call["status"], "completed");
+        let args: Value =
+            serde_json::from_str(call["arguments"].as_str().expect("arguments")).expect("json");
+        assert!(validator.is_valid(&args), "{args}");
+        // The next turn: the call and its output back as input items.
+        let next = json!([{"role": "user", "content": "what is 2 + 3?"}, call,
+                          {"type": "function_call_output", "call_id": call["call_id"], "output": "5"}]);
+        let (st, v) = post(
+            &r,
+            "/v1/responses",
+            responses_body(json!({"input": next, "tools": flat})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+    }
+    let (st, v) = post(
+        &r,
+        "/v1/responses",
+        responses_body(
+            json!({"input": "Classify: my invoice is wrong", "text": format,
+                              "max_output_tokens": 160}),
+        ),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["status"], "completed", "{v}");
+    assert_eq!(v["text"], format);
+    let doc: Value =
+        serde_json::from_str(v["output"][0]["content"][0]["text"].as_str().expect("text"))
+            .expect("the output parses");
+    assert!(
+        jsonschema::validator_for(&ticket_schema())
+            .expect("schema")
+            .is_valid(&doc),
+        "{doc}"
+    );
+    let (st, v) = post(
+        &r,
+        "/v1/responses",
+        responses_body(
+            json!({"input": "hi", "include": ["message.output_text.logprobs"],
+                              "top_logprobs": 3, "max_output_tokens": 6}),
+        ),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let lp = v["output"][0]["content"][0]["logprobs"]
+        .as_array()
+        .expect("logprobs");
+    assert_eq!(
+        lp.len() as u64,
+        v["usage"]["output_tokens"].as_u64().expect("n")
+    );
+    for e in lp {
+        assert!(e["logprob"].as_f64().expect("logprob") <= 0.0);
+        assert_eq!(e["top_logprobs"].as_array().expect("top").len(), 3);
+    }
+}
+
+/// The Responses API's stream (issue 41): typed events with increasing
+/// sequence numbers — response.created, response.in_progress, the message
+/// item added, its text in deltas, done, response.completed (or
+/// .incomplete) carrying the whole response — with the text, status and
+/// usage of the non-streamed response under the same seed; a forced tool
+/// call streams as a function_call item with its arguments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn responses_stream_typed_events() {
+    let s = server_with(load(), |c| c.scheduler.max_model_len = 1024);
+    let r = app(s);
+    let events = |bytes: &[u8]| -> Vec<Value> {
+        let text = String::from_utf8(bytes.to_vec()).expect("utf8");
+        text.split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (head, data) = e.split_once('\n').expect("event and data lines");
+                let v: Value =
+                    serde_json::from_str(data.strip_prefix("data: ").expect("data")).expect("json");
+                assert_eq!(
+                    head,
+                    format!("event: {}", v["type"].as_str().expect("type"))
+                );
+                v
+            })
+            .collect()
+    };
+    let (flat, _) = flat_tools();
+    for body in [
+        responses_body(json!({"input": "tell me a story"})),
+        responses_body(
+            json!({"input": "what is 2 + 3?", "tools": flat, "tool_choice": "required",
+                              "max_output_tokens": 64}),
+        ),
+    ] {
+        let (_, whole) = post(&r, "/v1/responses", body.clone()).await;
+        let mut sbody = body.clone();
+        sbody["stream"] = json!(true);
+        let req = Request::post("/v1/responses")
+            .header("content-type", "application/json")
+            .body(Body::from(sbody.to_string()))
+            .expect("req");
+        let (status, bytes) = send(&r, req).await;
+        assert_eq!(status, StatusCode::OK);
+        let evs = events(&bytes);
+        for (i, e) in evs.iter().enumerate() {
+            assert_eq!(e["sequence_number"], i, "{e}");
+        }
+        let types: Vec<&str> = evs.iter().map(|e| e["type"].as_str().expect("t")).collect();
+        assert_eq!(types[..2], ["response.created", "response.in_progress"]);
+        assert_eq!(evs[0]["response"]["status"], "in_progress");
+        let last = evs.last().expect("events");
+        let done = &last["response"];
+        assert_eq!(
+            last["type"],
+            format!("response.{}", whole["status"].as_str().expect("status"))
+        );
+        assert_eq!(done["status"], whole["status"]);
+        assert_eq!(done["usage"], whole["usage"]);
+        let strip = |o: &Value| -> Vec<Value> {
+            o.as_array()
+                .expect("output")
+                .iter()
+                .map(|i| {
+                    let mut i = i.clone();
+                    i.as_object_mut().expect("item").remove("id");
+                    i.as_object_mut().expect("item").remove("call_id");
+                    i
+                })
+                .collect()
+        };
+        assert_eq!(strip(&done["output"]), strip(&whole["output"]));
+        if whole["output"][0]["type"] == "message" {
+            let text: String = evs
+                .iter()
+                .filter(|e| e["type"] == "response.output_text.delta")
+                .map(|e| e["delta"].as_str().expect("delta"))
+                .collect();
+            assert_eq!(text, whole["output"][0]["content"][0]["text"]);
+            let expect = ["response.output_item.added", "response.content_part.added"];
+            assert_eq!(types[2..4], expect);
+            let tail: Vec<&str> = types[types.len() - 4..].to_vec();
+            assert_eq!(
+                tail[..3],
+                [
+                    "response.output_text.done",
+                    "response.content_part.done",
+                    "response.output_item.done"
+                ]
+            );
+        } else {
+            assert_eq!(
+                types[2..],
+                [
+                    "response.output_item.added",
+                    "response.function_call_arguments.delta",
+                    "response.function_call_arguments.done",
+                    "response.output_item.done",
+                    "response.completed"
+                ]
+            );
+            assert_eq!(evs[4]["arguments"], whole["output"][0]["arguments"]);
+            assert_eq!(evs[5]["item"], done["output"][0]);
+        }
+    }
+}
+
+/// What `/v1/responses` does not implement is a 400 naming the field:
+/// `previous_response_id` (nothing is stored), non-function tools, items
+/// other than messages and function calls, non-text content, unknown roles
+/// and fields, n > 1; an input longer than the context is a 400 about
+/// `input`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn responses_refuse_what_they_do_not_support() {
+    let (_, s) = server();
+    let r = app(s);
+    for (extra, param, needle) in [
+        (
+            json!({"previous_response_id": "resp_1"}),
+            "previous_response_id",
+            "stores no responses",
+        ),
+        (
+            json!({"tools": [{"type": "web_search"}]}),
+            "tools",
+            "only function tools",
+        ),
+        (
+            json!({"input": [{"type": "reasoning", "id": "r", "summary": []}]}),
+            "input",
+            "\"reasoning\"",
+        ),
+        (
+            json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+            "input",
+            "only text content",
+        ),
+        (
+            json!({"input": [{"role": "wizard", "content": "hi"}]}),
+            "input",
+            "\"wizard\"",
+        ),
+        (json!({"input": 3}), "input", "string or a list"),
+        (json!({"n": 2}), "n", "n must be 1"),
+        (
+            json!({"background": true}),
+            "background",
+            "unsupported field `background`",
+        ),
+        (
+            json!({"include": ["file_search_call.results"]}),
+            "include",
+            "not supported",
+        ),
+        (
+            json!({"text": {"format": {"type": "json_schema", "schema": {}}}}),
+            "text.format",
+            "name",
+        ),
+        (
+            json!({"tool_choice": "required"}),
+            "tool_choice",
+            "needs `tools`",
+        ),
+        (
+            json!({"input": "hi ".repeat(600)}),
+            "input",
+            "maximum context length",
+        ),
+    ] {
+        let mut body = responses_body(json!({"input": "hi"}));
+        for (k, v) in extra.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        let (st, v) = post(&r, "/v1/responses", body).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{extra}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let msg = v["error"]["message"].as_str().expect("message");
+        assert!(msg.contains(needle), "{msg}");
+    }
 }

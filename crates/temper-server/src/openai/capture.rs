@@ -126,7 +126,7 @@ pub struct CaptureRecord {
     pub seq: u64,
     /// The response's `id`.
     pub request_id: String,
-    /// `chat.completions` or `completions`.
+    /// `chat.completions`, `responses` or `completions`.
     pub endpoint: String,
     /// The choice's index in the response.
     pub choice: usize,

@@ -9,17 +9,18 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::error::OpenAiError;
 use super::protocol::{max_tokens_field, parse_body, top_logprobs_field, ChatRequest};
 
 use super::capture::{self, EpisodeTag};
-use super::jobs::{collect, prepare, submit};
+use super::jobs::{collect, prepare, submit, Prepared};
 use super::response::{chat_logprobs, usage};
 use super::state::{now_secs, OpenAiState};
 use super::streaming::{sse, StreamKind};
 use super::tools;
-use crate::scheduler::Finished;
+use crate::scheduler::{Event, Finished};
 use crate::structured::Constraint;
 
 /// Tool settings of a chat request, and its output constraint (with the
@@ -186,8 +187,13 @@ fn tool_choice_mode(
     Ok((true, Some(Constraint::ToolCall(schema))))
 }
 
-/// Render the chat prompt.
-fn chat_prompt(s: &OpenAiState, req: &ChatRequest) -> Result<(Vec<u32>, ToolMode), OpenAiError> {
+/// Render the chat prompt; `format` is the output constraint of the
+/// request's JSON mode, if any, and the field it came from.
+fn chat_prompt(
+    s: &OpenAiState,
+    req: &ChatRequest,
+    format: Option<(Constraint, &'static str)>,
+) -> Result<(Vec<u32>, ToolMode), OpenAiError> {
     let tmpl =
         s.inner.model.chat_template.as_ref().ok_or_else(|| {
             OpenAiError::bad("this model has no chat template; use /v1/completions")
@@ -204,20 +210,15 @@ fn chat_prompt(s: &OpenAiState, req: &ChatRequest) -> Result<(Vec<u32>, ToolMode
     }
     let tools = req.tools.clone().filter(|t| !t.is_empty());
     let (parse, tool_constraint) = tool_choice_mode(req.tool_choice.as_ref(), tools.as_ref())?;
-    let format_constraint = match &req.response_format {
-        None => None,
-        Some(f) => response_format_constraint(f)?,
-    };
-    let constraint = match (tool_constraint, format_constraint) {
-        (Some(_), Some(_)) => {
+    let constraint = match (tool_constraint, format) {
+        (Some(_), Some((_, field))) => {
             return Err(OpenAiError::invalid(
-                "response_format",
-                "response_format JSON modes cannot be combined with tool_choice \"required\" or a named function (the output is the tool call)",
+                field,
+                format!("{field} JSON modes cannot be combined with tool_choice \"required\" or a named function (the output is the tool call)"),
             ))
         }
         (Some(t), None) => Some((t, "tool_choice")),
-        (None, Some(f)) => Some((f, "response_format")),
-        (None, None) => None,
+        (None, f) => f,
     };
     if constraint.is_some() && req.sampling.ignore_eos == Some(true) {
         return Err(OpenAiError::invalid(
@@ -256,39 +257,62 @@ fn chat_prompt(s: &OpenAiState, req: &ChatRequest) -> Result<(Vec<u32>, ToolMode
     ))
 }
 
-/// Content parts joined to text; tool-call arguments parsed to objects (what
-/// chat templates expect, as vLLM does).
+/// The roles a chat message may have (OpenAI's; `developer` is rendered as
+/// `system`, as OpenAI defines it for chat models).
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// One message as the chat template expects it (what vLLM passes on): a
+/// known role, `developer` as `system`, content parts joined to text, an
+/// assistant's null or absent content as `""` (templates concatenate it),
+/// tool-call arguments parsed to objects.
 fn normalize_message(i: usize, m: &Value) -> Result<Value, OpenAiError> {
+    let bad = |m: String| OpenAiError::invalid("messages", m);
     let Some(obj) = m.as_object() else {
-        return Err(OpenAiError::invalid(
-            "messages",
-            format!("messages[{i}] must be an object"),
-        ));
+        return Err(bad(format!("messages[{i}] must be an object")));
     };
-    if !obj.get("role").is_some_and(Value::is_string) {
-        return Err(OpenAiError::invalid(
-            "messages",
-            format!("messages[{i}] needs a string `role`"),
-        ));
+    let Some(role) = obj.get("role").and_then(Value::as_str) else {
+        return Err(bad(format!("messages[{i}] needs a string `role`")));
+    };
+    if !ROLES.contains(&role) {
+        return Err(bad(format!(
+            "messages[{i}] has an unknown role {role:?}; the roles are {}",
+            ROLES.join(", ")
+        )));
     }
     let mut obj = obj.clone();
-    if let Some(Value::Array(parts)) = obj.get("content") {
-        let mut text = String::new();
-        for p in parts {
-            match (
-                p.get("type").and_then(Value::as_str),
-                p.get("text").and_then(Value::as_str),
-            ) {
-                (Some("text"), Some(t)) => text.push_str(t),
-                _ => {
-                    return Err(OpenAiError::invalid(
-                        "messages",
-                        format!("messages[{i}]: only text content parts are supported"),
-                    ))
+    if role == "developer" {
+        obj.insert("role".into(), Value::String("system".into()));
+    }
+    match obj.get("content") {
+        Some(Value::String(_)) => {}
+        None | Some(Value::Null) if role == "assistant" => {
+            obj.insert("content".into(), Value::String(String::new()));
+        }
+        None | Some(Value::Null) => {
+            return Err(bad(format!("messages[{i}] ({role}) needs `content`")));
+        }
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    _ => {
+                        return Err(bad(format!(
+                            "messages[{i}]: only text content parts are supported"
+                        )))
+                    }
                 }
             }
+            obj.insert("content".into(), Value::String(text));
         }
-        obj.insert("content".into(), Value::String(text));
+        Some(other) => {
+            return Err(bad(format!(
+                "messages[{i}].content must be a string or a list of text parts, got {other}"
+            )))
+        }
     }
     if let Some(Value::Array(calls)) = obj.get_mut("tool_calls") {
         for c in calls.iter_mut() {
@@ -304,13 +328,23 @@ fn normalize_message(i: usize, m: &Value) -> Result<Value, OpenAiError> {
     Ok(Value::Object(obj))
 }
 
-pub(super) async fn chat_completions(
-    State(s): State<OpenAiState>,
-    episode: EpisodeTag,
-    body: Bytes,
-) -> Result<Response, OpenAiError> {
-    let started = Instant::now();
-    let req: ChatRequest = parse_body(&body)?;
+/// A chat request on its way: queued on the scheduler.
+pub(super) struct ChatRun {
+    pub(super) p: Prepared,
+    /// Whether the output is parsed for tool calls.
+    pub(super) parse_tools: bool,
+    pub(super) rx: UnboundedReceiver<Event>,
+}
+
+/// Check a chat request, render its prompt, compile its output constraint
+/// (`format`: a JSON mode and the field it came from) and queue it: the one
+/// way into the engine for `/v1/chat/completions` and `/v1/responses`.
+pub(super) async fn start_chat(
+    s: &OpenAiState,
+    episode: &EpisodeTag,
+    req: &ChatRequest,
+    format: Option<(Constraint, &'static str)>,
+) -> Result<ChatRun, OpenAiError> {
     let sampling = req.sampling.clone().check(&s.inner.defaults)?;
     let max_tokens = match max_tokens_field("max_completion_tokens", req.max_completion_tokens)? {
         Some(m) => Some(m),
@@ -325,9 +359,9 @@ pub(super) async fn chat_completions(
         ));
     }
     let vllm = req.vllm.clone().check()?;
-    let (prompt, tools) = chat_prompt(&s, &req)?;
+    let (prompt, tools) = chat_prompt(s, req, format)?;
     let mut p = prepare(
-        &s,
+        s,
         &req.model,
         vec![prompt],
         sampling,
@@ -342,16 +376,34 @@ pub(super) async fn chat_completions(
     if let Some((c, param)) = tools.constraint.clone() {
         p.grammar = Some(s.grammar(c, param).await?);
     }
-    let stream = req.stream.unwrap_or(false);
-    let rx = submit(&s, &p, stream)?;
+    let rx = submit(s, &p, req.stream.unwrap_or(false))?;
+    Ok(ChatRun {
+        p,
+        parse_tools: tools.parse,
+        rx,
+    })
+}
+
+pub(super) async fn chat_completions(
+    State(s): State<OpenAiState>,
+    episode: EpisodeTag,
+    body: Bytes,
+) -> Result<Response, OpenAiError> {
+    let started = Instant::now();
+    let req: ChatRequest = parse_body(&body)?;
+    let format = match &req.response_format {
+        None => None,
+        Some(f) => response_format_constraint(f)?.map(|c| (c, "response_format")),
+    };
+    let ChatRun { p, parse_tools, rx } = start_chat(&s, &episode, &req, format).await?;
     let id = s.request_id("chatcmpl");
-    if stream {
+    if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
         return Ok(sse(
             s.clone(),
             rx,
             p,
-            StreamKind::Chat { tools: tools.parse },
+            StreamKind::Chat { tools: parse_tools },
             id,
             include_usage,
             started,
@@ -367,7 +419,7 @@ pub(super) async fn chat_completions(
             Some(r) if p.logprobs => chat_logprobs(&s, &f.tokens, r, p.vllm.tokens_as_ids),
             _ => Value::Null,
         };
-        let (message, finish) = chat_message(&f, tools.parse, &id);
+        let (message, finish) = chat_message(&f, parse_tools, &id);
         capture::record(&s, &p, &id, &f, finish, scores.as_ref(), message.clone())?;
         let mut choice =
             json!({"index": f.index, "message": message, "logprobs": lp, "finish_reason": finish});

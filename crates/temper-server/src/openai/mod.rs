@@ -1,10 +1,10 @@
 //! The OpenAI-compatible inference server: `/v1/chat/completions`,
-//! `/v1/completions`, `/v1/models`, the token-in / token-out `/v1/generate`
-//! for RL and vLLM's `/inference/v1/generate`, vLLM's `/v1/load_lora_adapter`
-//! and `/v1/unload_lora_adapter`, `/health` and Prometheus `/metrics`.
-//! Chat and completions also take vLLM's request extensions `min_tokens`,
-//! `skip_special_tokens`, `cache_salt`, `return_token_ids` and
-//! `return_tokens_as_token_ids`.
+//! `/v1/responses`, `/v1/completions`, `/v1/models`, the token-in / token-out
+//! `/v1/generate` for RL and vLLM's `/inference/v1/generate`, vLLM's
+//! `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, `/health` and
+//! Prometheus `/metrics`. Chat and completions also take vLLM's request
+//! extensions `min_tokens`, `skip_special_tokens`, `cache_salt`,
+//! `return_token_ids` and `return_tokens_as_token_ids`.
 //!
 //! Every generation request becomes [`Job`]s on the continuous-batching
 //! [`Scheduler`]. The `model` field picks the base model or a loaded LoRA
@@ -27,7 +27,8 @@
 //!
 //! One module per concern: `state` (settings, the shared state, adapter
 //! loading), `jobs` (request → scheduler jobs → finished samples, scoring),
-//! `chat`, `completions`, `generate` and `tokens` (one endpoint each), `adapters`
+//! `chat`, `completions`, `generate` and `tokens` (one endpoint each),
+//! `responses` (OpenAI's Responses API, turned into a chat request), `adapters`
 //! (`/v1/models` and LoRA load / unload), `streaming` (server-sent events),
 //! `response` (logprobs and usage), `protocol` (request types), `tools`,
 //! `grammars` (structured-output grammars compiled under bounds, cached) and
@@ -43,6 +44,7 @@ mod grammars;
 mod jobs;
 mod protocol;
 mod response;
+mod responses;
 mod state;
 mod streaming;
 mod tokens;
@@ -64,6 +66,7 @@ use adapters::{list_models, load_lora, unload_lora};
 use chat::chat_completions;
 use completions::completions;
 use generate::generate;
+use responses::responses;
 
 /// The router. `/health` and `/metrics` need no key; `/v1/*` and
 /// `/inference/v1/generate` do when one is configured.
@@ -71,6 +74,7 @@ pub fn app(state: OpenAiState) -> Router {
     let v1 = Router::new()
         .route("/v1/models", get(list_models))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses))
         .route("/v1/completions", post(completions))
         .route("/v1/generate", post(generate))
         .route("/inference/v1/generate", post(tokens::generate_tokens))
@@ -87,6 +91,7 @@ pub fn app(state: OpenAiState) -> Router {
             "/episodes/{episode}/v1/chat/completions",
             post(chat_completions),
         )
+        .route("/episodes/{episode}/v1/responses", post(responses))
         .route("/episodes/{episode}/v1/completions", post(completions))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -149,9 +154,10 @@ async fn auth(
     next.run(req).await
 }
 
-const ROUTES: [&str; 9] = [
+const ROUTES: [&str; 10] = [
     "/v1/models",
     "/v1/chat/completions",
+    "/v1/responses",
     "/v1/completions",
     "/v1/generate",
     "/inference/v1/generate",

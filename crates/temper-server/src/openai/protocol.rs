@@ -142,6 +142,34 @@ impl KnownFields for ChatRequest {
     ];
 }
 
+impl KnownFields for ResponsesRequest {
+    const FIELDS: &'static [&'static str] = &[
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "max_output_tokens",
+        "stream",
+        "text",
+        "include",
+        "top_logprobs",
+        "previous_response_id",
+        "reasoning",
+        "truncation",
+        "parallel_tool_calls",
+        // Neither changes the output: `store` (nothing is stored either
+        // way: see `previous_response_id`) and `metadata` (echoed back).
+        "store",
+        "metadata",
+        // Ids for the provider's abuse monitoring and prompt caching: they
+        // never change the output, so accepting them honours them.
+        "user",
+        "safety_identifier",
+        "prompt_cache_key",
+    ];
+}
+
 impl KnownFields for CompletionRequest {
     const FIELDS: &'static [&'static str] = &[
         "model",
@@ -232,6 +260,46 @@ pub struct ChatRequest {
     #[serde(flatten)]
     pub vllm: VllmFields,
     /// Sampling.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// `POST /v1/responses` (OpenAI's Responses API; checked and turned into a
+/// chat request by `responses`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ResponsesRequest {
+    /// Base model name or adapter name.
+    pub model: String,
+    /// A string (one user message) or a list of input items.
+    pub input: Value,
+    /// A system message put before the input.
+    pub instructions: Option<String>,
+    /// Function tools, in the Responses API's flat shape.
+    pub tools: Option<Vec<Value>>,
+    /// `"auto"` / `"none"` / `"required"` / `{"type": "function", "name": ...}`.
+    pub tool_choice: Option<Value>,
+    /// Completion-length cap.
+    pub max_output_tokens: Option<i64>,
+    /// Server-sent events.
+    pub stream: Option<bool>,
+    /// `{"format": {"type": "text" | "json_object" | "json_schema", ...}}`.
+    pub text: Option<Value>,
+    /// Extra output: `message.output_text.logprobs`.
+    pub include: Option<Vec<String>>,
+    /// Alternatives per position (0..=20).
+    pub top_logprobs: Option<i64>,
+    /// Refused: no response is stored.
+    pub previous_response_id: Option<String>,
+    /// Only null (no reasoning items are produced).
+    pub reasoning: Option<Value>,
+    /// Only `"disabled"` (an input that does not fit is an error).
+    pub truncation: Option<String>,
+    /// Only true (the model may call several tools at once).
+    pub parallel_tool_calls: Option<bool>,
+    /// Echoed back in the response.
+    pub metadata: Option<Map<String, Value>>,
+    /// Sampling (`temperature`, `top_p`, and the vLLM extensions the other
+    /// routes take; `n` must be 1).
     #[serde(flatten)]
     pub sampling: SamplingFields,
 }

@@ -1,5 +1,6 @@
 //! Server-sent events: chunks per choice as text arrives, logprobs and
-//! tool calls with the last chunk, then `[DONE]`. With vLLM's
+//! tool calls with the last chunk, then `[DONE]`; for `/v1/responses`, the
+//! Responses API's typed events instead (see `responses`). With vLLM's
 //! `return_token_ids`, the prompt's ids come with the first chunk (chat: of
 //! the stream; completions: of each choice) and a choice's generated ids
 //! with its last chunk.
@@ -20,13 +21,29 @@ use super::capture;
 use super::chat::chat_message;
 use super::jobs::Prepared;
 use super::response::{chat_logprobs, completion_logprobs, usage};
+use super::responses::{output_logprobs, ResponsesStream};
 use super::state::{now_secs, OpenAiState};
 use super::tools;
 use crate::scheduler::Event;
 
 pub(super) enum StreamKind {
-    Chat { tools: bool },
+    Chat {
+        tools: bool,
+    },
     Completion,
+    /// `/v1/responses`: its own typed events (one choice).
+    Responses(Box<ResponsesStream>),
+}
+
+impl StreamKind {
+    /// Whether the output is parsed for tool calls.
+    fn tools(&self) -> bool {
+        match self {
+            StreamKind::Chat { tools } => *tools,
+            StreamKind::Responses(r) => r.parse_tools,
+            StreamKind::Completion => false,
+        }
+    }
 }
 
 struct ChoiceState {
@@ -67,8 +84,8 @@ struct StreamState {
 impl StreamState {
     pub(super) fn chunk(&mut self, mut choices: Value, usage: Option<Value>) -> Bytes {
         let object = match self.kind {
-            StreamKind::Chat { .. } => "chat.completion.chunk",
             StreamKind::Completion => "text_completion",
+            _ => "chat.completion.chunk",
         };
         let ids = self.p.vllm.return_token_ids;
         if let (true, StreamKind::Completion, Some(list)) =
@@ -101,7 +118,7 @@ impl StreamState {
 
     /// Send content for choice `i` up to what may be shown now.
     fn push_content(&mut self, i: usize, final_text: Option<&str>) {
-        let tools = matches!(self.kind, StreamKind::Chat { tools: true });
+        let tools = self.kind.tools();
         let c = &self.choices[i];
         let text: &str = final_text.unwrap_or(&c.text);
         // Mid-stream with tools on, hold back a possible `<tool_call>` and
@@ -117,7 +134,12 @@ impl StreamState {
         }
         let delta = text[c.sent..end].to_string();
         self.choices[i].sent = end;
-        let choice = match self.kind {
+        let choice = match &mut self.kind {
+            StreamKind::Responses(r) => {
+                let events = r.text_delta(&delta);
+                self.queue.extend(events);
+                return;
+            }
             StreamKind::Chat { .. } => {
                 let mut d = json!({"content": delta});
                 if !self.choices[i].started {
@@ -159,13 +181,15 @@ impl StreamState {
                 self.left -= 1;
                 self.completion_tokens += f.tokens.len();
                 let scores = capture::score_choice(&self.s, &self.p, &f, false).await?;
+                // Chat and Responses: the assistant message (tool calls parsed).
+                let chat = match self.kind {
+                    StreamKind::Completion => None,
+                    _ => Some(chat_message(&f, self.kind.tools(), &self.id)),
+                };
                 if self.p.capture.is_some() {
-                    let (response, finish) = match self.kind {
-                        StreamKind::Chat { tools } => chat_message(&f, tools, &self.id),
-                        StreamKind::Completion => {
-                            (json!({"text": f.text}), f.finish_reason.as_str())
-                        }
-                    };
+                    let (response, finish) = chat
+                        .clone()
+                        .unwrap_or_else(|| (json!({"text": f.text}), f.finish_reason.as_str()));
                     capture::record(
                         &self.s,
                         &self.p,
@@ -177,33 +201,32 @@ impl StreamState {
                     )?;
                 }
                 let as_ids = self.p.vllm.tokens_as_ids;
-                let lp = if let (true, Some(r)) = (self.p.logprobs, scores) {
-                    match self.kind {
-                        StreamKind::Chat { .. } => chat_logprobs(&self.s, &f.tokens, &r, as_ids),
-                        StreamKind::Completion => {
-                            let e: Vec<_> = r
-                                .logprobs
-                                .iter()
-                                .zip(r.top)
-                                .map(|(&l, t)| Some((l, t)))
-                                .collect();
-                            completion_logprobs(&self.s, &f.tokens, &e, 0, as_ids)
-                        }
-                    }
-                } else {
-                    Value::Null
+                // The final text goes out whole: what was held back, too.
+                let final_text = match &chat {
+                    Some((m, _)) => m.get("content").and_then(Value::as_str).unwrap_or(""),
+                    None => f.text.as_str(),
                 };
-                let last = match self.kind {
-                    StreamKind::Chat { tools } => {
-                        let (message, finish) = chat_message(&f, tools, &self.id);
-                        let content = message
-                            .get("content")
-                            .and_then(Value::as_str)
-                            .unwrap_or("")
-                            .to_string();
-                        if content.starts_with(self.choices[i].sent_text()) {
-                            self.push_content(i, Some(&content));
+                if final_text.starts_with(self.choices[i].sent_text()) {
+                    self.push_content(i, Some(final_text));
+                }
+                let responses = matches!(self.kind, StreamKind::Responses(_));
+                let last = match chat {
+                    Some((message, finish)) if responses => {
+                        let lp = output_logprobs(&self.s, &self.p, &f, scores.as_ref());
+                        if let StreamKind::Responses(r) = &mut self.kind {
+                            let events =
+                                r.finish(&message, finish, lp.as_ref(), f.tokens.len(), &self.p);
+                            self.queue.extend(events);
                         }
+                        None
+                    }
+                    Some((message, finish)) => {
+                        let lp = match scores {
+                            Some(r) if self.p.logprobs => {
+                                chat_logprobs(&self.s, &f.tokens, &r, as_ids)
+                            }
+                            _ => Value::Null,
+                        };
                         let mut delta = json!({});
                         if !self.choices[i].started {
                             delta["role"] = json!("assistant");
@@ -221,34 +244,51 @@ impl StreamState {
                                 .collect();
                             delta["tool_calls"] = Value::Array(calls);
                         }
-                        json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+                        Some(
+                            json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]),
+                        )
                     }
-                    StreamKind::Completion => {
-                        if f.text.starts_with(self.choices[i].sent_text()) {
-                            self.push_content(i, Some(&f.text));
-                        }
-                        json!([{"index": i, "text": "", "logprobs": lp, "finish_reason": f.finish_reason.as_str()}])
+                    None => {
+                        let lp = match scores {
+                            Some(r) if self.p.logprobs => {
+                                let e: Vec<_> = r
+                                    .logprobs
+                                    .iter()
+                                    .zip(r.top)
+                                    .map(|(&l, t)| Some((l, t)))
+                                    .collect();
+                                completion_logprobs(&self.s, &f.tokens, &e, 0, as_ids)
+                            }
+                            _ => Value::Null,
+                        };
+                        Some(
+                            json!([{"index": i, "text": "", "logprobs": lp, "finish_reason": f.finish_reason.as_str()}]),
+                        )
                     }
                 };
-                let mut last = last;
-                if self.p.vllm.return_token_ids {
-                    last[0]["token_ids"] = json!(f.tokens);
+                if let Some(mut last) = last {
+                    if self.p.vllm.return_token_ids {
+                        last[0]["token_ids"] = json!(f.tokens);
+                    }
+                    let b = self.chunk(last, None);
+                    self.queue.push_back(b);
                 }
-                let b = self.chunk(last, None);
-                self.queue.push_back(b);
                 if self.left == 0 {
                     self.s
                         .inner
                         .metrics
                         .latency
                         .observe(self.started.elapsed().as_secs_f64());
-                    if self.include_usage {
-                        let u = usage(self.p.prompt_tokens(), self.completion_tokens);
-                        let b = self.chunk(json!([]), Some(u));
-                        self.queue.push_back(b);
+                    // The Responses API ends with `response.completed`.
+                    if !responses {
+                        if self.include_usage {
+                            let u = usage(self.p.prompt_tokens(), self.completion_tokens);
+                            let b = self.chunk(json!([]), Some(u));
+                            self.queue.push_back(b);
+                        }
+                        self.queue
+                            .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
                     }
-                    self.queue
-                        .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
                     self.finished = true;
                 }
                 Ok(())
@@ -271,7 +311,7 @@ pub(super) fn sse(
     started: Instant,
 ) -> Response {
     let total = p.total_choices();
-    let state = StreamState {
+    let mut state = StreamState {
         s,
         rx,
         kind,
@@ -295,6 +335,10 @@ pub(super) fn sse(
         prompt_ids_sent: false,
         p,
     };
+    if let StreamKind::Responses(r) = &mut state.kind {
+        let events = r.open();
+        state.queue.extend(events);
+    }
     let stream = futures_util::stream::unfold(Some(state), |st| async move {
         let mut st = st?;
         loop {
@@ -312,16 +356,24 @@ pub(super) fn sse(
                 None => OpenAiError::Internal("the engine dropped a request".into()),
             };
             // Headers are sent: report the failure in-band and end the stream.
-            let body = match failure {
-                OpenAiError::BadRequest { message, code, .. } => {
-                    json!({"error": {"message": message, "type": "invalid_request_error", "code": code}})
+            let b = match (&mut st.kind, failure) {
+                (StreamKind::Responses(r), e) => {
+                    if !matches!(e, OpenAiError::BadRequest { .. }) {
+                        tracing::error!("stream failed: {e}");
+                    }
+                    r.failed(&e)
                 }
-                other => {
+                (_, OpenAiError::BadRequest { message, code, .. }) => {
+                    let body = json!({"error": {"message": message, "type": "invalid_request_error", "code": code}});
+                    Bytes::from(format!("data: {body}\n\n"))
+                }
+                (_, other) => {
                     tracing::error!("stream failed: {other}");
-                    json!({"error": {"message": "internal error (see the server log)", "type": "server_error"}})
+                    let body = json!({"error": {"message": "internal error (see the server log)", "type": "server_error"}});
+                    Bytes::from(format!("data: {body}\n\n"))
                 }
             };
-            return Some((Ok(Bytes::from(format!("data: {body}\n\n"))), None));
+            return Some((Ok(b), None));
         }
     });
     Response::builder()
