@@ -2273,16 +2273,31 @@ async fn responses_answer_as_chat_completions_would() {
         v["output"][0]["content"][0]["text"],
         chat["choices"][0]["message"]["content"]
     );
-    // Token capture works as for chat (per-episode base URL).
-    let (st, v) = post(
-        &r,
-        "/episodes/resp-ep/v1/responses",
-        responses_body(json!({"input": "hello"})),
-    )
-    .await;
+    // Token capture works as for chat (per-episode base URL, the episode's
+    // token as the bearer).
+    let (st, ep) = post(&r, "/v1/episodes", json!(null)).await;
+    assert_eq!(st, StatusCode::OK, "{ep}");
+    let (id, token) = (
+        ep["id"].as_str().expect("id"),
+        ep["token"].as_str().expect("token"),
+    );
+    let with_token =
+        |req: axum::http::request::Builder| req.header("authorization", format!("Bearer {token}"));
+    let req = with_token(Request::post(format!("/episodes/{id}/v1/responses")))
+        .header("content-type", "application/json")
+        .body(Body::from(
+            responses_body(json!({"input": "hello"})).to_string(),
+        ))
+        .expect("request");
+    let (st, bytes) = send(&r, req).await;
+    let v: Value = serde_json::from_slice(&bytes).expect("json");
     assert_eq!(st, StatusCode::OK, "{v}");
-    let rec = &serde_json::from_str::<Value>(&get_text(&r, "/v1/episodes/resp-ep").await)
-        .expect("episode json")["records"][0];
+    let req = with_token(Request::get(format!("/v1/episodes/{id}")))
+        .body(Body::empty())
+        .expect("request");
+    let (st, bytes) = send(&r, req).await;
+    assert_eq!(st, StatusCode::OK);
+    let rec = &serde_json::from_slice::<Value>(&bytes).expect("episode json")["records"][0];
     assert_eq!(rec["endpoint"], "responses");
     assert_eq!(rec["request_id"], v["id"]);
     assert_eq!(
