@@ -206,6 +206,66 @@ def main():
         tc.forward_backward([datum], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
+    @check("gspo, as tinker-cookbook's rl_loop sends it, matches its definition")
+    def _():
+        tc = state["tc"]
+        n, ob = len(tokens) - 1, 5
+        p = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        # Off-policy sampler logprobs; prompt positions carry no advantage and
+        # stay outside the sequence ratio, as rl_loop builds them.
+        q = [0.0] * ob + [p[i] + (0.3 if i % 2 else -0.2) for i in range(ob, n)]
+        mask = [0.0] * ob + [1.0] * (n - ob)
+
+        def gspo_datum(a):
+            adv = [0.0] * ob + [a] * (n - ob)
+            return adv, types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": q,
+                                "advantages": adv, "sequence_ratio_mask": mask})
+
+        # The sequence ratio is about 0.95: inside the default clip, and below
+        # the tight one, where a negative advantage takes the clipped term.
+        for lo, hi, a in [(0.8, 1.2, 0.7), (0.99, 1.01, -0.7)]:
+            adv, d = gspo_datum(a)
+            cfg = {"clip_low_threshold": lo, "clip_high_threshold": hi}
+            out = tc.forward([d], "gspo", loss_fn_config=cfg).result()
+            p2 = out.loss_fn_outputs[0]["logprobs"].tolist()
+            s = math.exp(sum(p2[i] - q[i] for i in range(ob, n)) / (n - ob))
+            want = -sum(min(s * a, min(max(s, lo), hi) * a) for a in adv)
+            got = out.metrics["loss:sum"]
+            assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-6), (lo, hi, got, want)
+        tc.forward_backward([d], "gspo").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+    @check("what temper cannot honour is refused by name, never ignored")
+    def _():
+        tc = state["tc"]
+        ok = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                         loss_fn_inputs={"target_tokens": tokens[1:],
+                                         "logprobs": [-1.0] * (len(tokens) - 1),
+                                         "advantages": [1.0] * (len(tokens) - 1)})
+
+        def refused(call, *words):
+            try:
+                call()
+            except Exception as e:  # a failed future or a 400, by the SDK's path
+                assert all(w in str(e) for w in words), (words, e)
+                return
+            raise AssertionError(f"expected a refusal naming {words}")
+
+        refused(lambda: tc.forward_backward([ok], "stable_reinforce").result(),
+                "stable_reinforce", "not supported")
+        refused(lambda: tc.forward_backward([ok], "gspo").result(), "sequence_ratio_mask")
+        refused(lambda: tc.forward_backward([ok], "ppo", loss_fn_config={"kl_coeff": 0.1}).result(),
+                "kl_coeff")
+        smp = tc.save_weights_and_get_sampling_client(record_stability_info=True)
+        smp = smp.result() if hasattr(smp, "result") else smp
+        refused(lambda: smp.sample(types.ModelInput.from_ints(tokens[:8]), 1,
+                                   types.SamplingParams(max_tokens=2)).result(),
+                "record_stability_info")
+        tc.forward_backward([ok], "ppo").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
     @check("get_tokenizer loads the model's own tokenizer offline")
     def _():
         tok = state["tc"].get_tokenizer()

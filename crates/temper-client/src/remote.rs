@@ -375,6 +375,7 @@ fn encode_forward_backward(
                 ("weights", &li.weights),
                 ("logprobs", &li.logprobs),
                 ("advantages", &li.advantages),
+                ("sequence_ratio_mask", &li.sequence_ratio_mask),
             ] {
                 if let Some(v) = v {
                     inputs.insert(k.to_string(), tensor_f32(v));

@@ -249,6 +249,7 @@ async fn over_http_the_trainer_scores_the_sampling_temperature_exactly() {
                 weights: None,
                 logprobs: Some(sampled),
                 advantages: Some(vec![1.0; n]),
+                sequence_ratio_mask: None,
                 temperature: Some(t),
             },
         };

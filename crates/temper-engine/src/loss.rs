@@ -9,6 +9,16 @@
 //! | `ppo` | `−min(r · A, clip(r, lo, hi) · A)` |
 //! | `cispo` | `−sg(clip(r, lo, hi)) · p · A` (sg = stop-gradient) |
 //! | `dro` | `−(p · A − ½ β (p − q)²)` |
+//! | `gspo` | `−min(s_t · A, clip(s_t, lo, hi) · A)`, `s_t = exp(mean_M(sg(p) − q) + p − sg(p))` |
+//!
+//! `gspo` (GSPO-token, Zheng et al. 2025, as Tinker defines it) gives every
+//! token the value of the sequence ratio `s` (the geometric mean of `r` over
+//! the positions `M` that `sequence_ratio_mask` marks) with the gradient of
+//! its own logprob.
+//!
+//! Tinker's `stable_reinforce` is not here: Tinker has not published its
+//! objective, only that it uses information the sampler records, so
+//! [`Loss::from_name`] refuses it by name rather than guess.
 //!
 //! A [`Loss::Custom`] receives each datum's logprob tensor and returns a
 //! scalar loss built from differentiable ops.
@@ -30,6 +40,8 @@ pub struct LossInputs {
     pub logprobs: Option<Vec<f32>>,
     /// Per-token advantages `A` (RL losses).
     pub advantages: Option<Vec<f32>>,
+    /// Positions whose ratio enters `gspo`'s sequence ratio (non-zero = in).
+    pub sequence_ratio_mask: Option<Vec<f32>>,
     /// Temperature `T` the learner scores at: `p = log softmax(logits / T)`.
     /// Set it to the sampling temperature the `logprobs` were drawn at, so the
     /// importance ratio compares the same distribution on both sides (the
@@ -75,6 +87,13 @@ pub enum Loss {
         /// Quadratic penalty strength (e.g. 0.05).
         beta: f64,
     },
+    /// `−Σ min(s_t·A, clip(s_t, lo, hi)·A)` with the sequence ratio `s_t`.
+    Gspo {
+        /// Lower clip of the sequence ratio.
+        clip_low: f64,
+        /// Upper clip of the sequence ratio.
+        clip_high: f64,
+    },
     /// A user function.
     Custom(CustomLoss),
 }
@@ -100,12 +119,13 @@ pub const DEFAULT_DRO_BETA: f64 = 0.05;
 
 impl Loss {
     /// Every loss by its Tinker name (the names [`Loss::from_name`] takes).
-    pub const NAMES: [&'static str; 5] = [
+    pub const NAMES: [&'static str; 6] = [
         "cross_entropy",
         "importance_sampling",
         "ppo",
         "cispo",
         "dro",
+        "gspo",
     ];
 
     /// Its Tinker name (`custom` for a user function, which has none on the wire).
@@ -116,6 +136,7 @@ impl Loss {
             Loss::Ppo { .. } => "ppo",
             Loss::Cispo { .. } => "cispo",
             Loss::Dro { .. } => "dro",
+            Loss::Gspo { .. } => "gspo",
             Loss::Custom(_) => "custom",
         }
     }
@@ -131,6 +152,10 @@ impl Loss {
             | Loss::Cispo {
                 clip_low,
                 clip_high,
+            }
+            | Loss::Gspo {
+                clip_low,
+                clip_high,
             } => vec![
                 ("clip_low_threshold", *clip_low),
                 ("clip_high_threshold", *clip_high),
@@ -141,28 +166,97 @@ impl Loss {
     }
 
     /// The loss by its Tinker name, with `loss_fn_config` values where it
-    /// has any (the `DEFAULT_*` constants where `config` has none).
+    /// has any (the `DEFAULT_*` constants where `config` has none). A key the
+    /// loss does not take, or a value that is not a number, is an error: a
+    /// setting the client believes applied must not be dropped. `temperature`
+    /// is the caller's (see [`LossInputs::temperature`]) and passes here.
     pub fn from_name(
         name: &str,
         config: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<Loss> {
+        let keys: &[&str] = match name {
+            "ppo" | "cispo" | "gspo" => &["clip_low_threshold", "clip_high_threshold"],
+            "dro" => &["beta"],
+            _ => &[],
+        };
+        for (k, v) in config {
+            if k == "temperature" {
+                continue;
+            }
+            if !keys.contains(&k.as_str()) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "loss {name:?} takes no loss_fn_config key {k:?} (it takes: {})",
+                    if keys.is_empty() {
+                        "none".to_string()
+                    } else {
+                        keys.join(", ")
+                    }
+                )));
+            }
+            if !v.as_f64().is_some_and(f64::is_finite) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "loss_fn_config {k} must be a finite number, got {v}"
+                )));
+            }
+        }
         let num = |k: &str, default: f64| -> f64 {
             config.get(k).and_then(|v| v.as_f64()).unwrap_or(default)
+        };
+        let clip = || -> Result<(f64, f64)> {
+            let (lo, hi) = (
+                num("clip_low_threshold", DEFAULT_CLIP_LOW),
+                num("clip_high_threshold", DEFAULT_CLIP_HIGH),
+            );
+            if lo > hi {
+                return Err(EngineError::InvalidRequest(format!(
+                    "clip_low_threshold {lo} is above clip_high_threshold {hi}"
+                )));
+            }
+            Ok((lo, hi))
         };
         Ok(match name {
             "cross_entropy" => Loss::CrossEntropy,
             "importance_sampling" => Loss::ImportanceSampling,
-            "ppo" => Loss::Ppo {
-                clip_low: num("clip_low_threshold", DEFAULT_CLIP_LOW),
-                clip_high: num("clip_high_threshold", DEFAULT_CLIP_HIGH),
-            },
-            "cispo" => Loss::Cispo {
-                clip_low: num("clip_low_threshold", DEFAULT_CLIP_LOW),
-                clip_high: num("clip_high_threshold", DEFAULT_CLIP_HIGH),
-            },
+            "ppo" => {
+                let (clip_low, clip_high) = clip()?;
+                Loss::Ppo {
+                    clip_low,
+                    clip_high,
+                }
+            }
+            "cispo" => {
+                let (clip_low, clip_high) = clip()?;
+                Loss::Cispo {
+                    clip_low,
+                    clip_high,
+                }
+            }
+            "gspo" => {
+                let (clip_low, clip_high) = clip()?;
+                Loss::Gspo {
+                    clip_low,
+                    clip_high,
+                }
+            }
             "dro" => Loss::Dro {
                 beta: num("beta", DEFAULT_DRO_BETA),
             },
+            "stable_reinforce" => {
+                return Err(EngineError::InvalidRequest(
+                    "loss \"stable_reinforce\" is not supported: Tinker has not published its \
+                     objective (only that it trains on information the sampler records with \
+                     record_stability_info), so temper cannot compute it; use gspo, ppo, cispo \
+                     or importance_sampling (tinker-cookbook: loss_fn=gspo)"
+                        .into(),
+                ))
+            }
+            "custom" => {
+                return Err(EngineError::InvalidRequest(
+                    "loss \"custom\" (a loss traced and uploaded to the server) is not \
+                     supported; forward_backward_custom's client-side path works"
+                        .into(),
+                ))
+            }
             other => {
                 return Err(EngineError::InvalidRequest(format!(
                     "unknown loss {other:?} ({})",
@@ -215,6 +309,18 @@ impl Loss {
                 need("logprobs", &inputs.logprobs)?;
                 need("advantages", &inputs.advantages)
             }
+            Loss::Gspo { .. } => {
+                need("logprobs", &inputs.logprobs)?;
+                need("advantages", &inputs.advantages)?;
+                need("sequence_ratio_mask", &inputs.sequence_ratio_mask)?;
+                // The sequence ratio is a mean over the marked positions.
+                match &inputs.sequence_ratio_mask {
+                    Some(m) if m.iter().all(|&x| x == 0.0) => Err(EngineError::InvalidRequest(
+                        "sequence_ratio_mask marks no position".into(),
+                    )),
+                    _ => Ok(()),
+                }
+            }
         }
     }
 
@@ -263,6 +369,26 @@ impl Loss {
                 let d = (p - vec(&inputs.logprobs, 0.0)?)?;
                 let term = ((p * a)? - d.sqr()?.affine(0.5 * beta, 0.0)?)?;
                 (term * &w)?.sum_all()?.neg()?
+            }
+            Loss::Gspo {
+                clip_low,
+                clip_high,
+            } => {
+                let a = vec(&inputs.advantages, 0.0)?;
+                let mask = vec(&inputs.sequence_ratio_mask, 1.0)?
+                    .ne(0f32)?
+                    .to_dtype(p.dtype())?;
+                let marked = mask.sum_all()?;
+                // mean over M of (sg(p) − q): the sequence log-ratio, a constant.
+                let log_s = ((p.detach() - vec(&inputs.logprobs, 0.0)?)? * &mask)?
+                    .sum_all()?
+                    .div(&marked)?;
+                // value exp(log_s), gradient of the token's own logprob.
+                let s_t = (p - p.detach())?.broadcast_add(&log_s)?.exp()?;
+                let unclipped = (&s_t * &a)?;
+                let clipped = (s_t.clamp(*clip_low as f32, *clip_high as f32)? * &a)?;
+                let m = unclipped.minimum(&clipped)?;
+                (m * &w)?.sum_all()?.neg()?
             }
             Loss::Custom(f) => f(p, inputs)?,
         };

@@ -54,6 +54,7 @@ fn losses_match_hand_computed_values() {
         weights: None,
         logprobs: Some(vec![-1.5, -1.0]),
         advantages: Some(vec![1.0, -2.0]),
+        sequence_ratio_mask: None,
         temperature: None,
     };
     let r = [0.5f64.exp(), (-1.0f64).exp()];
@@ -237,6 +238,7 @@ fn importance_sampling_rl_raises_reward() {
                         weights: None,
                         logprobs: Some(logprobs),
                         advantages: Some(adv),
+                        sequence_ratio_mask: None,
                         temperature: None,
                     },
                 }
@@ -549,6 +551,7 @@ fn rl_datum(prompt: &[u32], tokens: &[u32], q: &[f32], temperature: f64) -> Datu
             weights: Some(weights),
             logprobs: Some(logprobs),
             advantages: Some(vec![1.0; n]),
+            sequence_ratio_mask: None,
             temperature: Some(temperature),
         },
     }

@@ -142,6 +142,7 @@ impl TrainSeq {
                 weights: None,
                 logprobs: Some(logprobs_t),
                 advantages: Some(advantages_t),
+                sequence_ratio_mask: None,
                 // Score at the temperature the sampler drew at.
                 temperature: Some(self.temperature),
             },

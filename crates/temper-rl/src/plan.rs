@@ -242,14 +242,20 @@ pub(crate) fn check_env_weights(weights: &[f64]) -> Result<()> {
 /// `[trainer] loss` as a [`Loss`]: the policy-gradient losses only (the
 /// names and clip defaults are temper-engine's).
 fn rl_loss(t: &RlTrainerSection) -> Result<Loss> {
-    let config = serde_json::Map::from_iter([
-        ("clip_low_threshold".to_string(), t.clip_low.into()),
-        ("clip_high_threshold".to_string(), t.clip_high.into()),
-    ]);
     let rl = ["importance_sampling", "ppo", "cispo"];
     if !rl.contains(&t.loss.as_str()) {
         return bad(format!("trainer.loss {:?}: use {}", t.loss, rl.join(", ")));
     }
+    // Only the clipped losses take clip thresholds (the engine refuses keys a
+    // loss does not take).
+    let config = if t.loss == "importance_sampling" {
+        serde_json::Map::new()
+    } else {
+        serde_json::Map::from_iter([
+            ("clip_low_threshold".to_string(), t.clip_low.into()),
+            ("clip_high_threshold".to_string(), t.clip_high.into()),
+        ])
+    };
     Loss::from_name(&t.loss, &config).map_err(|e| RlError::Config(format!("trainer.loss: {e}")))
 }
 

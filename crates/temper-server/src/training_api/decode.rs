@@ -83,8 +83,13 @@ pub(super) fn datum_from_proto(d: &proto::Datum) -> std::result::Result<Datum, S
             "weights" => inputs.weights = Some(finite(name, floats()?)?),
             "logprobs" => inputs.logprobs = Some(finite(name, floats()?)?),
             "advantages" => inputs.advantages = Some(finite(name, floats()?)?),
-            // Per-datum clip thresholds are read from loss_fn_config instead.
-            "clip_low_threshold" | "clip_high_threshold" => {}
+            "sequence_ratio_mask" => inputs.sequence_ratio_mask = Some(finite(name, floats()?)?),
+            // Ignoring them would train with thresholds the client did not ask for.
+            "clip_low_threshold" | "clip_high_threshold" => {
+                return Err(format!(
+                    "per-datum {name} is not supported; set it in loss_fn_config"
+                ))
+            }
             other => return Err(format!("unsupported loss_fn_inputs key {other:?}")),
         }
     }

@@ -118,6 +118,54 @@ struct ASample {
     sampling_params: SamplingParamsJson,
     #[serde(default)]
     prompt_logprobs: bool,
+    /// The SDK's options temper does not implement: sent at their defaults
+    /// they ask for nothing; set, they are refused by name (see [`refused`]).
+    #[serde(default)]
+    record_stability_info: Option<bool>,
+    #[serde(default)]
+    topk_prompt_logprobs: Option<i64>,
+    #[serde(default)]
+    topk_sample_logprobs: Option<i64>,
+    #[serde(default)]
+    target_prompt_logprobs: Option<Value>,
+    #[serde(default)]
+    prompt_alt_tokens_k: Option<i64>,
+    #[serde(default)]
+    prompt_logprobs_last_n: Option<i64>,
+}
+
+/// The first SDK sampling option `r` sets that temper cannot honour, with why;
+/// answering without it would hand the client less than it asked for.
+fn refused(r: &ASample) -> Option<String> {
+    if r.record_stability_info == Some(true) {
+        return Some(
+            "record_stability_info is not supported: temper records no stability info, as it \
+             does not implement stable_reinforce (Tinker has not published its objective); \
+             sample without it and train with gspo, ppo, cispo or importance_sampling"
+                .into(),
+        );
+    }
+    let set = |v: Option<i64>| v.is_some_and(|k| k != 0);
+    for (name, on) in [
+        ("topk_prompt_logprobs", set(r.topk_prompt_logprobs)),
+        ("topk_sample_logprobs", set(r.topk_sample_logprobs)),
+        ("prompt_alt_tokens_k", set(r.prompt_alt_tokens_k)),
+        ("prompt_logprobs_last_n", r.prompt_logprobs_last_n.is_some()),
+        (
+            "target_prompt_logprobs",
+            r.target_prompt_logprobs
+                .as_ref()
+                .is_some_and(|v| !v.is_null()),
+        ),
+    ] {
+        if on {
+            return Some(format!(
+                "{name} is not supported (temper returns each sampled token's logprob, \
+                 and the prompt's with prompt_logprobs)"
+            ));
+        }
+    }
+    None
 }
 
 fn one() -> usize {
@@ -229,6 +277,9 @@ pub(super) async fn asample(
     }
     if r.num_samples == 0 {
         return Err(ApiError::BadRequest("num_samples must be >= 1".into()));
+    }
+    if let Some(why) = refused(&r) {
+        return Err(ApiError::BadRequest(why));
     }
     let (key, base) = {
         let t = s.tables();
