@@ -299,7 +299,9 @@ fn humaneval_publishes_to_a_hub_and_pulls_back_identical() {
 
 /// A hub that lies: `evil/thing` resolves (with the true digest) to the
 /// archive of another package, `acme/huge` declares 2^50 bytes, and
-/// `acme/flood` sends zeros with no length until the client hangs up.
+/// `acme/flood` sends zeros with no length until the client hangs up. Each
+/// answer closes its connection (and says so: a client reusing it would be
+/// reset).
 fn lying_hub(archive: Vec<u8>, digest: String) -> String {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -327,7 +329,9 @@ fn lying_hub(archive: Vec<u8>, digest: String) -> String {
                     .find(|id| line.contains(&format!("/packages/{id}/")))
                     .and_then(|id| id.split_once('/'))
                 else {
-                    let _ = s.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n");
+                    let _ = s.write_all(
+                        b"HTTP/1.1 404 Not Found\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+                    );
                     return;
                 };
                 if line.contains("/resolve") {
@@ -340,18 +344,18 @@ fn lying_hub(archive: Vec<u8>, digest: String) -> String {
                     .to_string();
                     let _ = write!(
                         s,
-                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{json}",
+                        "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{json}",
                         json.len()
                     );
                     return;
                 }
                 let head = match name {
                     "thing" => format!(
-                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                        "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
                         archive.len()
                     ),
-                    "huge" => "HTTP/1.1 200 OK\r\nContent-Length: 1125899906842624\r\n\r\n".into(),
-                    _ => "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".into(),
+                    "huge" => "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1125899906842624\r\n\r\n".into(),
+                    _ => "HTTP/1.1 200 OK\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n".into(),
                 };
                 if s.write_all(head.as_bytes()).is_err() {
                     return;
