@@ -20,13 +20,11 @@ import json
 import os
 import subprocess
 import sys
-import time
-import traceback
 import urllib.request
 from typing import Literal
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_openai_server import API_KEY, MODEL, MODEL_DIR, ROOT, start_server  # noqa: E402
+from test_openai_server import API_KEY, MODEL, MODEL_DIR, ROOT, checker, start_server  # noqa: E402
 
 WEATHER_TOOL = {
     "type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -49,19 +47,7 @@ def main():
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
     results = []
 
-    def check(name):
-        def wrap(fn):
-            t0 = time.time()
-            try:
-                fn()
-                results.append((name, True))
-                print(f"ok   {name} ({time.time() - t0:.2f}s)")
-            except Exception:
-                results.append((name, False))
-                print(f"FAIL {name}")
-                traceback.print_exc()
-            return fn
-        return wrap
+    check = checker(results)
 
     class Answer(pydantic.BaseModel):
         verdict: Literal["sunny", "rainy", "unknown"]

@@ -69,6 +69,25 @@ def post_json(url, path, body, key=API_KEY):
         return json.loads(r.read())
 
 
+def checker(results):
+    """A decorator that runs a check at once, prints ok / FAIL with its time
+    and records (name, passed) in `results`."""
+    def check(name):
+        def wrap(fn):
+            t0 = time.time()
+            try:
+                fn()
+                results.append((name, True))
+                print(f"ok   {name} ({time.time() - t0:.2f}s)")
+            except Exception:
+                results.append((name, False))
+                print(f"FAIL {name}")
+                traceback.print_exc()
+            return fn
+        return wrap
+    return check
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--temper", default=os.path.join(ROOT, "target", "debug", "temper"))
@@ -84,19 +103,7 @@ def main():
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
     results = []
 
-    def check(name):
-        def wrap(fn):
-            t0 = time.time()
-            try:
-                fn()
-                results.append((name, True))
-                print(f"ok   {name} ({time.time() - t0:.2f}s)")
-            except Exception:
-                results.append((name, False))
-                print(f"FAIL {name}")
-                traceback.print_exc()
-            return fn
-        return wrap
+    check = checker(results)
 
     user = [{"role": "user", "content": "Say something."}]
 
