@@ -469,23 +469,15 @@ impl FsBlobs {
 impl BlobStore for FsBlobs {
     fn put(&self, digest: &str, bytes: &[u8]) -> Result<(), HubError> {
         use std::io::Write;
-        let path = self.path(digest)?;
-        if path.exists() {
+        if self.path(digest)?.exists() {
             return Ok(());
         }
-        let dir = path.parent().unwrap_or(&self.root);
-        std::fs::create_dir_all(dir).map_err(|e| HubError::io(dir, e))?;
-        let tmp_dir = self.root.join("tmp");
+        let tmp_dir = self.tmp_dir();
         let mut tmp =
             tempfile::NamedTempFile::new_in(&tmp_dir).map_err(|e| HubError::io(&tmp_dir, e))?;
         tmp.write_all(bytes)
             .map_err(|e| HubError::io(tmp.path(), e))?;
-        tmp.as_file()
-            .sync_all()
-            .map_err(|e| HubError::io(&path, e))?;
-        tmp.persist(&path)
-            .map_err(|e| HubError::io(&path, e.error))?;
-        Ok(())
+        self.put_file(digest, tmp)
     }
 
     fn put_file(&self, digest: &str, file: tempfile::NamedTempFile) -> Result<(), HubError> {
