@@ -8,6 +8,11 @@
 //!   <task>__<id>/             one trial (see `trial`)
 //! ```
 //!
+//! Every file is also Harbor's own: `config.json` validates as Harbor's
+//! `JobConfig` (temper's plan in extra fields, which Harbor ignores) and
+//! `result.json` as its `JobResult`, with the stats Harbor computes, so
+//! `harbor view` shows a temper job.
+//!
 //! Trials are planned (and named) before any runs, so a job killed midway
 //! is resumed by running exactly the planned trials that have no
 //! `result.json`; a half-written trial directory is discarded and rerun.
@@ -35,8 +40,10 @@ pub fn random_id(n: usize) -> String {
 }
 
 /// Which agent, with what settings: enough to build it again on resume.
-/// The API key is never stored.
+/// The API key is never stored. Written as Harbor's `AgentConfig`: `name`,
+/// `model_name`, `base_url`, and the rest in `kwargs`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(into = "HarborAgentConfig", from = "HarborAgentConfig")]
 pub struct AgentSpec {
     /// `oracle`, `nop`, `terminal` or `command`.
     pub name: String,
@@ -67,6 +74,90 @@ pub struct AgentSpec {
     pub capture: bool,
 }
 
+/// [`AgentSpec`] as Harbor's `AgentConfig`.
+#[derive(Serialize, Deserialize)]
+struct HarborAgentConfig {
+    name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    base_url: Option<String>,
+    #[serde(default)]
+    kwargs: AgentKwargs,
+}
+
+/// The settings of [`AgentSpec`] Harbor has no field for.
+#[derive(Default, Serialize, Deserialize)]
+struct AgentKwargs {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    command: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_turns: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_total_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_tokens_per_turn: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    temperature: Option<f64>,
+    #[serde(default)]
+    capture: bool,
+}
+
+impl From<AgentSpec> for HarborAgentConfig {
+    fn from(a: AgentSpec) -> Self {
+        HarborAgentConfig {
+            name: a.name,
+            model_name: a.model,
+            base_url: a.base_url,
+            kwargs: AgentKwargs {
+                command: a.command,
+                max_turns: a.max_turns,
+                max_total_tokens: a.max_total_tokens,
+                max_tokens_per_turn: a.max_tokens_per_turn,
+                temperature: a.temperature,
+                capture: a.capture,
+            },
+        }
+    }
+}
+
+impl From<HarborAgentConfig> for AgentSpec {
+    fn from(a: HarborAgentConfig) -> Self {
+        let k = a.kwargs;
+        AgentSpec {
+            name: a.name,
+            model: a.model_name,
+            base_url: a.base_url,
+            command: k.command,
+            max_turns: k.max_turns,
+            max_total_tokens: k.max_total_tokens,
+            max_tokens_per_turn: k.max_tokens_per_turn,
+            temperature: k.temperature,
+            capture: k.capture,
+        }
+    }
+}
+
+/// `agents` in Harbor's `JobConfig` is a list; a temper job has one.
+mod one_agent {
+    use super::AgentSpec;
+    use serde::{de::Error, Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(a: &AgentSpec, s: S) -> Result<S::Ok, S::Error> {
+        std::slice::from_ref(a).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<AgentSpec, D::Error> {
+        let mut v = Vec::<AgentSpec>::deserialize(d)?;
+        match v.len() {
+            1 => Ok(v.remove(0)),
+            n => Err(D::Error::custom(format!(
+                "a temper job has one agent, this one lists {n}"
+            ))),
+        }
+    }
+}
+
 /// One planned trial.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlannedTrial {
@@ -78,38 +169,72 @@ pub struct PlannedTrial {
     pub task_path: PathBuf,
 }
 
-/// A job's `config.json`.
+/// A job's `config.json`: Harbor's `JobConfig` fields (`job_name`,
+/// `jobs_dir`, `agents`, `n_attempts`, `n_concurrent_trials`,
+/// `agent_timeout_multiplier`, `environment`, `tasks`), then temper's own.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobConfig {
     /// The directory name.
     pub job_name: String,
-    /// ISO 8601.
-    pub created_at: String,
-    /// The agent.
+    /// The directory holding the job's directory.
+    pub jobs_dir: PathBuf,
+    /// The agent (Harbor's `agents`, a list of one).
+    #[serde(rename = "agents", with = "one_agent")]
     pub agent: AgentSpec,
     /// Trials per task.
     pub n_attempts: u32,
     /// Trials run at once.
+    #[serde(rename = "n_concurrent_trials")]
     pub n_concurrent: usize,
     /// Multiplies every task's `[agent] timeout_sec`.
     #[serde(default)]
     pub agent_timeout_multiplier: Option<f64>,
-    /// Tasks with `allow_internet = true` share the host's network.
-    #[serde(default)]
-    pub allow_internet: bool,
-    /// Every trial, in order.
+    /// The sandbox, as Harbor's `EnvironmentConfig`.
+    pub environment: JobEnvironment,
+    /// Each task directory once (Harbor's `tasks`).
+    pub tasks: Vec<TaskRef>,
+    /// ISO 8601 (temper's).
+    pub created_at: String,
+    /// Every trial, in order (temper's: what resume runs).
     pub trials: Vec<PlannedTrial>,
 }
 
-/// A job's `result.json`.
+/// A job's sandbox as Harbor's `EnvironmentConfig`: named by `import_path`
+/// ([`crate::harbor::SANDBOX_IMPORT_PATH`]; Harbor has no `type` for it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobEnvironment {
+    /// [`crate::harbor::SANDBOX_IMPORT_PATH`].
+    pub import_path: String,
+    /// What the sandbox is given.
+    pub kwargs: SandboxKwargs,
+}
+
+/// The job-wide settings of temper's sandbox.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SandboxKwargs {
+    /// Tasks with `allow_internet = true` share the host's network.
+    #[serde(default)]
+    pub allow_internet: bool,
+}
+
+/// A task of the job (Harbor's `TaskConfig` by `path`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskRef {
+    /// The task's directory.
+    pub path: PathBuf,
+}
+
+/// A job's `result.json`: Harbor's `JobResult` (`job_name` is temper's).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobResult {
-    /// Unique id.
+    /// Unique id (a UUID).
     pub id: String,
     /// The directory name.
     pub job_name: String,
     /// When this run (or resume) of the job started.
     pub started_at: String,
+    /// When the result was last written (= `finished_at`).
+    pub updated_at: String,
     /// When it ended.
     pub finished_at: String,
     /// Planned trials.
@@ -118,19 +243,146 @@ pub struct JobResult {
     pub stats: JobStats,
 }
 
-/// Totals of a job.
+/// Totals of a job: Harbor's `JobStats`, as Harbor computes them from the
+/// trials' results, plus temper's `mean_reward` and `n_resumed`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct JobStats {
     /// Trials with a result.
+    pub n_completed_trials: usize,
+    /// Trials with an exception.
+    pub n_errored_trials: usize,
+    /// Always 0 in a written result (the job has ended).
+    pub n_running_trials: usize,
+    /// Planned trials without a result.
+    pub n_pending_trials: usize,
+    /// Always 0: temper does not cancel trials.
+    pub n_cancelled_trials: usize,
+    /// Always 0: temper does not retry trials.
+    pub n_retries: usize,
+    /// Per `<agent>[__<model>]__adhoc` key (Harbor's), the rewards and
+    /// exceptions of the trials.
+    pub evals: BTreeMap<String, EvalStats>,
+    /// Prompt tokens of all trials, where agents counted them.
+    pub n_input_tokens: Option<u64>,
+    /// Completion tokens of all trials, where agents counted them.
+    pub n_output_tokens: Option<u64>,
+    /// Mean of `reward` over trials with a result (0 for those without).
+    pub mean_reward: f64,
+    /// Trials resumed from an earlier run (not run again).
+    pub n_resumed: usize,
+}
+
+/// Harbor's `AgentDatasetStats`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EvalStats {
+    /// Trials with rewards.
     pub n_trials: usize,
     /// Trials with an exception.
     pub n_errors: usize,
-    /// Mean of `reward` over trials with a result (0 for those without).
-    pub mean_reward: f64,
+    /// Harbor's default metric, `Mean`: `{"mean": x}` when the trials
+    /// report one reward key, else the mean of each key.
+    pub metrics: Vec<BTreeMap<String, f64>>,
+    /// Reward key → value → trial names.
+    pub reward_stats: BTreeMap<String, BTreeMap<String, Vec<String>>>,
     /// Exception type → trial names.
     pub exception_stats: BTreeMap<String, Vec<String>>,
-    /// Trials resumed from an earlier run (not run again).
-    pub n_resumed: usize,
+}
+
+impl JobStats {
+    /// The stats of `results` out of `n_total` planned trials, computed as
+    /// Harbor's `JobStats.increment` and `Mean` metric do.
+    pub fn of(results: &[TrialResult], n_total: usize, n_resumed: usize) -> JobStats {
+        let mut stats = JobStats {
+            n_completed_trials: results.len(),
+            n_pending_trials: n_total.saturating_sub(results.len()),
+            n_resumed,
+            ..JobStats::default()
+        };
+        let mut rewards: BTreeMap<String, Vec<Option<&BTreeMap<String, f64>>>> = BTreeMap::new();
+        for r in results {
+            let key = match &r.agent_info.model_info {
+                Some(m) => format!("{}__{}__adhoc", r.agent_info.name, m.name),
+                None => format!("{}__adhoc", r.agent_info.name),
+            };
+            let eval = stats.evals.entry(key.clone()).or_default();
+            let scored = r.verifier_result.as_ref().and_then(|v| v.rewards.as_ref());
+            if let Some(m) = scored {
+                eval.n_trials += 1;
+                for (k, v) in m {
+                    eval.reward_stats
+                        .entry(k.clone())
+                        .or_default()
+                        .entry(v.to_string())
+                        .or_default()
+                        .push(r.trial_name.clone());
+                }
+            }
+            rewards.entry(key).or_default().push(scored);
+            if let Some(e) = &r.exception_info {
+                eval.exception_stats
+                    .entry(e.exception_type.clone())
+                    .or_default()
+                    .push(r.trial_name.clone());
+                eval.n_errors += 1;
+                stats.n_errored_trials += 1;
+            }
+            if let Some(a) = &r.agent_result {
+                if let Some(n) = a.n_input_tokens {
+                    *stats.n_input_tokens.get_or_insert(0) += n;
+                }
+                if let Some(n) = a.n_output_tokens {
+                    *stats.n_output_tokens.get_or_insert(0) += n;
+                }
+            }
+        }
+        for (key, list) in rewards {
+            if let Some(eval) = stats.evals.get_mut(&key) {
+                eval.metrics = vec![mean_metric(&list)];
+            }
+        }
+        if !results.is_empty() {
+            stats.mean_reward =
+                results.iter().map(TrialResult::reward).sum::<f64>() / results.len() as f64;
+        }
+        stats
+    }
+
+    /// Exception type → trial names, over every eval.
+    pub fn exceptions(&self) -> BTreeMap<&str, Vec<&str>> {
+        let mut out: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for e in self.evals.values() {
+            for (k, names) in &e.exception_stats {
+                out.entry(k)
+                    .or_default()
+                    .extend(names.iter().map(String::as_str));
+            }
+        }
+        out
+    }
+}
+
+/// Harbor's `Mean` metric over the trials' rewards (a trial without
+/// rewards counts 0).
+fn mean_metric(rewards: &[Option<&BTreeMap<String, f64>>]) -> BTreeMap<String, f64> {
+    let n = rewards.len().max(1) as f64;
+    let keys: std::collections::BTreeSet<&String> =
+        rewards.iter().flatten().flat_map(|m| m.keys()).collect();
+    if keys.len() <= 1 {
+        let sum: f64 = rewards
+            .iter()
+            .map(|r| r.and_then(|m| m.values().next().copied()).unwrap_or(0.0))
+            .sum();
+        return BTreeMap::from([("mean".to_string(), sum / n)]);
+    }
+    keys.into_iter()
+        .map(|k| {
+            let sum: f64 = rewards
+                .iter()
+                .map(|r| r.and_then(|m| m.get(k).copied()).unwrap_or(0.0))
+                .sum();
+            (k.clone(), sum / n)
+        })
+        .collect()
 }
 
 /// Plans a job: names every trial, creates `jobs_dir/<job_name>/` and its
@@ -175,14 +427,27 @@ pub fn plan_job(
             });
         }
     }
+    let mut task_refs: Vec<TaskRef> = Vec::new();
+    for task in tasks {
+        if !task_refs.iter().any(|t| t.path == task.dir) {
+            task_refs.push(TaskRef {
+                path: task.dir.clone(),
+            });
+        }
+    }
     let config = JobConfig {
         job_name,
-        created_at: crate::atif::now(),
+        jobs_dir: jobs_dir.to_path_buf(),
         agent,
         n_attempts,
         n_concurrent,
         agent_timeout_multiplier: None,
-        allow_internet: false,
+        environment: JobEnvironment {
+            import_path: crate::harbor::SANDBOX_IMPORT_PATH.into(),
+            kwargs: SandboxKwargs::default(),
+        },
+        tasks: task_refs,
+        created_at: crate::atif::now(),
         trials,
     };
     save_config(&dir, &config)?;
@@ -255,7 +520,7 @@ pub fn run_job(
     let options = TrialOptions {
         agent_timeout_multiplier: config.agent_timeout_multiplier,
         agent_timeout: None,
-        allow_internet: config.allow_internet,
+        allow_internet: config.environment.kwargs.allow_internet,
     };
     let next = AtomicUsize::new(0);
     let done = AtomicUsize::new(resumed);
@@ -287,32 +552,15 @@ pub fn run_job(
         return Err(e);
     }
     let results = job_results(dir, config);
-    let mut stats = JobStats {
-        n_trials: results.len(),
-        n_resumed: resumed,
-        ..JobStats::default()
-    };
-    for r in &results {
-        if let Some(e) = &r.exception_info {
-            stats.n_errors += 1;
-            stats
-                .exception_stats
-                .entry(e.exception_type.clone())
-                .or_default()
-                .push(r.trial_name.clone());
-        }
-    }
-    if !results.is_empty() {
-        stats.mean_reward =
-            results.iter().map(TrialResult::reward).sum::<f64>() / results.len() as f64;
-    }
+    let finished_at = crate::atif::now();
     let job = JobResult {
-        id: random_id(32),
+        id: crate::harbor::uuid_v4(),
         job_name: config.job_name.clone(),
         started_at,
-        finished_at: crate::atif::now(),
+        updated_at: finished_at.clone(),
+        finished_at,
         n_total_trials: total,
-        stats,
+        stats: JobStats::of(&results, total, resumed),
     };
     let path = dir.join("result.json");
     let text = serde_json::to_string_pretty(&job).map_err(|source| TaskError::Json {

@@ -53,6 +53,7 @@ pub mod env;
 pub mod environment;
 mod error;
 pub mod files;
+pub mod harbor;
 pub mod job;
 pub mod task;
 pub mod terminal;

@@ -6,6 +6,7 @@
 //!   config.json          what was run
 //!   result.json          TrialResult (written last, atomically: its presence
 //!                        marks the trial finished, which resume relies on)
+//!   exception.txt        why the trial did not finish normally, if it did not
 //!   agent/trajectory.json  ATIF
 //!   agent/...            the agent's logs; agent/logs/ = the sandbox's /logs/agent
 //!   verifier/reward.txt|reward.json, test-stdout.txt, test-stderr.txt
@@ -102,10 +103,11 @@ pub struct TemperInfo {
     pub session_start_ms: Option<f64>,
 }
 
-/// `result.json` of a trial (Harbor's `TrialResult` shape).
+/// `result.json` of a trial: Harbor's `TrialResult` (it validates with
+/// Harbor's model; `temper` is an extra field, which Harbor ignores).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrialResult {
-    /// Unique id.
+    /// Unique id (a UUID).
     pub id: String,
     /// Task name.
     pub task_name: String,
@@ -113,9 +115,11 @@ pub struct TrialResult {
     pub trial_name: String,
     /// `file://` URI of the trial directory.
     pub trial_uri: String,
-    /// Where the task came from.
+    /// Where the task came from (Harbor's `LocalTaskId`).
     pub task_id: Value,
-    /// What was run.
+    /// Harbor's checksum of the task directory ([`crate::harbor::task_checksum`]).
+    pub task_checksum: String,
+    /// What was run: Harbor's `TrialConfig` (see [`trial_config`]).
     pub config: Value,
     /// Who ran.
     pub agent_info: AgentInfo,
@@ -253,22 +257,15 @@ pub fn run_trial(
         )
     });
     let verifier_timeout = Duration::from_secs_f64(cfg.verifier.timeout_sec);
-    let config = serde_json::json!({
-        "task": { "path": task.dir, "name": task.name },
-        "trial_name": trial_name,
-        "agent": { "name": agent.name(), "model_name": agent.model_name(), "settings": agent.settings() },
-        "agent_timeout_sec": agent_timeout.as_secs_f64(),
-        "verifier_timeout_sec": verifier_timeout.as_secs_f64(),
-        "environment": { "type": "temper-sandbox", "memory_mb": cfg.environment.memory_mb,
-                          "storage_mb": cfg.environment.storage_mb, "cpus": cfg.environment.cpus },
-    });
+    let config = trial_config(task, agent, trial_dir, options);
     write_json(&trial_dir.join("config.json"), &config)?;
     let mut result = TrialResult {
-        id: crate::job::random_id(32),
+        id: crate::harbor::uuid_v4(),
         task_name: task.name.clone(),
         trial_name: trial_name.clone(),
         trial_uri: format!("file://{}", trial_dir.display()),
         task_id: serde_json::json!({ "path": task.dir }),
+        task_checksum: crate::harbor::task_checksum(&task.dir)?,
         config,
         agent_info: AgentInfo {
             name: agent.name().into(),
@@ -298,9 +295,66 @@ pub fn run_trial(
         &mut result,
     );
     result.finished_at = Some(now());
+    if let Some(e) = &result.exception_info {
+        // Harbor's trial layout: the exception, as text, beside the result.
+        let path = trial_dir.join("exception.txt");
+        std::fs::write(
+            &path,
+            format!("{}: {}\n", e.exception_type, e.exception_message),
+        )
+        .map_err(|e| TaskError::io("write", path, e))?;
+    }
     write_json(&trial_dir.join("result.json"), &result)?;
     Ok(result)
 }
+
+/// A trial's `config.json`: Harbor's `TrialConfig`. The task by `path`
+/// only (Harbor refuses `path` with `name`), the agent as Harbor's
+/// `AgentConfig` (its settings in `kwargs`), timeouts as Harbor's
+/// overrides of the task's, and the sandbox by `import_path` with the
+/// limits it was given in `kwargs`.
+pub fn trial_config(
+    task: &Task,
+    agent: &dyn Agent,
+    trial_dir: &Path,
+    options: &TrialOptions,
+) -> Value {
+    let trial_name = trial_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let env = &task.config.environment;
+    let mut agent_config = serde_json::json!({
+        "name": agent.name(), "kwargs": agent.settings(),
+    });
+    if let Some(m) = agent.model_name() {
+        agent_config["model_name"] = m.into();
+    }
+    if let Some(t) = options.agent_timeout {
+        agent_config["override_timeout_sec"] = t.as_secs_f64().into();
+    }
+    let mut config = serde_json::json!({
+        "task": { "path": task.dir },
+        "trial_name": trial_name,
+        "agent": agent_config,
+        "environment": crate::harbor::environment_config(serde_json::json!({
+            "host_network": env.allow_internet && options.allow_internet,
+            "memory_mb": env.memory_mb,
+            "storage_mb": env.storage_mb.min(MAX_STORAGE_MB),
+            "cpus": env.cpus,
+        })),
+    });
+    if let Some(parent) = trial_dir.parent() {
+        config["trials_dir"] = serde_json::json!(parent);
+    }
+    if let Some(m) = options.agent_timeout_multiplier {
+        config["agent_timeout_multiplier"] = m.into();
+    }
+    config
+}
+
+/// The largest `storage_mb` a trial's writable directories get.
+const MAX_STORAGE_MB: u64 = 4096;
 
 /// The phases; each failure is recorded in `result` and ends the trial.
 fn run_phases(
@@ -466,7 +520,7 @@ fn start_env(
     let spec = EnvSpec {
         writable,
         memory_mb: cfg.environment.memory_mb,
-        storage_mb: cfg.environment.storage_mb.min(4096),
+        storage_mb: cfg.environment.storage_mb.min(MAX_STORAGE_MB),
         cpu_seconds: total.as_secs().saturating_add(1),
         env,
         lifetime: total + Duration::from_secs(60),

@@ -49,7 +49,7 @@ fn run_examples(agent: &str) -> Vec<(String, f64, Option<String>)> {
     let (dir, config) = plan_job(&tasks, spec(agent), 1, 4, jobs.path(), None).expect("plan");
     let a = build_agent(&config.agent, None, rt.handle()).expect("agent");
     let job = run_job(&dir, &config, a.as_ref(), &|_, _, _| {}).expect("run");
-    assert_eq!(job.stats.n_trials, tasks.len());
+    assert_eq!(job.stats.n_completed_trials, tasks.len());
     let results = job_results(&dir, &config);
     for r in &results {
         let tdir = dir.join(&r.trial_name);
@@ -331,7 +331,7 @@ fn a_killed_job_resumes_without_rerunning_finished_trials() {
         vec![config.trials[1].trial_name.clone()]
     );
     assert_eq!(job.stats.n_resumed, 2);
-    assert_eq!(job.stats.n_trials, 3);
+    assert_eq!(job.stats.n_completed_trials, 3);
     assert_eq!(job.stats.mean_reward, 1.0);
     assert!(
         !b.join("partial").exists(),

@@ -165,7 +165,7 @@ fn run_tasks(a: RunArgs) -> Result<()> {
         }
         config.agent_timeout_multiplier = Some(m);
     }
-    config.allow_internet = a.allow_internet;
+    config.environment.kwargs.allow_internet = a.allow_internet;
     temper_tasks::job::save_config(&dir, &config)?;
     eprintln!(
         "job {}: {} tasks x {} trials, agent {}, {} at a time",
@@ -217,9 +217,9 @@ fn finish(dir: &Path, config: &JobConfig, agent: &dyn temper_tasks::Agent) -> Re
     println!(
         "job        {}  ({} trials, {} resumed, {} errors, {:.1} s)",
         dir.display(),
-        job.stats.n_trials,
+        job.stats.n_completed_trials,
         job.stats.n_resumed,
-        job.stats.n_errors,
+        job.stats.n_errored_trials,
         t0.elapsed().as_secs_f64()
     );
     Ok(())
@@ -317,12 +317,12 @@ pub fn bench(a: BenchTasksArgs) -> Result<()> {
     let wall = t0.elapsed().as_secs_f64();
     let results = job_results(&dir, &config);
     let ok = results.iter().filter(|r| r.reward() == 1.0).count();
-    if ok != results.len() || job.stats.n_errors > 0 {
+    if ok != results.len() || job.stats.n_errored_trials > 0 {
         bail!(
             "{} of {} trials did not score 1: {:?}",
             results.len() - ok,
             results.len(),
-            job.stats.exception_stats
+            job.stats.exceptions()
         );
     }
     let mut overhead: Vec<f64> = results

@@ -69,7 +69,7 @@ fn oracle_job_prints_the_summary_and_view_writes_a_report() {
         &std::fs::read_to_string(job.join("result.json")).expect("job result"),
     )
     .expect("json");
-    assert_eq!(result["stats"]["n_trials"], 10);
+    assert_eq!(result["stats"]["n_completed_trials"], 10);
     assert_eq!(result["stats"]["mean_reward"], 1.0);
 
     let o = temper(&["view", &job.to_string_lossy()]);
