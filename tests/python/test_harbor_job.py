@@ -11,7 +11,8 @@ hold the rewards and exceptions the verifier gave, that `task_checksum` is
 Harbor's own `Task.checksum`, that the job's stats are the ones Harbor
 computes from the trials (`JobStats.from_trial_results`, its `Mean`
 metric), that the sandbox is named by `environment.import_path`, and that
-temper still reads its job back (`temper view`, `temper tasks resume`).
+temper still reads its job back (`temper view`, `temper tasks resume`,
+which rebuilds a model-backed agent from Harbor's `AgentConfig`).
 
 Run: python tests/python/test_harbor_job.py --temper target/debug/temper
 Needs `pip install -r tests/python/requirements-harbor.txt` (Python >= 3.12)
@@ -181,6 +182,35 @@ def main():
               "temper tasks resume reads the job and finds nothing left to run")
         JobResult.model_validate_json(read(os.path.join(job, "result.json")))
         check(True, "the resumed job's result.json validates")
+
+        # A model-backed agent: its model and settings go in Harbor's
+        # AgentConfig (model_name, kwargs), from which resume rebuilds it.
+        program = f"{temper} tasks exec -- 'echo Hello, world! > /app/hello.txt'"
+        jobs = os.path.join(root, "jobs")
+        out = subprocess.run([temper, "tasks", "run", os.path.join(EXAMPLES, "hello-file"), "-a", "command",
+                              "-m", "acme/tiny-model", "--agent-command", program, "--jobs-dir", jobs,
+                              "--job-name", "command"], capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            check(False, "temper tasks run -a command -m acme/tiny-model\n" + out.stderr[-2000:])
+        job = os.path.join(jobs, "command")
+        config = JobConfig.model_validate_json(read(os.path.join(job, "config.json")))
+        agent = config.agents[0]
+        check((agent.name, agent.model_name, agent.kwargs.get("command")) == ("command", "acme/tiny-model", program),
+              "JobConfig.agents: the command agent, its model_name and its program in kwargs")
+        (trial,) = [d for d in os.listdir(job) if os.path.isdir(os.path.join(job, d))]
+        os.remove(os.path.join(job, trial, "result.json"))
+        resume = subprocess.run([temper, "tasks", "resume", job], capture_output=True, text=True, timeout=120)
+        if resume.returncode != 0 or "1 of 1 trials left to run" not in resume.stderr:
+            check(False, "temper tasks resume of the command job\n" + resume.stderr[-2000:])
+        tr = TrialResult.model_validate_json(read(os.path.join(job, trial, "result.json")))
+        TrialConfig.model_validate_json(read(os.path.join(job, trial, "config.json")))
+        jr = JobResult.model_validate_json(read(os.path.join(job, "result.json")))
+        harbor = JobStats.from_trial_results([tr], n_total_trials=1)
+        check(tr.agent_info.model_info is not None and tr.agent_info.model_info.name == "acme/tiny-model"
+              and tr.verifier_result.rewards == {"reward": 1} and list(jr.stats.evals) == list(harbor.evals)
+              == ["command__acme/tiny-model__adhoc"] and jr.stats.n_completed_trials == 1,
+              "temper tasks resume rebuilt the agent from Harbor's AgentConfig: the rerun trial scores 1, "
+              "its model in TrialResult.agent_info and the eval key")
     print("temper's job validates with harbor's models")
 
 

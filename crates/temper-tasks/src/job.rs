@@ -698,3 +698,50 @@ pub fn html_report(config: &JobConfig, results: &[TrialResult]) -> String {
         summary = html_escape(&summary_table(config, results)),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agent_spec_is_written_as_harbors_agent_config_and_read_back() {
+        let spec = AgentSpec {
+            name: "terminal".into(),
+            model: Some("acme/m".into()),
+            base_url: Some("http://127.0.0.1:8000/v1".into()),
+            command: None,
+            max_turns: Some(3),
+            max_total_tokens: Some(900),
+            max_tokens_per_turn: Some(64),
+            temperature: Some(0.5),
+            capture: true,
+        };
+        let v = serde_json::to_value(&spec).expect("json");
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "name": "terminal", "model_name": "acme/m", "base_url": "http://127.0.0.1:8000/v1",
+                "kwargs": {"max_turns": 3, "max_total_tokens": 900, "max_tokens_per_turn": 64,
+                           "temperature": 0.5, "capture": true},
+            })
+        );
+        assert_eq!(serde_json::from_value::<AgentSpec>(v).expect("back"), spec);
+    }
+
+    #[test]
+    fn mean_metric_is_harbors() {
+        let one = BTreeMap::from([("reward".to_string(), 1.0)]);
+        let half = BTreeMap::from([("reward".to_string(), 0.5)]);
+        // One key: {"mean": x}; a trial without rewards counts 0.
+        assert_eq!(
+            mean_metric(&[Some(&one), Some(&half), None, Some(&half)]),
+            BTreeMap::from([("mean".to_string(), 0.5)])
+        );
+        // Several keys: the mean of each, a missing key counting 0.
+        let two = BTreeMap::from([("reward".to_string(), 1.0), ("exact".to_string(), 1.0)]);
+        assert_eq!(
+            mean_metric(&[Some(&two), Some(&half)]),
+            BTreeMap::from([("exact".to_string(), 0.5), ("reward".to_string(), 0.75)])
+        );
+    }
+}

@@ -60,6 +60,25 @@ fn run_examples(agent: &str) -> Vec<(String, f64, Option<String>)> {
             r.exception_info
         );
         validate_atif(&tdir.join("agent/trajectory.json"));
+        // What Harbor's models require (tests/python/test_harbor_job.py
+        // checks them with Harbor itself).
+        assert_eq!(
+            r.id.len(),
+            36,
+            "{}: id {} is not a UUID",
+            r.trial_name,
+            r.id
+        );
+        assert_eq!(
+            r.task_checksum,
+            temper_tasks::harbor::task_checksum(&examples().join(&r.task_name)).expect("checksum")
+        );
+        assert!(r.config["task"].get("name").is_none(), "{}", r.config);
+        assert_eq!(
+            r.config["environment"]["import_path"],
+            temper_tasks::harbor::SANDBOX_IMPORT_PATH
+        );
+        assert!(r.config["environment"].get("type").is_none());
     }
     results
         .into_iter()
