@@ -78,12 +78,16 @@ pub struct AgentSpec {
 #[derive(Serialize, Deserialize)]
 struct HarborAgentConfig {
     name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, alias = "model", skip_serializing_if = "Option::is_none")]
     model_name: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     base_url: Option<String>,
     #[serde(default)]
     kwargs: AgentKwargs,
+    /// Jobs written before temper wrote Harbor's shape kept the settings
+    /// at the top (and `model` for `model_name`); read, never written.
+    #[serde(flatten, skip_serializing)]
+    legacy: AgentKwargs,
 }
 
 /// The settings of [`AgentSpec`] Harbor has no field for.
@@ -117,23 +121,24 @@ impl From<AgentSpec> for HarborAgentConfig {
                 temperature: a.temperature,
                 capture: a.capture,
             },
+            legacy: AgentKwargs::default(),
         }
     }
 }
 
 impl From<HarborAgentConfig> for AgentSpec {
     fn from(a: HarborAgentConfig) -> Self {
-        let k = a.kwargs;
+        let (k, l) = (a.kwargs, a.legacy);
         AgentSpec {
             name: a.name,
             model: a.model_name,
             base_url: a.base_url,
-            command: k.command,
-            max_turns: k.max_turns,
-            max_total_tokens: k.max_total_tokens,
-            max_tokens_per_turn: k.max_tokens_per_turn,
-            temperature: k.temperature,
-            capture: k.capture,
+            command: k.command.or(l.command),
+            max_turns: k.max_turns.or(l.max_turns),
+            max_total_tokens: k.max_total_tokens.or(l.max_total_tokens),
+            max_tokens_per_turn: k.max_tokens_per_turn.or(l.max_tokens_per_turn),
+            temperature: k.temperature.or(l.temperature),
+            capture: k.capture || l.capture,
         }
     }
 }
@@ -147,8 +152,20 @@ mod one_agent {
         std::slice::from_ref(a).serialize(s)
     }
 
+    /// A list (Harbor's `agents`) or one object (`agent`, as jobs written
+    /// before temper wrote Harbor's shape have it).
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum ListOrOne {
+        List(Vec<AgentSpec>),
+        One(AgentSpec),
+    }
+
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<AgentSpec, D::Error> {
-        let mut v = Vec::<AgentSpec>::deserialize(d)?;
+        let mut v = match ListOrOne::deserialize(d)? {
+            ListOrOne::List(v) => v,
+            ListOrOne::One(a) => return Ok(a),
+        };
         match v.len() {
             1 => Ok(v.remove(0)),
             n => Err(D::Error::custom(format!(
@@ -177,26 +194,33 @@ pub struct JobConfig {
     /// The directory name.
     pub job_name: String,
     /// The directory holding the job's directory.
+    #[serde(default)]
     pub jobs_dir: PathBuf,
     /// The agent (Harbor's `agents`, a list of one).
-    #[serde(rename = "agents", with = "one_agent")]
+    #[serde(rename = "agents", alias = "agent", with = "one_agent")]
     pub agent: AgentSpec,
     /// Trials per task.
     pub n_attempts: u32,
     /// Trials run at once.
-    #[serde(rename = "n_concurrent_trials")]
+    #[serde(rename = "n_concurrent_trials", alias = "n_concurrent")]
     pub n_concurrent: usize,
     /// Multiplies every task's `[agent] timeout_sec`.
     #[serde(default)]
     pub agent_timeout_multiplier: Option<f64>,
     /// The sandbox, as Harbor's `EnvironmentConfig`.
+    #[serde(default)]
     pub environment: JobEnvironment,
     /// Each task directory once (Harbor's `tasks`).
+    #[serde(default)]
     pub tasks: Vec<TaskRef>,
     /// ISO 8601 (temper's).
     pub created_at: String,
     /// Every trial, in order (temper's: what resume runs).
     pub trials: Vec<PlannedTrial>,
+    /// `allow_internet` of jobs written before it moved into
+    /// `environment.kwargs`; [`load_job`] moves it there.
+    #[serde(default, rename = "allow_internet", skip_serializing)]
+    legacy_allow_internet: bool,
 }
 
 /// A job's sandbox as Harbor's `EnvironmentConfig`: named by `import_path`
@@ -207,6 +231,15 @@ pub struct JobEnvironment {
     pub import_path: String,
     /// What the sandbox is given.
     pub kwargs: SandboxKwargs,
+}
+
+impl Default for JobEnvironment {
+    fn default() -> Self {
+        JobEnvironment {
+            import_path: crate::harbor::SANDBOX_IMPORT_PATH.into(),
+            kwargs: SandboxKwargs::default(),
+        }
+    }
 }
 
 /// The job-wide settings of temper's sandbox.
@@ -442,13 +475,11 @@ pub fn plan_job(
         n_attempts,
         n_concurrent,
         agent_timeout_multiplier: None,
-        environment: JobEnvironment {
-            import_path: crate::harbor::SANDBOX_IMPORT_PATH.into(),
-            kwargs: SandboxKwargs::default(),
-        },
+        environment: JobEnvironment::default(),
         tasks: task_refs,
         created_at: crate::atif::now(),
         trials,
+        legacy_allow_internet: false,
     };
     save_config(&dir, &config)?;
     Ok((dir, config))
@@ -464,12 +495,18 @@ pub fn save_config(dir: &Path, config: &JobConfig) -> Result<(), TaskError> {
     std::fs::write(&path, text).map_err(|e| TaskError::io("write", path, e))
 }
 
-/// Reads a job's `config.json`.
+/// Reads a job's `config.json` (also as temper wrote it before it wrote
+/// Harbor's shape).
 pub fn load_job(dir: &Path) -> Result<JobConfig, TaskError> {
     let path = dir.join("config.json");
     let text =
         std::fs::read_to_string(&path).map_err(|e| TaskError::io("read", path.clone(), e))?;
-    serde_json::from_str(&text).map_err(|source| TaskError::Json { path, source })
+    let mut config: JobConfig =
+        serde_json::from_str(&text).map_err(|source| TaskError::Json { path, source })?;
+    if std::mem::take(&mut config.legacy_allow_internet) {
+        config.environment.kwargs.allow_internet = true;
+    }
+    Ok(config)
 }
 
 /// A trial's finished result, if it has one.
@@ -726,6 +763,41 @@ mod tests {
             })
         );
         assert_eq!(serde_json::from_value::<AgentSpec>(v).expect("back"), spec);
+    }
+
+    #[test]
+    fn jobs_written_before_harbors_shape_still_load() {
+        let d = tempfile::tempdir().expect("tempdir");
+        std::fs::write(
+            d.path().join("config.json"),
+            r#"{"job_name": "old", "created_at": "2026-11-25T19:30:00Z",
+                "agent": {"name": "terminal", "model": "m", "base_url": "http://h/v1",
+                          "command": null, "max_turns": 2, "capture": true},
+                "n_attempts": 1, "n_concurrent": 4, "agent_timeout_multiplier": null,
+                "allow_internet": true,
+                "trials": [{"trial_name": "t__1", "task_name": "t", "task_path": "/tasks/t"}]}"#,
+        )
+        .expect("write");
+        let c = load_job(d.path()).expect("a legacy config loads");
+        assert_eq!(
+            (
+                c.agent.name.as_str(),
+                c.agent.model.as_deref(),
+                c.agent.max_turns
+            ),
+            ("terminal", Some("m"), Some(2))
+        );
+        assert!(c.agent.capture && c.environment.kwargs.allow_internet);
+        assert_eq!((c.n_concurrent, c.trials.len()), (4, 1));
+        // Saved again, it is Harbor's shape.
+        save_config(d.path(), &c).expect("save");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(d.path().join("config.json")).unwrap())
+                .expect("json");
+        assert_eq!(v["agents"][0]["kwargs"]["max_turns"], 2);
+        assert_eq!(v["environment"]["kwargs"]["allow_internet"], true);
+        assert!(v.get("allow_internet").is_none() && v.get("agent").is_none());
+        assert_eq!(load_job(d.path()).expect("reload"), c);
     }
 
     #[test]

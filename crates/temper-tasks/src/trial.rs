@@ -117,7 +117,9 @@ pub struct TrialResult {
     pub trial_uri: String,
     /// Where the task came from (Harbor's `LocalTaskId`).
     pub task_id: Value,
-    /// Harbor's checksum of the task directory ([`crate::harbor::task_checksum`]).
+    /// Harbor's checksum of the task directory ([`crate::harbor::task_checksum`];
+    /// empty in results written before temper recorded it).
+    #[serde(default)]
     pub task_checksum: String,
     /// What was run: Harbor's `TrialConfig` (see [`trial_config`]).
     pub config: Value,
