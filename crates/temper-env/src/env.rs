@@ -30,6 +30,46 @@ pub trait Environment: Send + Sync {
     async fn score_group(&self, row: &Row, rollouts: &[Rollout]) -> Vec<Score>;
     /// What `temper eval` runs by default.
     fn eval_defaults(&self) -> EvalDefaults;
+    /// The largest reward a rollout can get, when the rubric knows it.
+    fn max_reward(&self) -> Option<f64> {
+        None
+    }
+}
+
+/// The reward at which a rollout passes (pass@k, RL's `pass@1`), and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PassThreshold {
+    /// Rollouts with reward ≥ this pass.
+    pub value: f64,
+    /// Set when the threshold was not configured and the rubric's maximum
+    /// exceeds 1: a line to show the user once.
+    pub notice: Option<String>,
+}
+
+/// The pass threshold of `env`: what the user configured, else the
+/// environment's `[eval] pass_threshold`, else 1 — or the rubric's maximum
+/// when that exceeds 1 (a sum of an answer reward and a format reward
+/// would otherwise count a wrong answer in the right format as a pass).
+pub fn pass_threshold(configured: Option<f64>, env: &dyn Environment) -> PassThreshold {
+    if let Some(value) = configured.or(env.eval_defaults().pass_threshold) {
+        return PassThreshold {
+            value,
+            notice: None,
+        };
+    }
+    match env.max_reward() {
+        Some(max) if max > 1.0 + 1e-9 => PassThreshold {
+            value: max,
+            notice: Some(format!(
+                "{}: the rubric's maximum reward is {max} and no pass threshold is set, so a rollout passes at reward ≥ {max} (set [eval] pass_threshold in env.toml, or --pass-threshold, to change it)",
+                env.id()
+            )),
+        },
+        _ => PassThreshold {
+            value: 1.0,
+            notice: None,
+        },
+    }
 }
 
 /// Where rows come from.
@@ -202,6 +242,9 @@ impl Environment for Env {
     }
     fn eval_defaults(&self) -> EvalDefaults {
         self.defaults.clone()
+    }
+    fn max_reward(&self) -> Option<f64> {
+        self.rubric.max_reward()
     }
 }
 

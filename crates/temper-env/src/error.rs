@@ -5,7 +5,7 @@
 #[non_exhaustive]
 pub enum EnvError {
     /// No built-in environment, directory or command answers to this name.
-    #[error("unknown environment `{0}` (built-ins: {builtins})", builtins = crate::BUILTIN_ENVS.join(", "))]
+    #[error("unknown environment `{0}`: {hint}", hint = unknown_hint(.0))]
     Unknown(String),
     /// An environment argument is missing, of the wrong type or out of range.
     #[error("environment `{env}`: bad argument: {message}")]
@@ -110,4 +110,23 @@ pub enum TraceError {
         /// Completion tokens.
         tokens: usize,
     },
+}
+
+/// What `load_environment` tried for an unknown name, and the likely fix:
+/// `temper init` puts environments under `envs/`, so `my-task` typed at the
+/// lab root means `envs/my-task`.
+fn unknown_hint(spec: &str) -> String {
+    let cwd = std::env::current_dir()
+        .map(|d| d.display().to_string())
+        .unwrap_or_else(|_| ".".into());
+    let tried = format!(
+        "not a built-in ({}), and there is no {spec}/env.toml in {cwd}",
+        crate::BUILTIN_ENVS.join(", ")
+    );
+    let under_envs = std::path::Path::new("envs").join(spec);
+    if under_envs.join("env.toml").is_file() {
+        format!("{tried}; did you mean `{}`?", under_envs.display())
+    } else {
+        tried
+    }
 }

@@ -6,7 +6,7 @@
 //!
 //! | request (`method`, `params`) | `result` |
 //! |---|---|
-//! | `info`, `{args}` | `{env_id, multi_turn, max_turns, eval_defaults?}` |
+//! | `info`, `{args}` | `{env_id, multi_turn, max_turns, eval_defaults?}` (`eval_defaults`: `num_examples`, `rollouts_per_example`, `max_tokens`, `temperature`, `pass_threshold`) |
 //! | `rows`, `{split, n, seed}` | `[{prompt \| question, answer?, info?}]` |
 //! | `env_response`, `{row, messages, state}` | `{messages, done, state}` |
 //! | `score`, `{row, rollouts}` | `[{reward, metrics}]` |
@@ -165,6 +165,8 @@ struct EvalDefaultsWire {
     max_tokens: Option<usize>,
     #[serde(default)]
     temperature: Option<f64>,
+    #[serde(default)]
+    pass_threshold: Option<f64>,
 }
 
 /// An environment served by another process.
@@ -203,6 +205,7 @@ impl ExternalEnv {
                     temperature: w.temperature.unwrap_or(d.sampling.temperature),
                     ..SamplingArgs::default()
                 },
+                pass_threshold: w.pass_threshold,
             },
             None => d,
         };

@@ -64,8 +64,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use env::{
-    is_eval_question, parse_args, score_and_time, stable_hash, Dataset, Env, Environment,
-    Generated, PromptTemplate, Task,
+    is_eval_question, parse_args, pass_threshold, score_and_time, stable_hash, Dataset, Env,
+    Environment, Generated, PassThreshold, PromptTemplate, Task,
 };
 pub use envs::{wordle_feedback, BUILTIN_ENVS};
 pub use error::{EnvError, ModelCallError, TraceError};

@@ -34,6 +34,7 @@
 //! rollouts_per_example = 1
 //! max_tokens = 64
 //! temperature = 0.0
+//! pass_threshold = 1.0    # a rollout passes at reward ≥ this
 //! ```
 //!
 //! Publishing to a hub (`temper env push`) reads four more keys:
@@ -207,6 +208,9 @@ pub struct EvalSpec {
     /// Top-p.
     #[serde(default)]
     pub top_p: Option<f64>,
+    /// A rollout passes (pass@k, training's pass@1) at reward ≥ this.
+    #[serde(default)]
+    pub pass_threshold: Option<f64>,
 }
 
 impl EvalSpec {
@@ -221,6 +225,7 @@ impl EvalSpec {
                 top_p: self.top_p.unwrap_or(1.0),
                 ..SamplingArgs::default()
             },
+            pass_threshold: self.pass_threshold,
         }
     }
 }

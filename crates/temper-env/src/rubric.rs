@@ -101,6 +101,9 @@ pub struct Reward {
     name: String,
     weight: f64,
     kind: Kind,
+    /// The largest raw score the function gives, when known (built-ins);
+    /// a program's range is unknown.
+    max_score: Option<f64>,
 }
 
 impl std::fmt::Debug for Reward {
@@ -120,6 +123,7 @@ impl Reward {
             name: name.into(),
             weight,
             kind: Kind::Sync(Arc::new(f)),
+            max_score: None,
         }
     }
 
@@ -259,6 +263,7 @@ impl Reward {
             name: "judge".into(),
             weight,
             kind: Kind::Judge(Arc::new(judge)),
+            max_score: None,
         }
     }
 
@@ -268,6 +273,7 @@ impl Reward {
             name: "code_tests".into(),
             weight,
             kind: Kind::CodeTests(Arc::new(tests)),
+            max_score: None,
         }
     }
 
@@ -283,6 +289,7 @@ impl Reward {
             name: name.into(),
             weight,
             kind: Kind::Program(Arc::new(program)),
+            max_score: None,
         }
     }
 
@@ -403,10 +410,23 @@ impl Reward {
                 ))
             }
         };
+        // Every built-in scores in [0, 1], except the length penalty, which
+        // is at most 0.
+        let r = r.bounded(if function == "length_penalty" {
+            0.0
+        } else {
+            1.0
+        });
         Ok(match &spec.name {
             Some(n) => r.named(n.clone()),
             None => r,
         })
+    }
+
+    /// Declare the largest raw score this function gives.
+    pub fn bounded(mut self, max_score: f64) -> Self {
+        self.max_score = Some(max_score);
+        self
     }
 
     async fn score(&self, ctx: &RewardCtx<'_>) -> f64 {
@@ -503,6 +523,29 @@ impl Rubric {
     pub fn with_group(mut self, g: GroupReward) -> Self {
         self.group_funcs.push(g);
         self
+    }
+
+    /// The largest reward this rubric can give, when every function with a
+    /// positive weight declares its range (built-ins do; programs do not):
+    /// Σ weight · max over positive weights, divided by Σ |weight| when the
+    /// rubric normalizes. A negative-weight function is assumed to score
+    /// ≥ 0, so it adds nothing to the maximum.
+    pub fn max_reward(&self) -> Option<f64> {
+        let mut max = 0.0;
+        for f in self.funcs.iter().filter(|f| f.weight > 0.0) {
+            max += f.weight * f.max_score?;
+        }
+        if self.group_funcs.iter().any(|g| g.weight > 0.0) {
+            return None;
+        }
+        if self.normalize {
+            let total: f64 = self.funcs.iter().map(|f| f.weight.abs()).sum::<f64>()
+                + self.group_funcs.iter().map(|g| g.weight.abs()).sum::<f64>();
+            if total > 0.0 {
+                max /= total;
+            }
+        }
+        Some(max)
     }
 
     /// Score the rollouts of one row. Functions run in order; each runs
@@ -1297,5 +1340,49 @@ impl RegexExtract {
             },
             Compare::Math => math::math_equal(got, want),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn builtin(text: &str) -> Reward {
+        let spec: RewardSpec = toml::from_str(text).unwrap();
+        Reward::from_spec(&spec).unwrap()
+    }
+
+    /// Issue 39: the maximum a rubric can give, which `pass_threshold`
+    /// falls back to when it exceeds 1.
+    #[test]
+    fn max_reward_sums_positive_weights_of_bounded_functions() {
+        let answer = || builtin("function = \"exact_match\"\nweight = 1.0");
+        let format = || builtin("function = \"format\"\nweight = 0.5");
+        let penalty =
+            || builtin("function = \"length_penalty\"\nweight = 2.0\nargs = { max_chars = 10 }");
+        let r = Rubric::new(Parser::Plain).with(answer()).with(format());
+        assert_eq!(r.max_reward(), Some(1.5));
+        // A penalty (≤ 0) and a metric-only entry add nothing.
+        let metric = builtin("function = \"contains\"\nweight = 0.0");
+        let r = r.with(penalty()).with(metric);
+        assert_eq!(r.max_reward(), Some(1.5));
+        // Normalized: Σ w·max / Σ |w| = 1.5 / 3.5.
+        let mut n = Rubric::new(Parser::Plain)
+            .with(answer())
+            .with(format())
+            .with(penalty());
+        n.normalize = true;
+        assert_eq!(n.max_reward(), Some(1.5 / 3.5));
+        // A function of unknown range makes the maximum unknown.
+        let custom = Reward::new("custom", 1.0, |_| 3.0);
+        assert_eq!(Rubric::new(Parser::Plain).with(custom).max_reward(), None);
+        let custom0 = Reward::new("custom", 0.0, |_| 3.0);
+        assert_eq!(
+            Rubric::new(Parser::Plain)
+                .with(answer())
+                .with(custom0)
+                .max_reward(),
+            Some(1.0)
+        );
     }
 }

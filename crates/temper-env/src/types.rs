@@ -429,6 +429,9 @@ pub struct EvalDefaults {
     pub rollouts_per_example: usize,
     /// Sampling arguments.
     pub sampling: SamplingArgs,
+    /// A rollout passes at reward ≥ this (`[eval] pass_threshold`); unset,
+    /// see [`crate::pass_threshold`].
+    pub pass_threshold: Option<f64>,
 }
 
 impl Default for EvalDefaults {
@@ -437,6 +440,7 @@ impl Default for EvalDefaults {
             num_examples: 20,
             rollouts_per_example: 1,
             sampling: SamplingArgs::default(),
+            pass_threshold: None,
         }
     }
 }

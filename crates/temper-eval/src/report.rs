@@ -137,8 +137,14 @@ pub fn summary_table(meta: &Metadata, s: &Summary) -> String {
     for (k, v) in &s.avg_metrics {
         let _ = writeln!(t, "  {k:<24} {v:.4}");
     }
-    for (k, v) in &s.pass_at_k {
-        let _ = writeln!(t, "pass@{k:<5} {v:.4}");
+    for (i, (k, v)) in s.pass_at_k.iter().enumerate() {
+        // The threshold once, so a pass@1 is never read without what a pass is.
+        let what = if i == 0 {
+            format!("   (a pass is reward ≥ {})", meta.pass_threshold)
+        } else {
+            String::new()
+        };
+        let _ = writeln!(t, "pass@{k:<5} {v:.4}{what}");
     }
     let _ = writeln!(
         t,

@@ -283,6 +283,10 @@ pub struct EvalSection {
     pub num_examples: usize,
     /// Sampling temperature for evaluation (0 = greedy).
     pub temperature: f64,
+    /// A rollout passes (eval pass@1, training pass@1) at reward ≥ this
+    /// (default: the environment's `[eval] pass_threshold`, else 1, or the
+    /// rubric's maximum when that exceeds 1).
+    pub pass_threshold: Option<f64>,
 }
 
 impl Default for EvalSection {
@@ -293,6 +297,7 @@ impl Default for EvalSection {
             interval: 0,
             num_examples: 100,
             temperature: 0.0,
+            pass_threshold: None,
         }
     }
 }
@@ -708,6 +713,17 @@ mod tests {
             "{e}"
         );
         assert!(parse_overrides(&["trainer.lr".into()]).is_err());
+    }
+
+    /// Issue 39: training took no pass threshold (`[eval] pass_threshold`
+    /// was an unknown key); RL and SFT both read it now.
+    #[test]
+    fn eval_pass_threshold_is_a_training_key() {
+        let text = format!("{EXAMPLE}\n[eval]\npass_threshold = 1.5\n");
+        let rl = resolve::<RlConfig>(&text, &[]).unwrap();
+        assert_eq!(rl.eval.pass_threshold, Some(1.5));
+        let sft = resolve::<SftConfig>("[eval]\npass_threshold = 0.5\n", &[]).unwrap();
+        assert_eq!(sft.eval.pass_threshold, Some(0.5));
     }
 
     /// Issue 12: RL and SFT shared one trainer section, so each silently

@@ -15,6 +15,7 @@ use crate::error::{Result, RlError};
 use crate::policy::Batcher;
 use crate::publish::Published;
 use crate::rollout::mix;
+use std::collections::BTreeMap;
 
 /// A held-out evaluation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -33,26 +34,49 @@ pub struct EvalResult {
     pub distinct: usize,
     /// Where `temper eval`'s results.jsonl / metadata.json went.
     pub dir: PathBuf,
+    /// The mean of each rubric component (`correct`, `format`, …), so a
+    /// pass rate is never read without what made up the reward.
+    #[serde(default)]
+    pub components: BTreeMap<String, f64>,
+    /// Seconds the evaluation took.
+    #[serde(default)]
+    pub time_s: f64,
+    /// A rollout passed at reward ≥ this.
+    #[serde(default = "one")]
+    pub pass_threshold: f64,
 }
 
-impl RlConfig {
-    /// A rollout passes at reward ≥ 1 (a correct answer under a rubric
-    /// whose main reward has weight 1).
-    pub fn eval_pass_threshold(&self) -> f64 {
-        1.0
-    }
+fn one() -> f64 {
+    1.0
 }
 
 impl EvalResult {
     /// The progress line of the evaluation before training.
     pub fn before_line(&self) -> String {
         format!(
-            "eval before training: pass@1 {:.1}%  reward {:.3}  ({} rollouts, {} distinct held-out questions)",
+            "eval before training: pass@1 {:.1}%  reward {:.3}{}  ({} rollouts, {} distinct held-out questions, reward ≥ {} passes, {:.1}s)",
             100.0 * self.pass_at_1,
             self.reward,
+            self.components_text(),
             self.n,
-            self.distinct
+            self.distinct,
+            self.pass_threshold,
+            self.time_s
         )
+    }
+
+    /// `  [correct 0.400, format 0.900]`, or nothing for a one-part rubric
+    /// (its component is the reward).
+    fn components_text(&self) -> String {
+        if self.components.len() < 2 {
+            return String::new();
+        }
+        let parts: Vec<String> = self
+            .components
+            .iter()
+            .map(|(k, v)| format!("{k} {v:.3}"))
+            .collect();
+        format!("  [{}]", parts.join(", "))
     }
 
     /// Its point on `plots.html`'s eval charts (not a `metrics.jsonl`
@@ -68,10 +92,12 @@ impl EvalResult {
     /// The progress line of an evaluation during training.
     pub fn step_line(&self) -> String {
         format!(
-            "  eval @ step {}: pass@1 {:.1}%  reward {:.3}",
+            "  eval @ step {}: pass@1 {:.1}%  reward {:.3}{}  ({:.1}s)",
             self.step,
             100.0 * self.pass_at_1,
-            self.reward
+            self.reward,
+            self.components_text(),
+            self.time_s
         )
     }
 }
@@ -85,7 +111,7 @@ pub struct Evaluator {
     eval: EvalSection,
     max_tokens: usize,
     seed: u64,
-    pass_threshold: f64,
+    pass_threshold: temper_env::PassThreshold,
     last_step: u64,
 }
 
@@ -108,7 +134,6 @@ impl Evaluator {
             Some(cfg.sampling.max_tokens),
             cfg.seed,
             cfg.trainer.max_steps,
-            cfg.eval_pass_threshold(),
         )
         .await
     }
@@ -130,7 +155,7 @@ impl Evaluator {
                 .map(|e| e.args.clone())
                 .unwrap_or(Value::Null)
         });
-        Self::load(spec, args, &cfg.eval, None, cfg.seed, max_steps, 1.0).await
+        Self::load(spec, args, &cfg.eval, None, cfg.seed, max_steps).await
     }
 
     async fn load(
@@ -140,7 +165,6 @@ impl Evaluator {
         max_tokens: Option<usize>,
         seed: u64,
         last_step: u64,
-        pass_threshold: f64,
     ) -> Result<Option<Self>> {
         let Some(spec) = spec.filter(|_| eval.num_examples > 0) else {
             return Ok(None);
@@ -155,6 +179,7 @@ impl Evaluator {
             })?
             .map_err(|e| RlError::Env(format!("{spec}: {e}")))?;
         let max_tokens = max_tokens.unwrap_or_else(|| env.eval_defaults().sampling.max_tokens);
+        let pass_threshold = temper_env::pass_threshold(eval.pass_threshold, &*env);
         Ok(Some(Self {
             env,
             spec,
@@ -165,6 +190,12 @@ impl Evaluator {
             pass_threshold,
             last_step,
         }))
+    }
+
+    /// What the user should read once about the pass threshold (set when
+    /// it came from the rubric's maximum).
+    pub fn notice(&self) -> Option<&str> {
+        self.pass_threshold.notice.as_deref()
     }
 
     /// Whether an evaluation is due after `step` steps: every
@@ -214,7 +245,7 @@ impl Evaluator {
             run_dir: dir.clone(),
             request_timeout: std::time::Duration::from_secs(3600),
             retry: Default::default(),
-            pass_threshold: self.pass_threshold,
+            pass_threshold: self.pass_threshold.value,
             resume: false,
             progress: false,
         };
@@ -234,6 +265,9 @@ impl Evaluator {
             n: out.metadata.num_rollouts,
             distinct: distinct.len(),
             dir,
+            components: out.metadata.avg_metrics.clone(),
+            time_s: out.metadata.time,
+            pass_threshold: self.pass_threshold.value,
         })
     }
 
@@ -274,5 +308,34 @@ mod tests {
         assert_eq!(r.plot_record()["eval/pass@1"], 0.25);
         let saved = serde_json::to_string(&r).unwrap();
         assert!(saved.contains("\"pass_at_1\":0.25") && !saved.contains("accuracy"));
+    }
+
+    /// Issue 39: an evaluation's progress lines show the rubric's parts
+    /// apart ("answer correct" vs "format ok"), what a pass is, and how
+    /// long the evaluation took.
+    #[test]
+    fn eval_lines_show_components_threshold_and_time() {
+        let mut r: EvalResult = serde_json::from_str(
+            r#"{"step":3,"reward":0.9,"pass_at_1":0.4,"n":10,"distinct":10,"dir":"e"}"#,
+        )
+        .unwrap();
+        r.components = [("correct".to_string(), 0.4), ("format".to_string(), 1.0)].into();
+        r.pass_threshold = 1.5;
+        r.time_s = 12.25;
+        let before = r.before_line();
+        assert!(
+            before.contains("[correct 0.400, format 1.000]")
+                && before.contains("reward ≥ 1.5 passes")
+                && before.contains("12.2s"),
+            "{before}"
+        );
+        let step = r.step_line();
+        assert!(
+            step.contains("[correct 0.400, format 1.000]") && step.contains("(12.2s)"),
+            "{step}"
+        );
+        // One component is the reward itself: not repeated.
+        r.components.remove("format");
+        assert!(!r.step_line().contains('['), "{}", r.step_line());
     }
 }

@@ -172,6 +172,9 @@ pub struct TimeMetrics {
     /// Held-out mean reward, when an evaluation ran after this step.
     #[serde(rename = "eval/reward", skip_serializing_if = "Option::is_none")]
     pub eval_reward: Option<f64>,
+    /// Seconds of that evaluation (part of `time/step`).
+    #[serde(rename = "time/eval", skip_serializing_if = "Option::is_none")]
+    pub eval_s: Option<f64>,
     /// Seconds for the whole step.
     #[serde(rename = "time/step")]
     pub step_s: f64,
@@ -198,8 +201,11 @@ fn std_dev(xs: &[f64]) -> f64 {
 impl RolloutMetrics {
     /// Over the rollouts of `groups_g` (the fresh groups); `env_ids` names
     /// the environments by index.
-    pub fn of(groups_g: &[Group], step: u64, env_ids: &[String], pass_threshold: f64) -> Self {
+    /// A rollout of environment `e` passes at reward ≥ `pass_thresholds[e]`
+    /// (1 where none is given).
+    pub fn of(groups_g: &[Group], step: u64, env_ids: &[String], pass_thresholds: &[f64]) -> Self {
         let mut rewards = Vec::new();
+        let mut passes = 0usize;
         let mut per_env: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
         let mut rubric: BTreeMap<String, Vec<f64>> = BTreeMap::new();
         let mut lens = Vec::new();
@@ -209,6 +215,8 @@ impl RolloutMetrics {
             lags.push(step.saturating_sub(g.version) as f64);
             for (r, s) in g.rollouts.iter().zip(&g.scores) {
                 rewards.push(s.reward);
+                passes +=
+                    usize::from(s.reward >= pass_thresholds.get(g.env).copied().unwrap_or(1.0));
                 per_env.entry(g.env).or_default().push(s.reward);
                 for (k, v) in &s.metrics {
                     rubric.entry(k.clone()).or_default().push(*v);
@@ -228,7 +236,6 @@ impl RolloutMetrics {
                 (id, mean(rs), std_dev(rs))
             })
             .collect();
-        let passes = rewards.iter().filter(|r| **r >= pass_threshold).count();
         Self {
             reward_mean: mean(&rewards),
             reward_std: std_dev(&rewards),
@@ -281,6 +288,7 @@ impl TimeMetrics {
     pub fn with_eval(mut self, eval: Option<&EvalResult>) -> Self {
         self.eval_pass_at_1 = eval.map(|r| r.pass_at_1);
         self.eval_reward = eval.map(|r| r.reward);
+        self.eval_s = eval.map(|r| r.time_s);
         self
     }
 }
@@ -357,6 +365,7 @@ impl TryFrom<&Map<String, Value>> for StepMetrics {
                 publish_s: f("time/publish")?,
                 eval_pass_at_1: f_or("eval/pass@1", "eval/accuracy"),
                 eval_reward: get("eval/reward").and_then(Value::as_f64),
+                eval_s: get("time/eval").and_then(Value::as_f64),
                 step_s: f("time/step")?,
                 elapsed_s: f("time/elapsed")?,
             },
@@ -384,8 +393,19 @@ impl StepMetrics {
         } else {
             "n/a".into()
         };
+        let eval = time
+            .eval_s
+            .map(|s| format!(", eval {s:.1}s"))
+            .unwrap_or_default();
+        // A step where every group had equal rewards trained nothing; say
+        // so, and what usually fixes it.
+        let idle = if d.trained_sequences == 0 && d.zero_advantage_groups > 0 {
+            "\n  nothing trained: every group's rollouts got equal rewards (raise [sampling] temperature or group_size, or give the rubric partial credit)"
+        } else {
+            ""
+        };
         format!(
-            "step {:>4}/{max_steps}  reward {:.3}  pass@1 {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s)",
+            "step {:>4}/{max_steps}  reward {:.3}  pass@1 {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s{eval}){idle}",
             self.step,
             r.reward_mean,
             100.0 * r.pass_rate,
@@ -432,6 +452,62 @@ mod tests {
         m.time.step_s = 1.0;
         let line = m.progress_line(5);
         assert!(line.contains("zero-adv 3"), "{line}");
+    }
+
+    /// Issue 39: a step that trained nothing says why and what to change;
+    /// a step that trained says nothing of the kind; an evaluation's time
+    /// is shown apart from the step's other parts.
+    #[test]
+    fn progress_line_says_when_nothing_trained_and_shows_eval_time() {
+        let mut m = StepMetrics {
+            step: 2,
+            ..Default::default()
+        };
+        m.data.zero_advantage_groups = 4;
+        let line = m.progress_line(5);
+        assert!(
+            line.contains("nothing trained") && line.contains("temperature"),
+            "{line}"
+        );
+        m.data.trained_sequences = 8;
+        assert!(!m.progress_line(5).contains("nothing trained"));
+        assert!(!m.progress_line(5).contains("eval "));
+        m.time.eval_s = Some(3.25);
+        assert!(
+            m.progress_line(5).contains(", eval 3.2s)"),
+            "{}",
+            m.progress_line(5)
+        );
+    }
+
+    /// Issue 39: training's pass@1 uses each environment's own threshold.
+    #[test]
+    fn pass_rate_uses_each_environments_threshold() {
+        let group = |env: usize, rewards: &[f64]| Group {
+            env,
+            row: temper_env::Row {
+                example_id: 0,
+                prompt: vec![],
+                answer: None,
+                info: Value::Null,
+            },
+            rollouts: rewards.iter().map(|_| Default::default()).collect(),
+            scores: rewards
+                .iter()
+                .map(|r| temper_env::Score {
+                    reward: *r,
+                    metrics: Default::default(),
+                })
+                .collect(),
+            version: 0,
+        };
+        // env 0 (threshold 1.5): 1.5 passes, 1.0 does not; env 1 (1): 1.0 passes.
+        let groups = [group(0, &[1.5, 1.0]), group(1, &[1.0, 0.0])];
+        let ids = ["a".to_string(), "b".to_string()];
+        let m = RolloutMetrics::of(&groups, 0, &ids, &[1.5, 1.0]);
+        assert_eq!(m.pass_rate, 0.5);
+        let m = RolloutMetrics::of(&groups, 0, &ids, &[]);
+        assert_eq!(m.pass_rate, 0.75, "1 where none is given");
     }
 
     /// A resumed run reads its earlier steps back as typed metrics: the

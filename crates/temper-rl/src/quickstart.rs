@@ -183,6 +183,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
             interval: 20,
             num_examples: o.eval_examples,
             temperature: 0.0,
+            pass_threshold: None,
         },
         ckpt: CkptSection {
             interval: 10,

@@ -108,6 +108,17 @@ pub async fn run_rl_with(
     let plan = Arc::new(RolloutPlan::load(&cfg).await?);
     let evaluator = Evaluator::for_rl(&cfg).await?;
     let env_ids = plan.env_ids();
+    let thresholds = plan.pass_thresholds(cfg.eval.pass_threshold);
+    let mut notices: Vec<&str> = thresholds
+        .iter()
+        .filter_map(|t| t.notice.as_deref())
+        .collect();
+    notices.extend(evaluator.as_ref().and_then(Evaluator::notice));
+    notices.dedup();
+    for n in notices {
+        progress(&cfg, &format!("note: {n}"));
+    }
+    let thresholds: Vec<f64> = thresholds.iter().map(|t| t.value).collect();
     let mut state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
     let start = state.step;
     let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
@@ -179,7 +190,7 @@ pub async fn run_rl_with(
 
         let metrics = StepMetrics {
             step: version,
-            rollouts: RolloutMetrics::of(&groups_g, step, &env_ids, cfg.eval_pass_threshold()),
+            rollouts: RolloutMetrics::of(&groups_g, step, &env_ids, &thresholds),
             data: DataMetrics::of(&turns, dropped, state.dropped_stale),
             train: TrainMetrics::of(&trained),
             time: TimeMetrics {
@@ -263,7 +274,7 @@ mod tests {
         .unwrap();
         (
             DataMetrics::of(&turns, dropped, *dropped_total),
-            RolloutMetrics::of(&groups_g, step, &[], 1.0),
+            RolloutMetrics::of(&groups_g, step, &[], &[]),
             out,
         )
     }

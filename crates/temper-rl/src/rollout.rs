@@ -124,6 +124,15 @@ impl RolloutPlan {
         })
     }
 
+    /// Each environment's pass threshold, by index: `configured` (the
+    /// run's `[eval] pass_threshold`) or the environment's own.
+    pub fn pass_thresholds(&self, configured: Option<f64>) -> Vec<temper_env::PassThreshold> {
+        self.envs
+            .iter()
+            .map(|e| temper_env::pass_threshold(configured, &**e))
+            .collect()
+    }
+
     /// The environments' ids, by index.
     pub fn env_ids(&self) -> Vec<String> {
         self.envs.iter().map(|e| e.id().to_string()).collect()

@@ -351,6 +351,11 @@ where
         Some(ev) => Some((ev, SftPolicy::new(&base, trainer.clone())?)),
         None => None,
     };
+    if let Some(n) = evaluator.as_ref().and_then(|(ev, _)| ev.notice()) {
+        if cfg.log.progress {
+            eprintln!("note: {n}");
+        }
+    }
     let mut eval_after = None;
     if let Some((ev, policy)) = evaluator
         .as_ref()

@@ -308,6 +308,7 @@ impl Environment for TasksEnv {
                 temperature: 0.7,
                 ..SamplingArgs::default()
             },
+            pass_threshold: None,
         }
     }
 }

@@ -78,7 +78,9 @@ pub struct EvalArgs {
     /// Retries per request [default: 6].
     #[arg(long = "max-retries")]
     max_retries: Option<u32>,
-    /// A rollout passes (pass@k) at reward ≥ this [default: 1].
+    /// A rollout passes (pass@k) at reward ≥ this [default: the
+    /// environment's `[eval] pass_threshold`, else 1, or the rubric's
+    /// maximum when that exceeds 1].
     #[arg(long = "pass-threshold")]
     pass_threshold: Option<f64>,
     /// No progress bar.
@@ -306,7 +308,13 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 seed: a.seed.unwrap_or(0),
                 request_timeout: timeout,
                 retry,
-                pass_threshold: a.pass_threshold.unwrap_or(1.0),
+                pass_threshold: {
+                    let t = temper_env::pass_threshold(a.pass_threshold, &*env);
+                    if let Some(n) = &t.notice {
+                        eprintln!("note: {n}");
+                    }
+                    t.value
+                },
                 resume: false,
                 progress: !a.quiet,
             };

@@ -780,3 +780,117 @@ fn eval_where_every_rollout_fails_lists_errors_and_exits_non_zero() {
     );
     assert!(stderr.contains("every rollout failed (3 of 3)"), "{stderr}");
 }
+
+/// Issue 39: a pass threshold belongs to the environment. With a rubric
+/// worth 1.5 (answer 1 + format 0.5) and no threshold, a well-formatted
+/// wrong answer (reward 0.5) must not pass, and `temper eval` says once
+/// which threshold it used; `[eval] pass_threshold` in env.toml is honoured
+/// and recorded in metadata.json.
+#[test]
+fn issue39_env_pass_threshold_and_the_rubric_maximum() {
+    let (base, _rt) = mock_server(Duration::ZERO);
+    let dir = tempfile::tempdir().unwrap();
+    let env_dir = env_new_units(dir.path());
+    let toml_path = env_dir.join("env.toml");
+    let original = std::fs::read_to_string(&toml_path).unwrap();
+    let worth_1_5 = original.replace(
+        "function = \"format\"\nweight = 0.0",
+        "function = \"format\"\nweight = 0.5",
+    );
+    assert_ne!(worth_1_5, original, "the scaffold's format entry moved");
+    let eval = |save: &Path| {
+        let out = temper()
+            .arg("eval")
+            .arg(&env_dir)
+            .args(["-m", "mock", "-b", &base, "--quiet", "--save-dir"])
+            .arg(save)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{stderr}");
+        let meta: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(run_dir_of(save).join("metadata.json")).unwrap(),
+        )
+        .unwrap();
+        (
+            meta,
+            stderr,
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+
+    std::fs::write(&toml_path, &worth_1_5).unwrap();
+    let (meta, stderr, stdout) = eval(&dir.path().join("a"));
+    assert_eq!(meta["avg_reward"], 0.5, "format only: {meta}");
+    assert_eq!(meta["pass_threshold"], 1.5);
+    assert_eq!(meta["pass_at_k"]["1"], 0.0, "a wrong answer passed");
+    assert_eq!(
+        stderr.matches("the rubric's maximum reward is 1.5").count(),
+        1,
+        "{stderr}"
+    );
+    assert!(stdout.contains("(a pass is reward ≥ 1.5)"), "{stdout}");
+
+    let with_threshold = worth_1_5.replace("# pass_threshold = 1.0", "pass_threshold = 0.5");
+    assert_ne!(
+        with_threshold, worth_1_5,
+        "the scaffold's pass_threshold line moved"
+    );
+    std::fs::write(&toml_path, &with_threshold).unwrap();
+    let (meta, stderr, _) = eval(&dir.path().join("b"));
+    assert_eq!(meta["pass_threshold"], 0.5);
+    assert_eq!(meta["pass_at_k"]["1"], 1.0);
+    assert!(!stderr.contains("maximum reward"), "{stderr}");
+
+    // The flag still wins over the environment.
+    let out = temper()
+        .arg("eval")
+        .arg(&env_dir)
+        .args([
+            "-m",
+            "mock",
+            "-b",
+            &base,
+            "--quiet",
+            "--pass-threshold",
+            "2",
+        ])
+        .arg("--save-dir")
+        .arg(dir.path().join("c"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(run_dir_of(&dir.path().join("c")).join("metadata.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(meta["pass_threshold"], 2.0);
+}
+
+/// Issue 39: `temper eval my-task` at a lab's root (where `temper init`
+/// put the environment under `envs/`) names what it tried and suggests
+/// `envs/my-task`, instead of a bare "unknown environment".
+#[test]
+fn issue39_unknown_env_names_the_path_and_suggests_envs() {
+    let dir = tempfile::tempdir().unwrap();
+    env_new_units(&dir.path().join("envs"));
+    let out = temper()
+        .current_dir(dir.path())
+        .args([
+            "eval",
+            "units",
+            "-m",
+            "mock",
+            "-b",
+            "http://127.0.0.1:9/v1",
+            "--quiet",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no units/env.toml in") && stderr.contains("did you mean `envs/units`?"),
+        "{stderr}"
+    );
+}

@@ -155,6 +155,7 @@ pub(super) fn build(args: &Value) -> Result<Env, EnvError> {
             temperature: 0.0,
             ..SamplingArgs::default()
         },
+        pass_threshold: None,
     };
     Ok(Env::new(
         "code-python",

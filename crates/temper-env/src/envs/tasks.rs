@@ -26,6 +26,7 @@ fn defaults(num_examples: usize, max_tokens: usize) -> EvalDefaults {
             temperature: 0.0,
             ..SamplingArgs::default()
         },
+        pass_threshold: None,
     }
 }
 

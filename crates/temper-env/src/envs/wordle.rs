@@ -173,6 +173,7 @@ pub(super) fn build(args: &Value) -> Result<Env, EnvError> {
             temperature: 0.7,
             ..SamplingArgs::default()
         },
+        pass_threshold: None,
     };
     Ok(Env::new("wordle", Arc::new(gen), harness, rubric, defaults))
 }
