@@ -205,8 +205,9 @@ impl Environment for Env {
     }
 }
 
-/// Score a group and fill each rollout's `timing.scoring_ms` (shared by
-/// the evaluator and trainers).
+/// Score a group and fill each rollout's `timing.scoring_ms`: the time
+/// the rubric spent on that rollout where it measured it, else the group's
+/// scoring time over its size (shared by the evaluator and trainers).
 pub async fn score_and_time(
     env: &dyn Environment,
     row: &Row,
@@ -214,8 +215,9 @@ pub async fn score_and_time(
 ) -> Vec<Score> {
     let t = Instant::now();
     let scores = env.score_group(row, rollouts).await;
-    let ms = t.elapsed().as_secs_f64() * 1e3;
-    for r in rollouts.iter_mut() {
+    let share_ms = t.elapsed().as_secs_f64() * 1e3 / rollouts.len().max(1) as f64;
+    for (i, r) in rollouts.iter_mut().enumerate() {
+        let ms = scores.get(i).and_then(|s| s.scoring_ms).unwrap_or(share_ms);
         r.timing.scoring_ms = ms;
         r.timing.total_ms = r.timing.generation_ms + ms;
     }

@@ -307,7 +307,7 @@ mod tests {
                     },
                     Score {
                         reward,
-                        metrics: Default::default(),
+                        ..Default::default()
                     },
                 )
             };
