@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::{
     ChatModel, EnvError, EvalDefaults, Harness, Message, Rollout, Row, Rubric, SamplingArgs, Score,
-    Split,
+    Service, Split,
 };
 
 /// An environment: rows to prompt with, a way to roll out, a way to score.
@@ -30,6 +30,11 @@ pub trait Environment: Send + Sync {
     async fn score_group(&self, row: &Row, rollouts: &[Rollout]) -> Vec<Score>;
     /// What `temper eval` runs by default.
     fn eval_defaults(&self) -> EvalDefaults;
+    /// The services its rollouts and rewards call (the sandbox service, a
+    /// judge's endpoint), for [`crate::check_services`] before a run.
+    fn services(&self) -> Vec<Arc<dyn Service>> {
+        Vec::new()
+    }
 }
 
 /// Where rows come from.
@@ -202,6 +207,11 @@ impl Environment for Env {
     }
     fn eval_defaults(&self) -> EvalDefaults {
         self.defaults.clone()
+    }
+    fn services(&self) -> Vec<Arc<dyn Service>> {
+        let mut out = self.harness.services();
+        out.extend(self.rubric.services());
+        out
     }
 }
 

@@ -396,7 +396,7 @@ impl Reward {
             "code_tests" => {
                 let cfg: CodeTestsConfig =
                     serde_json::from_value(args.clone()).map_err(|e| e.to_string())?;
-                Reward::code_tests(w, CodeTests::new(cfg))
+                Reward::code_tests(w, CodeTests::new(cfg)?)
             }
             "json_fields" => {
                 let cfg: JsonFieldsConfig =
@@ -419,6 +419,24 @@ impl Reward {
             Some(n) => r.named(n.clone()),
             None => r,
         })
+    }
+
+    /// The service it calls, if any.
+    fn service(&self) -> Option<Arc<dyn crate::Service>> {
+        match &self.kind {
+            Kind::Sync(_) => None,
+            Kind::Judge(j) => j.endpoint.clone().map(|model| {
+                Arc::new(crate::service::EndpointService {
+                    model,
+                    what: "judge",
+                }) as Arc<dyn crate::Service>
+            }),
+            Kind::CodeTests(t) => Some(Arc::new(t.sandbox.clone())),
+            Kind::Program(p) => match &p.runner {
+                Runner::Sandbox { sandbox, .. } => Some(Arc::new(sandbox.clone())),
+                Runner::Process(_) => None,
+            },
+        }
     }
 
     /// One rollout's score, or why the function could not give one.
@@ -516,6 +534,11 @@ impl Rubric {
     pub fn with_group(mut self, g: GroupReward) -> Self {
         self.group_funcs.push(g);
         self
+    }
+
+    /// The services its functions call (the sandbox, a judge's endpoint).
+    pub fn services(&self) -> Vec<Arc<dyn crate::Service>> {
+        self.funcs.iter().filter_map(Reward::service).collect()
     }
 
     /// Score the rollouts of one row. Functions run in order; each runs
@@ -682,6 +705,8 @@ fn default_judge_tokens() -> usize {
 /// resumed or repeated evaluation asks once.
 pub struct Judge {
     model: Arc<dyn ChatModel>,
+    /// The endpoint, when the judge is one (checked before a run).
+    endpoint: Option<Arc<crate::openai::OpenAiChatModel>>,
     prompt: String,
     max_tokens: usize,
     cache: Mutex<HashMap<String, f64>>,
@@ -693,6 +718,7 @@ impl Judge {
     pub fn new(model: Arc<dyn ChatModel>, prompt: impl Into<String>) -> Self {
         Judge {
             model,
+            endpoint: None,
             prompt: prompt.into(),
             max_tokens: default_judge_tokens(),
             cache: Mutex::new(HashMap::new()),
@@ -705,9 +731,12 @@ impl Judge {
             Some(var) => Some(std::env::var(var).map_err(|_| format!("judge: ${var} is not set"))?),
             None => None,
         };
-        let model = crate::openai::OpenAiChatModel::new(&cfg.base_url, &cfg.model, key)
-            .map_err(|e| e.to_string())?;
-        let mut j = Judge::new(Arc::new(model), cfg.prompt);
+        let model = Arc::new(
+            crate::openai::OpenAiChatModel::new(&cfg.base_url, &cfg.model, key)
+                .map_err(|e| e.to_string())?,
+        );
+        let mut j = Judge::new(model.clone(), cfg.prompt);
+        j.endpoint = Some(model);
         j.max_tokens = cfg.max_tokens;
         Ok(j)
     }
@@ -779,23 +808,18 @@ fn default_test_timeout() -> f64 {
 /// so an answer may be just the function body (or, as chat models write
 /// it, the whole function, which redefines the docstring-only one).
 pub struct CodeTests {
-    client: temper_sandbox::Client,
+    sandbox: crate::SandboxService,
     timeout: Duration,
 }
 
 impl CodeTests {
-    /// A runner for the service named in `cfg`.
-    pub fn new(cfg: CodeTestsConfig) -> Self {
-        let url = cfg
-            .sandbox_url
-            .or_else(|| std::env::var("TEMPER_SANDBOX_URL").ok())
-            .unwrap_or_else(|| "http://127.0.0.1:8080".into());
-        let client = temper_sandbox::Client::local(url.clone(), None)
-            .unwrap_or_else(|_| temper_sandbox::Client::new(url, None));
-        CodeTests {
-            client,
+    /// A runner for the service named in `cfg` (its key from the
+    /// environment: [`crate::SandboxService::new`]).
+    pub fn new(cfg: CodeTestsConfig) -> Result<Self, String> {
+        Ok(CodeTests {
+            sandbox: crate::SandboxService::new(cfg.sandbox_url)?,
             timeout: Duration::from_secs_f64(cfg.timeout_s.max(0.1)),
-        }
+        })
     }
 
     /// Fraction of `tests` that pass after `code`.
@@ -814,7 +838,7 @@ impl CodeTests {
                 memory_limit_mb: None,
                 fetch_files: Vec::new(),
             };
-            async move { self.client.run_code(&req).await }
+            async move { self.sandbox.client().run_code(&req).await }
         });
         let mut passed = 0usize;
         for r in futures::future::join_all(runs).await {
@@ -995,14 +1019,16 @@ impl ProgramReward {
         )]
         .into_iter()
         .collect();
-        let url = sandbox_url
-            .or_else(|| std::env::var("TEMPER_SANDBOX_URL").ok())
-            .unwrap_or_else(|| "http://127.0.0.1:8080".into());
-        let client = temper_sandbox::Client::local(url.clone(), None)
-            .unwrap_or_else(|_| temper_sandbox::Client::new(url, None));
+        if timeout.as_secs_f64() > temper_sandbox::service::MAX_RUN_TIMEOUT_S {
+            return Err(format!(
+                "timeout_s: a sandboxed run may take at most {} s",
+                temper_sandbox::service::MAX_RUN_TIMEOUT_S
+            ));
+        }
+        let sandbox = crate::SandboxService::new(sandbox_url)?;
         Ok(ProgramReward {
             runner: Runner::Sandbox {
-                client,
+                sandbox,
                 code,
                 files,
             },
@@ -1069,7 +1095,7 @@ impl ProgramReward {
                 .await
                 .map_err(|_| format!("no answer within {:.1}s", self.timeout.as_secs_f64()))?,
             Runner::Sandbox {
-                client,
+                sandbox,
                 code,
                 files,
             } => {
@@ -1084,7 +1110,11 @@ impl ProgramReward {
                     memory_limit_mb: None,
                     fetch_files: Vec::new(),
                 };
-                let resp = client.run_code(&req).await.map_err(|e| e.to_string())?;
+                let resp = sandbox
+                    .client()
+                    .run_code(&req)
+                    .await
+                    .map_err(|e| format!("{}: {e}", sandbox.url()))?;
                 // No run result (a sandbox error) means no answer below.
                 let (stdout, stderr) = resp
                     .run_result
@@ -1197,7 +1227,7 @@ enum Runner {
     Process(Arc<crate::external::Conn>),
     /// One sandbox run per group.
     Sandbox {
-        client: temper_sandbox::Client,
+        sandbox: crate::SandboxService,
         code: String,
         files: BTreeMap<String, String>,
     },

@@ -387,7 +387,8 @@ async fn code_tests_run_in_the_sandbox_service() {
     let tests = CodeTests::new(CodeTestsConfig {
         sandbox_url: Some(url.clone()),
         timeout_s: 5.0,
-    });
+    })
+    .unwrap();
     let asserts: Vec<String> = vec![
         "assert add(1, 2) == 3".into(),
         "assert add(-1, 1) == 0".into(),
@@ -437,7 +438,8 @@ async fn code_tests_score_zero_when_the_sandbox_is_unreachable() {
     let tests = CodeTests::new(CodeTestsConfig {
         sandbox_url: Some("http://127.0.0.1:9".into()),
         timeout_s: 1.0,
-    });
+    })
+    .unwrap();
     assert!(tests
         .pass_rate("x = 1", &["assert x == 1".into()])
         .await

@@ -87,6 +87,7 @@ pub struct Evaluator {
     seed: u64,
     pass_threshold: f64,
     last_step: u64,
+    services: Vec<String>,
 }
 
 impl Evaluator {
@@ -154,6 +155,9 @@ impl Evaluator {
                 source,
             })?
             .map_err(|e| RlError::Env(format!("{spec}: {e}")))?;
+        let services = temper_env::check_services(env.as_ref())
+            .await
+            .map_err(|e| RlError::Env(format!("{spec}: {e}")))?;
         let max_tokens = max_tokens.unwrap_or_else(|| env.eval_defaults().sampling.max_tokens);
         Ok(Some(Self {
             env,
@@ -164,7 +168,13 @@ impl Evaluator {
             seed,
             pass_threshold,
             last_step,
+            services,
         }))
+    }
+
+    /// The services the eval environment calls, checked when loaded.
+    pub fn services(&self) -> &[String] {
+        &self.services
     }
 
     /// Whether an evaluation is due after `step` steps: every
