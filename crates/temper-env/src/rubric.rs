@@ -987,7 +987,8 @@ impl ProgramReward {
 
     /// The program `python3 FILE.py` (in `dir`) run in the sandbox service:
     /// each group is one isolated run with `FILE.py`, `temper_reward.py`
-    /// beside it, and the `score` request on stdin.
+    /// beside it (and the files of [`ProgramReward::with_files`]), and the
+    /// `score` request on stdin.
     pub fn sandboxed(
         command: &str,
         dir: Option<&std::path::Path>,

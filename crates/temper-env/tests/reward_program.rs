@@ -246,3 +246,47 @@ def lookup(text, **_):
     let e = Reward::from_spec_in(&spec, Some(dir.path())).err().unwrap();
     assert!(e.contains("need sandbox = true"), "{e}");
 }
+
+/// Issue 38: each rollout's `timing.scoring_ms` is its own scoring time
+/// (a group-wide function's time shared out evenly), not the group's total
+/// repeated on every rollout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scoring_time_is_measured_per_rollout() {
+    use temper_env::{Env, EvalDefaults, Generated, Harness, PromptTemplate, Task};
+    let slow = Reward::new("slow", 1.0, |c| {
+        if temper_env::last_assistant_text(c.completion) == "slow" {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        1.0
+    });
+    let dir = tempfile::tempdir().unwrap();
+    write_reward_py(
+        dir.path(),
+        "import time\n@reward\ndef r(**_):\n    time.sleep(0.1)\n    return 1.0\n",
+    );
+    let rubric = program_rubric(dir.path(), None, "").with(slow);
+    let dataset = Generated::new("t", PromptTemplate::default(), |_| Task {
+        question: "q".into(),
+        answer: String::new(),
+        info: json!({}),
+    });
+    let env = Env::new(
+        "t",
+        std::sync::Arc::new(dataset),
+        Harness::SingleTurn,
+        rubric,
+        EvalDefaults::default(),
+    );
+    let mut rollouts = vec![rollout("slow"), rollout("fast"), rollout("fast")];
+    for r in &mut rollouts {
+        r.timing.generation_ms = 5.0;
+    }
+    temper_env::score_and_time(&env, &row(json!({})), &mut rollouts).await;
+    let ms: Vec<f64> = rollouts.iter().map(|r| r.timing.scoring_ms).collect();
+    // The program scores the group in one call (≥ 100 ms, 1/3 each); only
+    // the first rollout is slow in `slow`.
+    assert!(ms[0] >= 300.0 + 100.0 / 3.0, "{ms:?}");
+    assert!(ms[1] < 300.0 && ms[2] < 300.0, "{ms:?}");
+    assert!(ms[1] >= 100.0 / 3.0, "{ms:?}");
+    assert_eq!(rollouts[1].timing.total_ms, 5.0 + ms[1]);
+}
