@@ -5,10 +5,12 @@
 //! the first rollout, naming it; reward errors are counted, and a run where
 //! every reward failed exits non-zero.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+mod common;
 
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::{sandbox_serve, Server};
 use serde_json::Value;
 
 /// `temper` without any sandbox key or URL from the caller's environment.
@@ -29,39 +31,10 @@ fn text(out: &Output) -> (String, String) {
     )
 }
 
-struct Server(std::process::Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// `temper sandbox serve --api-key-file KEYFILE` on a free port, as the
 /// docs recommend; `None` where this host cannot make sandboxes.
 fn keyed_sandbox(key_file: &Path) -> Option<(Server, String)> {
-    let child = temper()
-        .args(["sandbox", "serve", "--port", "0", "--pool-size", "1"])
-        .arg("--api-key-file")
-        .arg(key_file)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn temper sandbox serve");
-    let mut server = Server(child);
-    let mut lines = BufReader::new(server.0.stderr.take().expect("stderr")).lines();
-    let url = loop {
-        let Some(Ok(line)) = lines.next() else {
-            eprintln!("SKIPPED: temper sandbox serve exited");
-            return None;
-        };
-        if let Some(rest) = line.split("listening on ").nth(1) {
-            break rest.trim().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines.by_ref() {});
-    Some((server, url))
+    sandbox_serve(&["--api-key-file", key_file.to_str().unwrap()], &[])
 }
 
 /// The mock OpenAI server (kept alive by the returned runtime).
