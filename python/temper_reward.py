@@ -38,12 +38,30 @@ lines as external environments): each request is {"id", "method",
   score, {function, args, row: {prompt, answer, info}, rollouts: [...]}
         -> [{"reward": x, "metrics": {...}}], one per rollout (one call per
            group of rollouts of a prompt: batch work there if it helps).
-Stdout belongs to the protocol: print diagnostics to stderr.
+While `serve()` runs, the protocol has the original stdin and stdout to
+itself: file descriptors 0 and 1 (and `sys.stdin`, `sys.stdout`) read
+/dev/null and write to stderr, so whatever a reward, or code it runs,
+prints or reads cannot corrupt an answer.
+
+To run code a model wrote, use `run` rather than forking by hand: a fresh
+process in a temporary directory with a time and an output limit.
+
+    r = run("print(solve(3))", files={"solution.py": code}, timeout=5)
+    r.returncode, r.stdout, r.stderr, r.timed_out, r.ok
 """
 
 import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 import traceback
+from dataclasses import dataclass
 
 _REWARDS = {}
 
@@ -99,8 +117,133 @@ def _handle(req):
     raise ValueError(f"unknown method {method!r}")
 
 
+@dataclass
+class RunResult:
+    """What `run` saw: exit status (negative: killed by that signal, as
+    after a timeout or too much output), the output (decoded, at most the
+    limit each), and why it was stopped, if it was."""
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    output_truncated: bool
+
+    @property
+    def ok(self):
+        """Exited with status 0 on its own."""
+        return self.returncode == 0 and not self.timed_out and not self.output_truncated
+
+
+def run(program, *, stdin="", files=None, timeout=10.0, max_output=1 << 20, env=None):
+    """Run `program` in a fresh process and return a `RunResult`.
+
+    `program` is Python source (run as `main.py` by this interpreter) or an
+    argument list (`["python3", "-m", "pytest", "-q"]`). It runs in a new,
+    empty temporary directory (removed afterwards) holding `files`, a dict
+    of relative path -> str or bytes, in its own process group: after
+    `timeout` seconds, or once stdout plus stderr pass `max_output` bytes,
+    the whole group is killed. `stdin` (str) is its standard input.
+    """
+    work = tempfile.mkdtemp(prefix="temper-run-")
+    try:
+        for rel, content in (files or {}).items():
+            path = os.path.normpath(os.path.join(work, rel))
+            if os.path.isabs(rel) or not path.startswith(work + os.sep):
+                raise ValueError(f"run: file {rel!r} is outside the work directory")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else content)
+        if isinstance(program, str):
+            with open(os.path.join(work, "main.py"), "w") as f:
+                f.write(program)
+            argv = [sys.executable, "main.py"]
+        else:
+            argv = list(program)
+        return _run_limited(argv, work, stdin, timeout, max_output, env)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_limited(argv, cwd, stdin, timeout, max_output, env):
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True)
+    data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+
+    def feed():
+        # A thread, so that a program that does not read its input cannot
+        # block us on a full pipe.
+        try:
+            proc.stdin.write(data)
+            proc.stdin.close()
+        except OSError:
+            pass
+    threading.Thread(target=feed, daemon=True).start()
+    out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    sel = selectors.DefaultSelector()
+    for pipe in out:
+        sel.register(pipe, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    timed_out = truncated = False
+    exited = False
+    while sel.get_map() and not truncated:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        # Once the program has exited, read what is left without waiting
+        # (a background child of it may hold the pipes open).
+        events = sel.select(0 if exited else min(left, 0.05))
+        if exited and not events:
+            break
+        for key, _ in events:
+            chunk = os.read(key.fd, 65536)
+            if not chunk:
+                sel.unregister(key.fileobj)
+                continue
+            out[key.fileobj] += chunk
+        truncated = sum(len(b) for b in out.values()) > max_output
+        exited = exited or proc.poll() is not None
+    sel.close()
+    if not (timed_out or truncated):
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    # The program and whatever it started in its group.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+
+    def text(b):
+        return bytes(b[:max_output]).decode("utf-8", "replace")
+    return RunResult(proc.returncode, text(out[proc.stdout]), text(out[proc.stderr]),
+                     timed_out, truncated)
+
+
+def _protocol_streams():
+    """The process's stdin and stdout, kept for the protocol; fd 0 then
+    reads /dev/null and fd 1 writes to stderr, for everything else."""
+    sys.stdout.flush()
+    proto_in = os.fdopen(os.dup(0), "r", encoding="utf-8")
+    proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    sys.stdin = open(os.devnull)
+    sys.stdout = sys.stderr
+    return proto_in, proto_out
+
+
 def serve(stdin=None, stdout=None):
     """Answer temper's requests until stdin closes."""
+    if stdin is None and stdout is None:
+        stdin, stdout = _protocol_streams()
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     for line in stdin:

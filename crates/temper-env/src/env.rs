@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::{
     ChatModel, EnvError, EvalDefaults, Harness, Message, Rollout, Row, Rubric, SamplingArgs, Score,
-    Split,
+    Service, Split,
 };
 
 /// An environment: rows to prompt with, a way to roll out, a way to score.
@@ -33,6 +33,11 @@ pub trait Environment: Send + Sync {
     /// The largest reward a rollout can get, when the rubric knows it.
     fn max_reward(&self) -> Option<f64> {
         None
+    }
+    /// The services its rollouts and rewards call (the sandbox service, a
+    /// judge's endpoint), for [`crate::check_services`] before a run.
+    fn services(&self) -> Vec<Arc<dyn Service>> {
+        Vec::new()
     }
 }
 
@@ -246,10 +251,16 @@ impl Environment for Env {
     fn max_reward(&self) -> Option<f64> {
         self.rubric.max_reward()
     }
+    fn services(&self) -> Vec<Arc<dyn Service>> {
+        let mut out = self.harness.services();
+        out.extend(self.rubric.services());
+        out
+    }
 }
 
-/// Score a group and fill each rollout's `timing.scoring_ms` (shared by
-/// the evaluator and trainers).
+/// Score a group and fill each rollout's `timing.scoring_ms`: the time
+/// the rubric spent on that rollout where it measured it, else the group's
+/// scoring time over its size (shared by the evaluator and trainers).
 pub async fn score_and_time(
     env: &dyn Environment,
     row: &Row,
@@ -257,8 +268,9 @@ pub async fn score_and_time(
 ) -> Vec<Score> {
     let t = Instant::now();
     let scores = env.score_group(row, rollouts).await;
-    let ms = t.elapsed().as_secs_f64() * 1e3;
-    for r in rollouts.iter_mut() {
+    let share_ms = t.elapsed().as_secs_f64() * 1e3 / rollouts.len().max(1) as f64;
+    for (i, r) in rollouts.iter_mut().enumerate() {
+        let ms = scores.get(i).and_then(|s| s.scoring_ms).unwrap_or(share_ms);
         r.timing.scoring_ms = ms;
         r.timing.total_ms = r.timing.generation_ms + ms;
     }

@@ -31,6 +31,16 @@ pub enum EnvError {
         /// What is wrong.
         message: String,
     },
+    /// A service the environment calls (the sandbox, a judge's endpoint)
+    /// is down, refuses the key or does not work: found by
+    /// [`crate::check_services`] before the first rollout.
+    #[error("environment `{env}` cannot run: {message}")]
+    Service {
+        /// The environment.
+        env: String,
+        /// Each failing service and why, one per line.
+        message: String,
+    },
     /// An external environment process failed or broke the protocol.
     #[error("external environment: {0}")]
     External(String),

@@ -314,21 +314,21 @@ impl Environment for ExternalEnv {
             .call("score", json!({"row": row, "rollouts": wire}))
             .await
             .and_then(|v| serde_json::from_value::<Vec<Score>>(v).map_err(|e| e.to_string()));
-        match result {
-            Ok(scores) if scores.len() == rollouts.len() => scores,
-            Ok(scores) => {
-                tracing::warn!(
-                    "external score: {} scores for {} rollouts",
-                    scores.len(),
-                    rollouts.len()
-                );
-                vec![Score::default(); rollouts.len()]
-            }
-            Err(e) => {
-                tracing::warn!("external score failed: {e}");
-                vec![Score::default(); rollouts.len()]
-            }
-        }
+        let why = match result {
+            Ok(scores) if scores.len() == rollouts.len() => return scores,
+            Ok(scores) => format!(
+                "external score: {} scores for {} rollouts",
+                scores.len(),
+                rollouts.len()
+            ),
+            Err(e) => format!("external score failed: {e}"),
+        };
+        tracing::warn!("{why}");
+        let failed = Score {
+            error: Some(why),
+            ..Score::default()
+        };
+        vec![failed; rollouts.len()]
     }
 
     fn eval_defaults(&self) -> EvalDefaults {

@@ -73,6 +73,10 @@ pub trait Tool: Send + Sync {
     fn schema(&self) -> Value;
     /// Run with the parsed JSON arguments; `Err` is fed back to the model.
     async fn call(&self, args: Value) -> Result<String, String>;
+    /// The service it calls, if any (checked before a run).
+    fn service(&self) -> Option<Arc<dyn crate::Service>> {
+        None
+    }
 }
 
 /// How a rollout talks to the model.
@@ -170,6 +174,14 @@ impl Recorder {
 }
 
 impl Harness {
+    /// The services its tools call.
+    pub fn services(&self) -> Vec<Arc<dyn crate::Service>> {
+        match self {
+            Harness::Tools { tools, .. } => tools.iter().filter_map(|t| t.service()).collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Run one rollout of `row`.
     pub async fn run(&self, model: &dyn ChatModel, row: &Row, sampling: &SamplingArgs) -> Rollout {
         let started = Instant::now();
@@ -373,15 +385,13 @@ pub fn format_number(v: f64) -> String {
 /// `python(code)`: runs Python in the sandbox service and returns its
 /// stdout and stderr.
 pub struct PythonTool {
-    client: temper_sandbox::Client,
+    sandbox: crate::SandboxService,
 }
 
 impl PythonTool {
-    /// A tool on the sandbox service at `url`.
-    pub fn new(url: &str) -> Self {
-        let client = temper_sandbox::Client::local(url, None)
-            .unwrap_or_else(|_| temper_sandbox::Client::new(url, None));
-        PythonTool { client }
+    /// A tool on this sandbox service.
+    pub fn new(sandbox: crate::SandboxService) -> Self {
+        PythonTool { sandbox }
     }
 }
 
@@ -389,6 +399,9 @@ impl PythonTool {
 impl Tool for PythonTool {
     fn name(&self) -> &str {
         "python"
+    }
+    fn service(&self) -> Option<Arc<dyn crate::Service>> {
+        Some(Arc::new(self.sandbox.clone()))
     }
     fn schema(&self) -> Value {
         serde_json::json!({
@@ -420,7 +433,8 @@ impl Tool for PythonTool {
             fetch_files: Vec::new(),
         };
         let resp = self
-            .client
+            .sandbox
+            .client()
             .run_code(&req)
             .await
             .map_err(|e| e.to_string())?;

@@ -25,8 +25,9 @@
 //! | [`ChatRequest`] / [`ModelTurn`] | what a harness asks / what a model answers (a trained policy's [`TokenTrace`] — token ids, logprobs, version, temperature — reaches [`Rollout::model_turns`] as a type) |
 //! | [`ChatModel`] | `async fn chat(&self, ChatRequest) -> Result<ModelTurn, ModelCallError>` |
 //! | [`Rollout`] | `completion`, `is_completed`, `is_truncated`, `stop_condition`, `error`, `token_usage`, `timing`, `model_turns`, `state` |
-//! | [`Score`] | `reward`, `metrics` |
-//! | [`Environment`] | `id`, `rows(Split, n, seed)`, `rollout(&dyn ChatModel, &Row, &SamplingArgs)`, `score_group(&Row, &[Rollout])`, `eval_defaults` |
+//! | [`Score`] | `reward`, `metrics`, `error` (a reward that could not score) |
+//! | [`Environment`] | `id`, `rows(Split, n, seed)`, `rollout(&dyn ChatModel, &Row, &SamplingArgs)`, `score_group(&Row, &[Rollout])`, `eval_defaults`, `services` |
+//! | [`check_services`] | every service an environment calls (sandbox, judge) answers, checked before the first rollout |
 //! | [`load_environment`] | `(spec, &serde_json::Value) -> Arc<dyn Environment>` |
 //! | [`score_and_time`] | `score_group` that also fills `timing.scoring_ms` |
 //!
@@ -58,6 +59,7 @@ mod model;
 pub mod openai;
 mod parser;
 pub mod rubric;
+pub mod service;
 mod types;
 
 use std::path::Path;
@@ -75,6 +77,7 @@ pub use harness::{
 pub use model::ChatModel;
 pub use parser::{last_boxed, last_number, FieldSpec, Parser};
 pub use rubric::{GroupReward, Reward, RewardCtx, Rubric};
+pub use service::{check_services, SandboxService, Service};
 pub use types::{
     greedy_group_warning, last_assistant_text, stop, ChatRequest, Content, EvalDefaults,
     FunctionCall, Message, ModelTurn, Rollout, Row, SamplingArgs, Score, Split, Timing, TokenTrace,

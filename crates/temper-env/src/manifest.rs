@@ -308,13 +308,9 @@ pub fn load_manifest(path: &Path, args: &Value) -> Result<Arc<dyn Environment>, 
                 match t.as_str() {
                     "calculator" | "calculate" => tools.push(Arc::new(Calculator)),
                     "python" => {
-                        let url = m
-                            .harness
-                            .sandbox_url
-                            .clone()
-                            .or_else(|| std::env::var("TEMPER_SANDBOX_URL").ok())
-                            .unwrap_or_else(|| "http://127.0.0.1:8080".into());
-                        tools.push(Arc::new(PythonTool::new(&url)));
+                        let sandbox = crate::SandboxService::new(m.harness.sandbox_url.clone())
+                            .map_err(|e| manifest_err(&file, e))?;
+                        tools.push(Arc::new(PythonTool::new(sandbox)));
                     }
                     other => return Err(manifest_err(&file, format!("unknown tool `{other}` (calculator, python)"))),
                 }

@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -72,6 +72,10 @@ pub struct RewardSpec {
     /// `http://127.0.0.1:8080`).
     #[serde(default)]
     pub sandbox_url: Option<String>,
+    /// Files and directories (relative to the env directory) shipped with a
+    /// sandboxed program, at the same relative paths beside it.
+    #[serde(default)]
+    pub files: Vec<String>,
     /// Weight in the reward; 0 = metric only.
     #[serde(default = "one")]
     pub weight: f64,
@@ -317,9 +321,13 @@ impl Reward {
     /// `dir`.
     pub fn from_spec_in(spec: &RewardSpec, dir: Option<&std::path::Path>) -> Result<Self, String> {
         let Some(command) = &spec.command else {
-            if spec.timeout_s.is_some() || spec.sandbox || spec.sandbox_url.is_some() {
+            if spec.timeout_s.is_some()
+                || spec.sandbox
+                || spec.sandbox_url.is_some()
+                || !spec.files.is_empty()
+            {
                 return Err(
-                    "timeout_s, sandbox and sandbox_url apply to reward programs (command = ...)"
+                    "timeout_s, sandbox, sandbox_url and files apply to reward programs (command = ...)"
                         .into(),
                 );
             }
@@ -336,9 +344,13 @@ impl Reward {
                 timeout,
                 spec.sandbox_url.clone(),
             )?
+            .with_files(dir, &spec.files)?
         } else {
-            if spec.sandbox_url.is_some() {
-                return Err("sandbox_url needs sandbox = true".into());
+            if spec.sandbox_url.is_some() || !spec.files.is_empty() {
+                return Err(
+                    "sandbox_url and files need sandbox = true (a local program reads its directory)"
+                        .into(),
+                );
             }
             ProgramReward::spawn(command, dir, spec.function.clone(), args, timeout)?
         };
@@ -391,7 +403,7 @@ impl Reward {
             "code_tests" => {
                 let cfg: CodeTestsConfig =
                     serde_json::from_value(args.clone()).map_err(|e| e.to_string())?;
-                Reward::code_tests(w, CodeTests::new(cfg))
+                Reward::code_tests(w, CodeTests::new(cfg)?)
             }
             "json_fields" => {
                 let cfg: JsonFieldsConfig =
@@ -429,13 +441,32 @@ impl Reward {
         self
     }
 
-    async fn score(&self, ctx: &RewardCtx<'_>) -> f64 {
+    /// The service it calls, if any.
+    fn service(&self) -> Option<Arc<dyn crate::Service>> {
         match &self.kind {
-            Kind::Sync(f) => f(ctx),
+            Kind::Sync(_) => None,
+            Kind::Judge(j) => j.endpoint.clone().map(|model| {
+                Arc::new(crate::service::EndpointService {
+                    model,
+                    what: "judge",
+                }) as Arc<dyn crate::Service>
+            }),
+            Kind::CodeTests(t) => Some(Arc::new(t.sandbox.clone())),
+            Kind::Program(p) => match &p.runner {
+                Runner::Sandbox { sandbox, .. } => Some(Arc::new(sandbox.clone())),
+                Runner::Process(_) => None,
+            },
+        }
+    }
+
+    /// One rollout's score, or why the function could not give one.
+    async fn score(&self, ctx: &RewardCtx<'_>) -> Result<f64, String> {
+        match &self.kind {
+            Kind::Sync(f) => Ok(f(ctx)),
             Kind::Judge(j) => j.score(ctx).await,
             Kind::CodeTests(t) => t.score(ctx).await,
             // Scored per group in `Rubric::score_group`.
-            Kind::Program(_) => 0.0,
+            Kind::Program(_) => Ok(0.0),
         }
     }
 }
@@ -548,6 +579,11 @@ impl Rubric {
         Some(max)
     }
 
+    /// The services its functions call (the sandbox, a judge's endpoint).
+    pub fn services(&self) -> Vec<Arc<dyn crate::Service>> {
+        self.funcs.iter().filter_map(Reward::service).collect()
+    }
+
     /// Score the rollouts of one row. Functions run in order; each runs
     /// concurrently across the group.
     pub async fn score_group(&self, row: &Row, rollouts: &[Rollout]) -> Vec<Score> {
@@ -562,10 +598,20 @@ impl Rubric {
                 rollout: r,
             })
             .collect();
-        let mut scores = vec![Score::default(); rollouts.len()];
+        let n = rollouts.len().max(1) as f64;
+        let mut scores = vec![
+            Score {
+                scoring_ms: Some(0.0),
+                ..Score::default()
+            };
+            rollouts.len()
+        ];
         for func in &self.funcs {
             if let Kind::Program(p) = &func.kind {
-                match p.score_group(&ctxs).await {
+                let t = Instant::now();
+                let result = p.score_group(&ctxs).await;
+                let share_ms = t.elapsed().as_secs_f64() * 1e3 / n;
+                match result {
                     Ok(values) => {
                         for (s, (v, metrics)) in scores.iter_mut().zip(values) {
                             s.reward += func.weight * v;
@@ -573,30 +619,47 @@ impl Rubric {
                             for (k, m) in metrics {
                                 s.metrics.insert(format!("{}/{k}", func.name), m);
                             }
+                            add_ms(s, share_ms);
                         }
                     }
                     Err(e) => {
-                        // Visible in the run's metrics, not a silent zero.
                         tracing::warn!("reward program `{}`: {e}", p.command);
                         for s in &mut scores {
-                            s.metrics.insert(func.name.clone(), 0.0);
-                            s.metrics.insert(format!("{}/error", func.name), 1.0);
+                            failed(s, &func.name, &e);
+                            add_ms(s, share_ms);
                         }
                     }
                 }
                 continue;
             }
-            let values = futures::future::join_all(ctxs.iter().map(|c| func.score(c))).await;
-            for (s, v) in scores.iter_mut().zip(values) {
-                s.reward += func.weight * v;
-                s.metrics.insert(func.name.clone(), v);
+            let values = futures::future::join_all(ctxs.iter().map(|c| async move {
+                let t = Instant::now();
+                let v = func.score(c).await;
+                (v, t.elapsed().as_secs_f64() * 1e3)
+            }))
+            .await;
+            for (s, (v, ms)) in scores.iter_mut().zip(values) {
+                match v {
+                    Ok(v) => {
+                        s.reward += func.weight * v;
+                        s.metrics.insert(func.name.clone(), v);
+                    }
+                    Err(e) => {
+                        tracing::warn!("reward `{}`: {e}", func.name);
+                        failed(s, &func.name, &e);
+                    }
+                }
+                add_ms(s, ms);
             }
         }
         for g in &self.group_funcs {
+            let t = Instant::now();
             let values = (g.f)(&ctxs);
+            let share_ms = t.elapsed().as_secs_f64() * 1e3 / n;
             for (s, v) in scores.iter_mut().zip(values) {
                 s.reward += g.weight * v;
                 s.metrics.insert(g.name.clone(), v);
+                add_ms(s, share_ms);
             }
         }
         if self.normalize {
@@ -614,6 +677,19 @@ impl Rubric {
         }
         scores
     }
+}
+
+/// Function `name` could not score this rollout: 0, the metric
+/// `NAME/error = 1`, and the first such failure as the score's error.
+fn failed(s: &mut Score, name: &str, why: &str) {
+    s.metrics.insert(name.to_string(), 0.0);
+    s.metrics.insert(format!("{name}/error"), 1.0);
+    s.error
+        .get_or_insert_with(|| format!("reward `{name}`: {why}"));
+}
+
+fn add_ms(s: &mut Score, ms: f64) {
+    *s.scoring_ms.get_or_insert(0.0) += ms;
 }
 
 /// 2·LCS / (|a| + |b|) over characters (1 for two empty strings).
@@ -672,6 +748,8 @@ fn default_judge_tokens() -> usize {
 /// resumed or repeated evaluation asks once.
 pub struct Judge {
     model: Arc<dyn ChatModel>,
+    /// The endpoint, when the judge is one (checked before a run).
+    endpoint: Option<Arc<crate::openai::OpenAiChatModel>>,
     prompt: String,
     max_tokens: usize,
     cache: Mutex<HashMap<String, f64>>,
@@ -683,6 +761,7 @@ impl Judge {
     pub fn new(model: Arc<dyn ChatModel>, prompt: impl Into<String>) -> Self {
         Judge {
             model,
+            endpoint: None,
             prompt: prompt.into(),
             max_tokens: default_judge_tokens(),
             cache: Mutex::new(HashMap::new()),
@@ -695,14 +774,17 @@ impl Judge {
             Some(var) => Some(std::env::var(var).map_err(|_| format!("judge: ${var} is not set"))?),
             None => None,
         };
-        let model = crate::openai::OpenAiChatModel::new(&cfg.base_url, &cfg.model, key)
-            .map_err(|e| e.to_string())?;
-        let mut j = Judge::new(Arc::new(model), cfg.prompt);
+        let model = Arc::new(
+            crate::openai::OpenAiChatModel::new(&cfg.base_url, &cfg.model, key)
+                .map_err(|e| e.to_string())?,
+        );
+        let mut j = Judge::new(model.clone(), cfg.prompt);
+        j.endpoint = Some(model);
         j.max_tokens = cfg.max_tokens;
         Ok(j)
     }
 
-    async fn score(&self, c: &RewardCtx<'_>) -> f64 {
+    async fn score(&self, c: &RewardCtx<'_>) -> Result<f64, String> {
         let question = c
             .prompt
             .iter()
@@ -719,7 +801,7 @@ impl Judge {
             .replace("{answer}", c.answer.unwrap_or(""))
             .replace("{response}", &response);
         if let Some(v) = self.cache.lock().ok().and_then(|m| m.get(&prompt).copied()) {
-            return v;
+            return Ok(v);
         }
         let req = ChatRequest {
             messages: vec![Message::user(prompt.clone())],
@@ -737,12 +819,9 @@ impl Judge {
                 if let Ok(mut m) = self.cache.lock() {
                     m.insert(prompt, v);
                 }
-                v
+                Ok(v)
             }
-            Err(e) => {
-                tracing::warn!("judge call failed: {e}");
-                0.0
-            }
+            Err(e) => Err(format!("judge call failed: {e}")),
         }
     }
 }
@@ -772,23 +851,18 @@ fn default_test_timeout() -> f64 {
 /// so an answer may be just the function body (or, as chat models write
 /// it, the whole function, which redefines the docstring-only one).
 pub struct CodeTests {
-    client: temper_sandbox::Client,
+    sandbox: crate::SandboxService,
     timeout: Duration,
 }
 
 impl CodeTests {
-    /// A runner for the service named in `cfg`.
-    pub fn new(cfg: CodeTestsConfig) -> Self {
-        let url = cfg
-            .sandbox_url
-            .or_else(|| std::env::var("TEMPER_SANDBOX_URL").ok())
-            .unwrap_or_else(|| "http://127.0.0.1:8080".into());
-        let client = temper_sandbox::Client::local(url.clone(), None)
-            .unwrap_or_else(|_| temper_sandbox::Client::new(url, None));
-        CodeTests {
-            client,
+    /// A runner for the service named in `cfg` (its key from the
+    /// environment: [`crate::SandboxService::new`]).
+    pub fn new(cfg: CodeTestsConfig) -> Result<Self, String> {
+        Ok(CodeTests {
+            sandbox: crate::SandboxService::new(cfg.sandbox_url)?,
             timeout: Duration::from_secs_f64(cfg.timeout_s.max(0.1)),
-        }
+        })
     }
 
     /// Fraction of `tests` that pass after `code`.
@@ -807,7 +881,7 @@ impl CodeTests {
                 memory_limit_mb: None,
                 fetch_files: Vec::new(),
             };
-            async move { self.client.run_code(&req).await }
+            async move { self.sandbox.client().run_code(&req).await }
         });
         let mut passed = 0usize;
         for r in futures::future::join_all(runs).await {
@@ -820,15 +894,12 @@ impl CodeTests {
         Ok(passed as f64 / tests.len() as f64)
     }
 
-    async fn score(&self, c: &RewardCtx<'_>) -> f64 {
+    async fn score(&self, c: &RewardCtx<'_>) -> Result<f64, String> {
         let text = crate::last_assistant_text(c.completion);
         let code = match c.info.get("prefix") {
             None | Some(Value::Null) => extract_code(&text),
             Some(Value::String(prefix)) => format!("{prefix}\n{}", extract_code(&text)),
-            Some(other) => {
-                tracing::warn!("code tests: info.prefix must be a string, got {other}");
-                return 0.0;
-            }
+            Some(other) => return Err(format!("info.prefix must be a string, got {other}")),
         };
         let tests: Vec<String> = c
             .info
@@ -841,13 +912,7 @@ impl CodeTests {
                     .collect()
             })
             .unwrap_or_default();
-        match self.pass_rate(&code, &tests).await {
-            Ok(v) => v,
-            Err(e) => {
-                tracing::warn!("code tests: {e}");
-                0.0
-            }
-        }
+        self.pass_rate(&code, &tests).await
     }
 }
 
@@ -965,7 +1030,8 @@ impl ProgramReward {
 
     /// The program `python3 FILE.py` (in `dir`) run in the sandbox service:
     /// each group is one isolated run with `FILE.py`, `temper_reward.py`
-    /// beside it, and the `score` request on stdin.
+    /// beside it (and the files of [`ProgramReward::with_files`]), and the
+    /// `score` request on stdin.
     pub fn sandboxed(
         command: &str,
         dir: Option<&std::path::Path>,
@@ -997,14 +1063,16 @@ impl ProgramReward {
         )]
         .into_iter()
         .collect();
-        let url = sandbox_url
-            .or_else(|| std::env::var("TEMPER_SANDBOX_URL").ok())
-            .unwrap_or_else(|| "http://127.0.0.1:8080".into());
-        let client = temper_sandbox::Client::local(url.clone(), None)
-            .unwrap_or_else(|_| temper_sandbox::Client::new(url, None));
+        if timeout.as_secs_f64() > temper_sandbox::service::MAX_RUN_TIMEOUT_S {
+            return Err(format!(
+                "timeout_s: a sandboxed run may take at most {} s",
+                temper_sandbox::service::MAX_RUN_TIMEOUT_S
+            ));
+        }
+        let sandbox = crate::SandboxService::new(sandbox_url)?;
         Ok(ProgramReward {
             runner: Runner::Sandbox {
-                client,
+                sandbox,
                 code,
                 files,
             },
@@ -1015,6 +1083,55 @@ impl ProgramReward {
         })
     }
 
+    /// Ship `paths` (files or directories, relative to `dir`) with a
+    /// sandboxed program: each run gets them at the same relative paths in
+    /// its work directory. They travel in every group's request, so their
+    /// total is capped at [`MAX_SHIPPED_BYTES`].
+    pub fn with_files(
+        mut self,
+        dir: Option<&std::path::Path>,
+        paths: &[String],
+    ) -> Result<Self, String> {
+        use base64::Engine as _;
+        let Runner::Sandbox { files, .. } = &mut self.runner else {
+            return Err("files are shipped with sandboxed reward programs only".into());
+        };
+        let root = dir.unwrap_or_else(|| std::path::Path::new("."));
+        let mut found = Vec::new();
+        for p in paths {
+            let rel = std::path::Path::new(p);
+            if p.is_empty()
+                || rel.is_absolute()
+                || rel
+                    .components()
+                    .any(|c| !matches!(c, std::path::Component::Normal(_)))
+            {
+                return Err(format!(
+                    "files: {p:?} must be a relative path inside the environment directory, without `..`"
+                ));
+            }
+            collect_files(root, rel, &mut found)?;
+        }
+        let mut total = 0usize;
+        for rel in found {
+            let key = rel.to_string_lossy().into_owned();
+            if key == "temper_reward.py" {
+                return Err("files: temper_reward.py is shipped by temper itself".into());
+            }
+            let bytes = std::fs::read(root.join(&rel))
+                .map_err(|e| format!("files: {}: {e}", root.join(&rel).display()))?;
+            total += bytes.len();
+            if total > MAX_SHIPPED_BYTES {
+                return Err(format!(
+                    "files: more than {MAX_SHIPPED_BYTES} bytes to ship with every group; \
+                     put per-row data in the rows' `info` instead"
+                ));
+            }
+            files.insert(key, base64::engine::general_purpose::STANDARD.encode(bytes));
+        }
+        Ok(self)
+    }
+
     /// One `score` call through the runner.
     async fn call_score(&self, params: Value) -> Result<Value, String> {
         match &self.runner {
@@ -1022,7 +1139,7 @@ impl ProgramReward {
                 .await
                 .map_err(|_| format!("no answer within {:.1}s", self.timeout.as_secs_f64()))?,
             Runner::Sandbox {
-                client,
+                sandbox,
                 code,
                 files,
             } => {
@@ -1037,7 +1154,11 @@ impl ProgramReward {
                     memory_limit_mb: None,
                     fetch_files: Vec::new(),
                 };
-                let resp = client.run_code(&req).await.map_err(|e| e.to_string())?;
+                let resp = sandbox
+                    .client()
+                    .run_code(&req)
+                    .await
+                    .map_err(|e| format!("{}: {e}", sandbox.url()))?;
                 // No run result (a sandbox error) means no answer below.
                 let (stdout, stderr) = resp
                     .run_result
@@ -1108,13 +1229,49 @@ impl ProgramReward {
     }
 }
 
+/// The most bytes of `files` shipped with a sandboxed reward program (they
+/// travel base64-encoded in each request, and the service takes 2 MB).
+pub const MAX_SHIPPED_BYTES: usize = 1 << 20;
+
+/// The regular files at `rel` under `root` (itself, or every file below a
+/// directory), as paths relative to `root`. Symbolic links are refused:
+/// what is shipped stays inside the environment directory.
+fn collect_files(
+    root: &std::path::Path,
+    rel: &std::path::Path,
+    out: &mut Vec<std::path::PathBuf>,
+) -> Result<(), String> {
+    let path = root.join(rel);
+    let meta =
+        std::fs::symlink_metadata(&path).map_err(|e| format!("files: {}: {e}", path.display()))?;
+    if meta.is_file() {
+        out.push(rel.to_path_buf());
+    } else if meta.is_dir() {
+        let mut entries: Vec<_> = std::fs::read_dir(&path)
+            .map_err(|e| format!("files: {}: {e}", path.display()))?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("files: {}: {e}", path.display()))?;
+        entries.sort();
+        for name in entries {
+            collect_files(root, &rel.join(name), out)?;
+        }
+    } else {
+        return Err(format!(
+            "files: {} is not a regular file or directory",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Where a reward program runs.
 enum Runner {
     /// A local process, started once.
     Process(Arc<crate::external::Conn>),
     /// One sandbox run per group.
     Sandbox {
-        client: temper_sandbox::Client,
+        sandbox: crate::SandboxService,
         code: String,
         files: BTreeMap<String, String>,
     },

@@ -418,6 +418,17 @@ pub struct Score {
     pub reward: f64,
     /// Each function's score by name.
     pub metrics: BTreeMap<String, f64>,
+    /// Why a reward function could not score this rollout (the first
+    /// failure; that function scored 0): a sandbox that refused the key,
+    /// a program that crashed. Counted in the summary, never silent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Milliseconds the rubric spent on this rollout, where it measured
+    /// them (a group-wide function's time is shared out evenly);
+    /// [`crate::score_and_time`] falls back to the group's time over its
+    /// size.
+    #[serde(skip)]
+    pub scoring_ms: Option<f64>,
 }
 
 /// What `temper eval` runs by default on an environment.

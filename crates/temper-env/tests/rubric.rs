@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::Scripted;
+use common::{sandbox_service, write_reward_py, Scripted};
 use serde_json::{json, Value};
 use temper_env::rubric::{CodeTests, CodeTestsConfig, Judge};
 use temper_env::{GroupReward, Message, Parser, Reward, RewardCtx, Rollout, Row, Rubric};
@@ -379,39 +379,6 @@ fn code_block_extraction() {
     }
 }
 
-/// The sandbox service on a free port, or `None` where this host cannot
-/// create the namespaces it needs.
-/// `warm`: runs fork from a pool of warm workers (as `temper sandbox
-/// serve` does) instead of starting an interpreter each.
-async fn sandbox_service(warm: bool) -> Option<String> {
-    use temper_sandbox::service::{app, AppState, Runner};
-    use temper_sandbox::{ExecRequest, Language, Pool, PoolConfig, Sandbox, SandboxConfig};
-    let sandbox = Sandbox::new(SandboxConfig::default()).ok()?;
-    if let Err(e) = sandbox.run(&ExecRequest::new(Language::Python, "print(1)")) {
-        eprintln!("SKIPPED: sandbox unavailable on this host: {e}");
-        return None;
-    }
-    let sandbox = Arc::new(sandbox);
-    let runner = if warm {
-        let pool = Pool::new(
-            sandbox,
-            PoolConfig {
-                size: 4,
-                max_runs_per_worker: 200,
-            },
-        )
-        .expect("warm pool");
-        Runner::Pool(Arc::new(pool))
-    } else {
-        Runner::Cold(sandbox)
-    };
-    let state = AppState::new(runner, None, 4);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.ok()?;
-    let addr = listener.local_addr().ok()?;
-    tokio::spawn(async move { axum::serve(listener, app(state)).await });
-    Some(format!("http://{addr}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn code_tests_run_in_the_sandbox_service() {
     let Some(url) = sandbox_service(false).await else {
@@ -420,7 +387,8 @@ async fn code_tests_run_in_the_sandbox_service() {
     let tests = CodeTests::new(CodeTestsConfig {
         sandbox_url: Some(url.clone()),
         timeout_s: 5.0,
-    });
+    })
+    .unwrap();
     let asserts: Vec<String> = vec![
         "assert add(1, 2) == 3".into(),
         "assert add(-1, 1) == 0".into(),
@@ -470,7 +438,8 @@ async fn code_tests_score_zero_when_the_sandbox_is_unreachable() {
     let tests = CodeTests::new(CodeTestsConfig {
         sandbox_url: Some("http://127.0.0.1:9".into()),
         timeout_s: 1.0,
-    });
+    })
+    .unwrap();
     assert!(tests
         .pass_rate("x = 1", &["assert x == 1".into()])
         .await
@@ -686,15 +655,6 @@ async fn normalized_rubric_divides_by_the_weight_sum() {
         .await;
     assert_eq!(s[0].reward, 0.7);
     assert_eq!(s[0].metrics["metric"], 7.0);
-}
-
-fn write_reward_py(dir: &std::path::Path, body: &str) {
-    let helper = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../python");
-    let text = format!(
-        "import sys\nsys.path.insert(0, {:?})\nfrom temper_reward import reward, serve\n{body}\nif __name__ == '__main__':\n    serve()\n",
-        helper.display().to_string()
-    );
-    std::fs::write(dir.join("reward.py"), text).unwrap();
 }
 
 /// Issue 15: a reward written in Python, one batched call per group, with

@@ -26,6 +26,10 @@ pub struct Summary {
     /// Each distinct error message with how many rollouts ended with it,
     /// most frequent first.
     pub errors: Vec<(String, usize)>,
+    /// Rollouts a reward function could not score (`reward_error`).
+    pub num_reward_errors: usize,
+    /// Each distinct reward error with its count, most frequent first.
+    pub reward_errors: Vec<(String, usize)>,
     /// Rollouts that hit a token limit.
     pub num_truncated: usize,
     /// Token totals.
@@ -96,15 +100,8 @@ pub fn summarize(lines: &[ResultLine], threshold: f64) -> Summary {
         input_tokens: u.input_tokens + l.token_usage.input_tokens,
         output_tokens: u.output_tokens + l.token_usage.output_tokens,
     });
-    let mut by_message: BTreeMap<&str, usize> = BTreeMap::new();
-    for e in lines.iter().filter_map(|l| l.error.as_deref()) {
-        *by_message.entry(e).or_default() += 1;
-    }
-    let mut errors: Vec<(String, usize)> = by_message
-        .into_iter()
-        .map(|(m, c)| (m.to_string(), c))
-        .collect();
-    errors.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let errors = by_count(lines.iter().filter_map(|l| l.error.as_deref()));
+    let reward_errors = by_count(lines.iter().filter_map(|l| l.reward_error.as_deref()));
     Summary {
         num_rollouts: n,
         num_examples: groups.len(),
@@ -114,9 +111,39 @@ pub fn summarize(lines: &[ResultLine], threshold: f64) -> Summary {
         pass_at_k: pass,
         num_errors: lines.iter().filter(|l| l.error.is_some()).count(),
         errors,
+        num_reward_errors: lines.iter().filter(|l| l.reward_error.is_some()).count(),
+        reward_errors,
         num_truncated: lines.iter().filter(|l| l.is_truncated).count(),
         usage,
         avg_generation_ms: mean(&mut lines.iter().map(|l| l.timing.generation_ms)),
+    }
+}
+
+/// Each distinct message with how often it occurs, most frequent first.
+fn by_count<'a>(messages: impl Iterator<Item = &'a str>) -> Vec<(String, usize)> {
+    let mut by_message: BTreeMap<&str, usize> = BTreeMap::new();
+    for e in messages {
+        *by_message.entry(e).or_default() += 1;
+    }
+    let mut out: Vec<(String, usize)> = by_message
+        .into_iter()
+        .map(|(m, c)| (m.to_string(), c))
+        .collect();
+    out.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    out
+}
+
+/// The ten most frequent messages with their counts, and how many more.
+fn list_messages(t: &mut String, list: &[(String, usize)], what: &str) {
+    for (m, c) in list.iter().take(10) {
+        let _ = writeln!(t, "  {c:>5} × {}", clip(m, 300));
+    }
+    if list.len() > 10 {
+        let _ = writeln!(
+            t,
+            "  … {} more distinct {what} in results.jsonl",
+            list.len() - 10
+        );
     }
 }
 
@@ -148,18 +175,13 @@ pub fn summary_table(meta: &Metadata, s: &Summary) -> String {
     }
     let _ = writeln!(
         t,
-        "errors     {}   truncated {}",
-        s.num_errors, s.num_truncated
+        "errors     {}   reward errors {}   truncated {}",
+        s.num_errors, s.num_reward_errors, s.num_truncated
     );
-    for (m, c) in s.errors.iter().take(10) {
-        let _ = writeln!(t, "  {c:>5} × {}", clip(m, 300));
-    }
-    if s.errors.len() > 10 {
-        let _ = writeln!(
-            t,
-            "  … {} more distinct errors in results.jsonl",
-            s.errors.len() - 10
-        );
+    list_messages(&mut t, &s.errors, "errors");
+    if !s.reward_errors.is_empty() {
+        let _ = writeln!(t, "  reward errors (those functions scored 0):");
+        list_messages(&mut t, &s.reward_errors, "reward errors");
     }
     let _ = writeln!(
         t,
@@ -395,13 +417,14 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}pre{{white-space:p
     h.push_str("</table>");
     let mut slow: Vec<&ResultLine> = lines.iter().collect();
     slow.sort_by(|a, b| b.timing.total_ms.total_cmp(&a.timing.total_ms));
-    h.push_str("<h2>Slowest rollouts</h2><table><tr><th>example</th><th>total ms</th><th>reward</th><th>stop</th></tr>");
+    h.push_str("<h2>Slowest rollouts</h2><table><tr><th>example</th><th>total ms</th><th>scoring ms</th><th>reward</th><th>stop</th></tr>");
     for l in slow.iter().take(10) {
         let _ = write!(
             h,
-            "<tr><td>{}</td><td>{:.1}</td><td>{:.3}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.3}</td><td>{}</td></tr>",
             l.example_id,
             l.timing.total_ms,
+            l.timing.scoring_ms,
             l.reward,
             esc(l.stop_condition.as_deref().unwrap_or(""))
         );
@@ -483,10 +506,11 @@ mod tests {
             is_completed: error.is_none(),
             is_truncated: false,
             error: error.map(str::to_string),
+            reward_error: None,
             stop_condition: None,
             token_usage: TokenUsage::default(),
         };
-        let lines = vec![
+        let mut lines = vec![
             line(0, 1.0, 1.0, None),
             line(1, 1.0, 1.0, None),
             line(2, 1.0, 0.0, None),
@@ -534,6 +558,17 @@ mod tests {
         let table = summary_table(&meta, &summarize(&lines, 1.0));
         assert!(
             table.contains("2 × model endpoint answered 500: boom"),
+            "{table}"
+        );
+        assert!(table.contains("reward errors 0"), "{table}");
+        // A reward that could not score is counted and listed apart.
+        lines[3].reward_error = Some("reward `r`: sandbox service answered 401".into());
+        let s = summarize(&lines, 1.0);
+        assert_eq!((s.num_errors, s.num_reward_errors), (3, 1));
+        let table = summary_table(&meta, &s);
+        assert!(table.contains("reward errors 1"), "{table}");
+        assert!(
+            table.contains("1 × reward `r`: sandbox service answered 401"),
             "{table}"
         );
     }

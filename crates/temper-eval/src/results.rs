@@ -38,6 +38,9 @@ pub struct ResultLine {
     pub is_truncated: bool,
     /// The error that ended the rollout.
     pub error: Option<String>,
+    /// Why a reward function could not score the rollout (it counted 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward_error: Option<String>,
     /// Why it stopped.
     pub stop_condition: Option<String>,
     /// Token totals.
@@ -96,6 +99,9 @@ pub struct Metadata {
     pub num_rollouts: usize,
     /// Rollouts with an error.
     pub num_errors: usize,
+    /// Rollouts a reward function could not score.
+    #[serde(default)]
+    pub num_reward_errors: usize,
     /// How the environment was named on the command line.
     pub env_spec: String,
     /// Environment arguments.
@@ -251,6 +257,7 @@ mod tests {
             is_completed: true,
             is_truncated: false,
             error: None,
+            reward_error: None,
             stop_condition: Some("max_turns_reached".into()),
             token_usage: TokenUsage::default(),
         }

@@ -113,6 +113,9 @@ pub async fn run_eval(
     model.retry = cfg.retry;
     model.timeout = cfg.request_timeout;
     preflight(&model, cfg).await?;
+    // The services the environment calls (sandbox, judge) too: one that is
+    // down or refuses the key would otherwise score every rollout 0.
+    temper_env::check_services(env.as_ref()).await?;
     run_eval_with(env, Arc::new(model), cfg).await
 }
 
@@ -262,6 +265,7 @@ pub async fn run_eval_with(
         status: "running".into(),
         num_rollouts: done.len() * r,
         num_errors: 0,
+        num_reward_errors: 0,
         env_spec: cfg.env_spec.clone(),
         env_args: cfg.env_args.clone(),
         env_package: cfg.env_package.clone(),
@@ -306,6 +310,7 @@ pub async fn run_eval_with(
                     info: row.info.clone(),
                     reward: sc.reward,
                     metrics: sc.metrics,
+                    reward_error: sc.error,
                     timing: ro.timing,
                     is_completed: ro.is_completed,
                     is_truncated: ro.is_truncated,
@@ -345,6 +350,7 @@ pub async fn run_eval_with(
     meta.usage = s.usage;
     meta.num_rollouts = s.num_rollouts;
     meta.num_errors = s.num_errors;
+    meta.num_reward_errors = s.num_reward_errors;
     meta.time = prior_time + started.elapsed().as_secs_f64();
     meta.status = "completed".into();
     write_metadata(&cfg.run_dir, &meta)?;

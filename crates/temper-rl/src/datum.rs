@@ -276,7 +276,7 @@ mod tests {
         };
         let score = |reward| Score {
             reward,
-            metrics: Default::default(),
+            ..Default::default()
         };
         vec![Group {
             env: 0,

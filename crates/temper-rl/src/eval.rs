@@ -113,6 +113,7 @@ pub struct Evaluator {
     seed: u64,
     pass_threshold: temper_env::PassThreshold,
     last_step: u64,
+    services: Vec<String>,
 }
 
 impl Evaluator {
@@ -178,6 +179,9 @@ impl Evaluator {
                 source,
             })?
             .map_err(|e| RlError::Env(format!("{spec}: {e}")))?;
+        let services = temper_env::check_services(env.as_ref())
+            .await
+            .map_err(|e| RlError::Env(format!("{spec}: {e}")))?;
         let max_tokens = max_tokens.unwrap_or_else(|| env.eval_defaults().sampling.max_tokens);
         let pass_threshold = temper_env::pass_threshold(eval.pass_threshold, &*env);
         Ok(Some(Self {
@@ -189,6 +193,7 @@ impl Evaluator {
             seed,
             pass_threshold,
             last_step,
+            services,
         }))
     }
 
@@ -196,6 +201,11 @@ impl Evaluator {
     /// it came from the rubric's maximum).
     pub fn notice(&self) -> Option<&str> {
         self.pass_threshold.notice.as_deref()
+    }
+
+    /// The services the eval environment calls, checked when loaded.
+    pub fn services(&self) -> &[String] {
+        &self.services
     }
 
     /// Whether an evaluation is due after `step` steps: every

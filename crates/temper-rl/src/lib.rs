@@ -62,7 +62,7 @@
 //!     }],
 //!     ..Default::default()
 //! };
-//! let score = |reward| Score { reward, metrics: Default::default() };
+//! let score = |reward| Score { reward, ..Default::default() };
 //! let groups_g = vec![Group {
 //!     env: 0,
 //!     row: Row { example_id: 0, prompt: vec![], answer: None, info: Default::default() },

@@ -63,6 +63,9 @@ pub struct RolloutMetrics {
     pub truncation_rate: f64,
     /// Rollouts that ended in an error (scored, never trained on).
     pub rollout_errors: usize,
+    /// Rollouts a reward function could not score (it counted 0 for them):
+    /// a sandbox that refused the key, a reward program that crashed.
+    pub reward_errors: usize,
     /// Mean policy lag (steps) of the groups trained on.
     #[serde(rename = "policy_lag/mean")]
     pub policy_lag_mean: f64,
@@ -155,9 +158,13 @@ pub struct TrainMetrics {
 /// order they are known.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct TimeMetrics {
-    /// Seconds spent sampling the batch.
+    /// Seconds spent sampling the batch, scoring included.
     #[serde(rename = "time/generate")]
     pub generate_s: f64,
+    /// Seconds of `time/generate` during which at least one group was
+    /// being scored (groups score while others still generate).
+    #[serde(rename = "time/reward")]
+    pub reward_s: f64,
     /// Trained tokens per second of training.
     pub tokens_per_s: f64,
     /// Seconds the trainer waited for the batch.
@@ -210,7 +217,7 @@ impl RolloutMetrics {
         let mut rubric: BTreeMap<String, Vec<f64>> = BTreeMap::new();
         let mut lens = Vec::new();
         let mut lags = Vec::new();
-        let (mut truncated, mut errors) = (0usize, 0usize);
+        let (mut truncated, mut errors, mut reward_errors) = (0usize, 0usize, 0usize);
         for g in groups_g {
             lags.push(step.saturating_sub(g.version) as f64);
             for (r, s) in g.rollouts.iter().zip(&g.scores) {
@@ -224,6 +231,7 @@ impl RolloutMetrics {
                 lens.push(r.token_usage.output_tokens as f64);
                 truncated += usize::from(r.is_truncated);
                 errors += usize::from(r.error.is_some());
+                reward_errors += usize::from(s.error.is_some());
             }
         }
         let reward_by_env = per_env
@@ -245,6 +253,7 @@ impl RolloutMetrics {
             seq_len_mean: mean(&lens),
             truncation_rate: truncated as f64 / lens.len().max(1) as f64,
             rollout_errors: errors,
+            reward_errors,
             policy_lag_mean: mean(&lags),
             policy_lag_max: lags.iter().copied().fold(0.0, f64::max),
         }
@@ -295,7 +304,8 @@ impl TimeMetrics {
 
 /// A `metrics.jsonl` line read back (a resumed run's earlier steps).
 /// Lines written before the keys were renamed (`pass_rate`,
-/// `eval/accuracy`) or added (`multi_turn/*`, 0 then) still read; any other
+/// `eval/accuracy`) or added (`multi_turn/*`, `reward_errors`,
+/// `time/reward`: 0 then) still read; any other
 /// missing or mistyped key is an error naming it.
 impl TryFrom<&Map<String, Value>> for StepMetrics {
     type Error = RlError;
@@ -335,6 +345,7 @@ impl TryFrom<&Map<String, Value>> for StepMetrics {
                 seq_len_mean: f("seq_len/mean")?,
                 truncation_rate: f("truncation_rate")?,
                 rollout_errors: n("rollout_errors")?,
+                reward_errors: since("reward_errors")? as usize,
                 policy_lag_mean: f("policy_lag/mean")?,
                 policy_lag_max: f("policy_lag/max")?,
             },
@@ -360,6 +371,7 @@ impl TryFrom<&Map<String, Value>> for StepMetrics {
             },
             time: TimeMetrics {
                 generate_s: f("time/generate")?,
+                reward_s: get("time/reward").and_then(Value::as_f64).unwrap_or(0.0),
                 tokens_per_s: f("tokens_per_s")?,
                 wait_s: f("time/wait")?,
                 publish_s: f("time/publish")?,
@@ -404,8 +416,14 @@ impl StepMetrics {
         } else {
             ""
         };
+        // Only when there are any: a reward that fails must not pass unseen.
+        let reward_errors = if r.reward_errors > 0 {
+            format!("  reward-errors {}", r.reward_errors)
+        } else {
+            String::new()
+        };
         format!(
-            "step {:>4}/{max_steps}  reward {:.3}  pass@1 {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, train {:.1}s, wait {:.1}s{eval}){idle}",
+            "step {:>4}/{max_steps}  reward {:.3}{reward_errors}  pass@1 {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, reward {:.1}s, train {:.1}s, wait {:.1}s{eval}){idle}",
             self.step,
             r.reward_mean,
             100.0 * r.pass_rate,
@@ -419,6 +437,7 @@ impl StepMetrics {
             t.grad_norm,
             time.step_s,
             time.generate_s,
+            time.reward_s,
             t.train_s,
             time.wait_s,
         )
@@ -452,6 +471,13 @@ mod tests {
         m.time.step_s = 1.0;
         let line = m.progress_line(5);
         assert!(line.contains("zero-adv 3"), "{line}");
+        assert!(!line.contains("reward-errors"), "{line}");
+        // Rewards that could not be computed are in the line, loudly.
+        m.rollouts.reward_errors = 7;
+        m.time.reward_s = 0.5;
+        let line = m.progress_line(5);
+        assert!(line.contains("reward-errors 7"), "{line}");
+        assert!(line.contains("reward 0.5s"), "{line}");
     }
 
     /// Issue 39: a step that trained nothing says why and what to change;
@@ -496,7 +522,7 @@ mod tests {
                 .iter()
                 .map(|r| temper_env::Score {
                     reward: *r,
-                    metrics: Default::default(),
+                    ..Default::default()
                 })
                 .collect(),
             version: 0,
@@ -529,6 +555,8 @@ mod tests {
         m.train.loss = -0.125;
         m.time.eval_pass_at_1 = Some(0.75);
         m.time.eval_reward = Some(1.5);
+        m.time.reward_s = 0.25;
+        m.rollouts.reward_errors = 4;
         let record = m.to_record().unwrap();
         assert_eq!(StepMetrics::try_from(&record).unwrap(), m);
 
@@ -539,12 +567,15 @@ mod tests {
         }
         old.remove("multi_turn/merged");
         old.remove("multi_turn/fallbacks");
+        old.remove("reward_errors");
+        old.remove("time/reward");
         let back = StepMetrics::try_from(&old).unwrap();
         assert_eq!(
             (back.rollouts.pass_rate, back.time.eval_pass_at_1),
             (0.5, Some(0.75))
         );
         assert_eq!(back.data.multi_turn_fallbacks, 0);
+        assert_eq!((back.rollouts.reward_errors, back.time.reward_s), (0, 0.0));
 
         let mut torn = record;
         torn.remove("grad_norm");
@@ -580,6 +611,7 @@ mod tests {
                 "seq_len/mean",
                 "truncation_rate",
                 "rollout_errors",
+                "reward_errors",
                 "policy_lag/mean",
                 "policy_lag/max",
                 "dropped_stale",
@@ -599,6 +631,7 @@ mod tests {
                 "lr",
                 "time/train",
                 "time/generate",
+                "time/reward",
                 "tokens_per_s",
                 "time/wait",
                 "time/publish",

@@ -153,7 +153,12 @@ pub async fn run_rl_with(
     for step in start..end {
         let t_step = Instant::now();
         let batch = rollouts.next(step).await?;
-        let (generate_s, wait_s) = (batch.generate_s, t_step.elapsed().as_secs_f64());
+        every_reward_failed(&batch)?;
+        let (generate_s, reward_s, wait_s) = (
+            batch.generate_s,
+            batch.reward_s,
+            t_step.elapsed().as_secs_f64(),
+        );
         let (groups_g, dropped) = batch.drop_stale(step, cfg.async_.max_off_policy_steps);
         state.dropped_stale += dropped;
         let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
@@ -195,6 +200,7 @@ pub async fn run_rl_with(
             train: TrainMetrics::of(&trained),
             time: TimeMetrics {
                 generate_s,
+                reward_s,
                 wait_s,
                 publish_s,
                 tokens_per_s: turns.tokens() as f64 / trained.train_s.max(1e-9),
@@ -234,6 +240,36 @@ pub async fn run_rl_with(
             .map(StepMetrics::try_from)
             .collect::<Result<_>>()?,
     })
+}
+
+/// Load the environments of `cfg` and its eval environment, as a run
+/// does, checking every service they call: what `--dry-run` reports.
+/// Returns the services checked.
+pub async fn preflight(cfg: &RlPlan) -> Result<Vec<String>> {
+    let plan = RolloutPlan::load(cfg).await?;
+    let mut services = plan.services().to_vec();
+    if let Some(ev) = Evaluator::for_rl(cfg).await? {
+        services.extend(ev.services().iter().cloned());
+    }
+    services.sort();
+    services.dedup();
+    Ok(services)
+}
+
+/// A batch where no rollout's reward could be computed ends the run: its
+/// rewards are all 0 for a reason that is not the policy's (a sandbox gone,
+/// a crashing reward program), and training on them teaches nothing.
+fn every_reward_failed(batch: &Batch) -> Result<()> {
+    let scores = || batch.groups_g.iter().flat_map(|g| g.scores.iter());
+    let total = scores().count();
+    let failed: Vec<&str> = scores().filter_map(|s| s.error.as_deref()).collect();
+    if total > 0 && failed.len() == total {
+        return Err(RlError::Env(format!(
+            "step {}: every rollout's reward failed ({total} of {total}); the first: {}",
+            batch.step, failed[0]
+        )));
+    }
+    Ok(())
 }
 
 /// A progress line on stderr, when `log.progress` is on.
@@ -318,7 +354,7 @@ mod tests {
                     },
                     Score {
                         reward,
-                        metrics: Default::default(),
+                        ..Default::default()
                     },
                 )
             };
@@ -344,6 +380,7 @@ mod tests {
             step: 3,
             groups_g: vec![group(1), group(2)],
             generate_s: 0.0,
+            reward_s: 0.0,
         };
         let (data, rollouts, _) =
             rt.block_on(train_on(&cfg, trainer.as_ref(), batch, &mut dropped));
@@ -359,6 +396,7 @@ mod tests {
             step: 5,
             groups_g: vec![group(1), group(3)],
             generate_s: 0.0,
+            reward_s: 0.0,
         };
         let (data, _, out) = rt.block_on(train_on(&cfg, trainer.as_ref(), batch, &mut dropped));
         assert_eq!(dropped, 3);

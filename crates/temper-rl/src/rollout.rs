@@ -50,8 +50,10 @@ pub struct Batch {
     pub step: u64,
     /// Its groups, one per prompt.
     pub groups_g: Vec<Group>,
-    /// Seconds spent generating it.
+    /// Seconds spent generating it (scoring included).
     pub generate_s: f64,
+    /// Seconds of `generate_s` during which some group was being scored.
+    pub reward_s: f64,
 }
 
 impl Batch {
@@ -80,6 +82,7 @@ pub struct RolloutPlan {
     envs: Vec<Arc<dyn Environment>>,
     pools: Vec<Vec<Row>>,
     schedule: Vec<usize>,
+    services: Vec<String>,
 }
 
 impl RolloutPlan {
@@ -112,7 +115,16 @@ impl RolloutPlan {
             what: "loading the environments",
             source,
         })??;
-        let (envs, pools) = loaded.into_iter().unzip();
+        let (envs, pools): (Vec<Arc<dyn Environment>>, _) = loaded.into_iter().unzip();
+        // Before the first rollout: a sandbox that is down or refuses the
+        // key would otherwise train on all-zero rewards.
+        let mut services = Vec::new();
+        for (env, section) in envs.iter().zip(&cfg.env) {
+            let checked = temper_env::check_services(env.as_ref())
+                .await
+                .map_err(|err| RlError::Env(format!("{}: {err}", section.id)))?;
+            services.extend(checked);
+        }
         let schedule = mixing_schedule(&cfg.env.iter().map(|e| e.weight).collect::<Vec<_>>())?;
         Ok(Self {
             sampling: cfg.sampling.clone(),
@@ -121,6 +133,7 @@ impl RolloutPlan {
             envs,
             pools,
             schedule,
+            services,
         })
     }
 
@@ -131,6 +144,11 @@ impl RolloutPlan {
             .iter()
             .map(|e| temper_env::pass_threshold(configured, &**e))
             .collect()
+    }
+
+    /// The services the environments call, each checked when loaded.
+    pub fn services(&self) -> &[String] {
+        &self.services
     }
 
     /// The environments' ids, by index.
@@ -196,7 +214,9 @@ impl RolloutPlan {
                     args_r.iter().map(|a| env.rollout(model.as_ref(), &row, a)),
                 )
                 .await;
+                let scoring_from = Instant::now();
                 let scores = temper_env::score_and_time(env.as_ref(), &row, &mut rollouts).await;
+                let scoring = (scoring_from, Instant::now());
                 let version = rollouts
                     .iter()
                     .flat_map(|r| r.model_turns.iter())
@@ -204,22 +224,50 @@ impl RolloutPlan {
                     .map(|t| t.version)
                     .min()
                     .unwrap_or(fallback);
-                Group {
+                let group = Group {
                     env: e,
                     row,
                     rollouts,
                     scores,
                     version,
-                }
+                };
+                (group, scoring)
             }
         });
-        let groups_g = futures::future::join_all(groups_g).await;
+        let (groups_g, scoring): (Vec<Group>, Vec<(Instant, Instant)>) =
+            futures::future::join_all(groups_g)
+                .await
+                .into_iter()
+                .unzip();
         Batch {
             step,
             groups_g,
             generate_s: t0.elapsed().as_secs_f64(),
+            reward_s: covered_s(scoring),
         }
     }
+}
+
+/// Seconds covered by the union of `spans`: the wall time during which at
+/// least one of them was running.
+pub(crate) fn covered_s(mut spans: Vec<(Instant, Instant)>) -> f64 {
+    spans.sort();
+    let mut total = 0.0;
+    let mut current: Option<(Instant, Instant)> = None;
+    for (a, b) in spans {
+        current = match current {
+            Some((s, e)) if a <= e => Some((s, e.max(b))),
+            Some((s, e)) => {
+                total += (e - s).as_secs_f64();
+                Some((a, b))
+            }
+            None => Some((a, b)),
+        };
+    }
+    if let Some((s, e)) = current {
+        total += (e - s).as_secs_f64();
+    }
+    total
 }
 
 /// A seed from small integers (SplitMix64 over the parts).
@@ -352,6 +400,17 @@ impl Drop for Rollouts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn time_covered_counts_overlapping_spans_once() {
+        use std::time::Duration;
+        let t = Instant::now();
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        // [0, 100) and [50, 150) overlap: 150 ms; [300, 400): 100 ms more.
+        let spans = vec![(at(300), at(400)), (at(0), at(100)), (at(50), at(150))];
+        assert!((covered_s(spans) - 0.25).abs() < 1e-9);
+        assert_eq!(covered_s(Vec::new()), 0.0);
+    }
 
     #[test]
     fn the_mixing_schedule_follows_the_weights() {

@@ -219,7 +219,7 @@ mod tests {
                 .iter()
                 .map(|&reward| Score {
                     reward,
-                    metrics: Default::default(),
+                    ..Default::default()
                 })
                 .collect(),
             version: 0,

@@ -65,7 +65,7 @@ fn episode(offset: u32, lp: f32) -> Rollout {
 fn groups() -> Vec<Group> {
     let score = |reward| Score {
         reward,
-        metrics: Default::default(),
+        ..Default::default()
     };
     vec![Group {
         env: 0,

@@ -289,10 +289,17 @@ impl Environment for TasksEnv {
                     Some(&reward) if r.error.is_none() => Score {
                         reward,
                         metrics: rewards,
+                        ..Score::default()
                     },
                     _ => Score {
                         reward: 0.0,
                         metrics: BTreeMap::from([("verifier/error".to_string(), 1.0)]),
+                        // A failed trial is already the rollout's error.
+                        error: r
+                            .error
+                            .is_none()
+                            .then(|| "the verifier wrote no reward".to_string()),
+                        ..Score::default()
                     },
                 }
             })

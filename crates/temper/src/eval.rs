@@ -344,6 +344,15 @@ pub fn run(a: EvalArgs) -> Result<()> {
             s.num_rollouts
         );
     }
+    if s.num_rollouts > 0 && s.num_reward_errors == s.num_rollouts {
+        let (first, _) = s.reward_errors.first().cloned().unwrap_or_default();
+        bail!(
+            "every rollout's reward failed ({} of {}), so the rewards above mean nothing; \
+             the most common error: {first}",
+            s.num_reward_errors,
+            s.num_rollouts
+        );
+    }
     Ok(())
 }
 

@@ -24,7 +24,8 @@ pub enum TrainCommand {
 pub struct TrainArgs {
     /// The TOML config (with --resume: optional; the run's saved config is used).
     config: Option<PathBuf>,
-    /// Print the resolved config and exit.
+    /// Print the resolved config and exit (`train rl` also loads the
+    /// environments and checks the services they call: sandbox, judge).
     #[arg(long)]
     dry_run: bool,
     /// Continue the run in this directory from its latest checkpoint.
@@ -124,6 +125,12 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             let plan = RlPlan::try_from(r.cfg)?;
             if r.dry_run {
                 print!("{}", plan.config().dry_run()?);
+                // The environments as a run loads them, and every service
+                // they call (sandbox, judge), before anything trains.
+                let services = runtime()?.block_on(temper_rl::rl::preflight(&plan))?;
+                for s in services {
+                    eprintln!("ok: {s}");
+                }
                 return Ok(());
             }
             let out = runtime()?.block_on(run_rl(

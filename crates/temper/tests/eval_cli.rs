@@ -1,6 +1,8 @@
 //! `temper eval`, `temper env new` and `temper view` as a user runs them,
 //! against the mock OpenAI server.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -351,24 +353,48 @@ fn every_env_template_loads_and_evals_against_the_tiny_model() {
         assert!(toml.contains(&format!("name = \"{name}\"")), "{t}: {toml}");
         assert!(!toml.to_lowercase().contains("unit conversion"), "{t}");
         let save = dir.path().join(format!("out-{t}"));
-        let out = temper()
-            .arg("eval")
-            .arg(&env_dir)
-            .args([
-                "-m",
-                "tiny-qwen3",
-                "-b",
-                &base,
-                "-n",
-                "2",
-                "-t",
-                "4",
-                "--quiet",
-                "--save-dir",
-            ])
-            .arg(&save)
-            .output()
-            .unwrap();
+        let eval = |sandbox_url: Option<&str>| {
+            let mut cmd = temper();
+            match sandbox_url {
+                Some(url) => cmd.env("TEMPER_SANDBOX_URL", url),
+                None => cmd.env_remove("TEMPER_SANDBOX_URL"),
+            };
+            cmd.arg("eval")
+                .arg(&env_dir)
+                .args([
+                    "-m",
+                    "tiny-qwen3",
+                    "-b",
+                    &base,
+                    "-n",
+                    "2",
+                    "-t",
+                    "4",
+                    "--quiet",
+                    "--save-dir",
+                ])
+                .arg(&save)
+                .output()
+                .unwrap()
+        };
+        // The code template's tests run in the sandbox service: without
+        // one the run stops before its first rollout, naming it (issue 38).
+        let sandbox = if t == "code" {
+            let out = eval(Some("http://127.0.0.1:9"));
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{stderr}");
+            assert!(
+                stderr.contains("the sandbox service at http://127.0.0.1:9"),
+                "{stderr}"
+            );
+            let Some(sandbox) = common::sandbox_serve(&[], &[]) else {
+                continue;
+            };
+            Some(sandbox)
+        } else {
+            None
+        };
+        let out = eval(sandbox.as_ref().map(|(_, url)| url.as_str()));
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{t}: {stderr}");
         assert!(!stderr.contains("warning: "), "{t}: {stderr}");

@@ -145,7 +145,11 @@ pub(super) fn build(args: &Value) -> Result<Env, EnvError> {
     let tests = CodeTests::new(CodeTestsConfig {
         sandbox_url: a.sandbox_url,
         timeout_s: 10.0,
-    });
+    })
+    .map_err(|message| EnvError::BadArgs {
+        env: "code-python".into(),
+        message,
+    })?;
     let rubric = Rubric::new(Parser::Plain).with(Reward::code_tests(1.0, tests));
     let defaults = EvalDefaults {
         num_examples: 20,
