@@ -1,6 +1,6 @@
 //! `temper train rl|sft`, `temper quickstart` and `temper generate-sft`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
@@ -133,6 +133,13 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                 }
                 return Ok(());
             }
+            let c = plan.config();
+            let env = c
+                .eval
+                .env
+                .clone()
+                .or_else(|| c.env.first().map(|e| e.id.clone()));
+            let (base, lora) = (c.model.path.clone(), c.lora.enabled);
             let out = runtime()?.block_on(run_rl(
                 plan,
                 RunOptions {
@@ -152,6 +159,17 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                 out.run_dir.join("metrics.jsonl").display()
             );
             println!("  plots:    {}", out.run_dir.join("plots.html").display());
+            print!(
+                "{}",
+                next_commands(
+                    base.as_deref(),
+                    lora,
+                    &out.output,
+                    &out.run_dir,
+                    env.as_deref(),
+                    out.eval_after.as_ref().map(|e| e.dir.as_path())
+                )
+            );
             Ok(())
         }
         TrainCommand::Sft(args) => {
@@ -165,6 +183,13 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                 return Ok(());
             }
             let dir = plan.log.dir.clone();
+            let c = plan.config();
+            let env = c
+                .eval
+                .env
+                .clone()
+                .or_else(|| c.data.env.as_ref().map(|e| e.id.clone()));
+            let (base, lora) = (c.model.path.clone(), c.lora.enabled);
             let out = runtime()?.block_on(run_sft(
                 plan,
                 RunOptions {
@@ -187,9 +212,70 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             println!("  weights:  {}", out.output.display());
             println!("  metrics:  {}", dir.join("metrics.jsonl").display());
             println!("  plots:    {}", dir.join("plots.html").display());
+            print!(
+                "{}",
+                next_commands(
+                    base.as_deref(),
+                    lora,
+                    &out.output,
+                    &dir,
+                    env.as_deref(),
+                    out.eval_after.as_ref().map(|e| e.dir.as_path())
+                )
+            );
             Ok(())
         }
     }
+}
+
+/// What a finished run prints last: the commands that serve, evaluate and
+/// export what it trained, with the run's real paths (issue 39: a user
+/// should not have to work them out from the docs).
+fn next_commands(
+    base: Option<&Path>,
+    lora: bool,
+    output: &Path,
+    run_dir: &Path,
+    env: Option<&str>,
+    last_eval: Option<&Path>,
+) -> String {
+    use std::fmt::Write as _;
+    let mut t = String::from("\nnext:\n");
+    let serve = match (lora, base) {
+        (true, Some(b)) => Some(format!(
+            "temper serve --model {} --lora policy={}",
+            b.display(),
+            output.display()
+        )),
+        (true, None) => None,
+        (false, _) => Some(format!("temper serve --model {}", output.display())),
+    };
+    // The adapter is served as `policy`; a full model is the endpoint's
+    // only model, which `temper eval` picks by itself.
+    let model = if lora { " -m policy" } else { "" };
+    if let Some(serve) = serve {
+        let _ = writeln!(t, "  {serve}    # serve it (OpenAI-compatible, port 8000)");
+        if let Some(env) = env {
+            let _ = writeln!(
+                t,
+                "  temper eval {env}{model} -b http://127.0.0.1:8000/v1    # evaluate it there"
+            );
+        }
+    }
+    let _ = writeln!(
+        t,
+        "  temper export {} --format gguf --out {}    # for llama.cpp / Ollama",
+        run_dir.display(),
+        run_dir.join("model.gguf").display()
+    );
+    if let Some(dir) = last_eval {
+        let _ = writeln!(
+            t,
+            "  temper view {}    # the last held-out evaluation, rollout by rollout",
+            dir.display()
+        );
+    }
+    t
 }
 
 /// `temper quickstart` options.

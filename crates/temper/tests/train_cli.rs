@@ -360,3 +360,59 @@ fn dechunk(mut s: &str) -> String {
         s = &rest[n + 2..];
     }
 }
+
+/// Issue 39: a finished run prints the commands that serve, evaluate and
+/// export what it trained, with its real paths — and the serve command
+/// works as printed.
+#[test]
+fn issue39_a_finished_run_prints_next_commands_that_work() {
+    let d = tempfile::tempdir().unwrap();
+    let (model, env) = setup(d.path());
+    let run = d.path().join("next");
+    let cfg = config(d.path(), &model, &env, &run, "");
+    let out = temper()
+        .args(["train", "rl"])
+        .arg(&cfg)
+        .args(["--trainer.max_steps", "2"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let adapter = run.join("adapter");
+    let serve = format!(
+        "temper serve --model {} --lora policy={}",
+        model.display(),
+        adapter.display()
+    );
+    let export = format!("temper export {} --format gguf --out ", run.display());
+    let eval = format!(
+        "temper eval {} -m policy -b http://127.0.0.1:8000/v1",
+        env.display()
+    );
+    for want in [&serve, &export, &eval] {
+        assert!(
+            stdout.contains(want.as_str()),
+            "missing {want:?} in\n{stdout}"
+        );
+    }
+    // Run the serve command as printed (on a free port): it serves `policy`.
+    let line = stdout.lines().find(|l| l.contains(&serve)).unwrap();
+    let args: Vec<String> = line
+        .split('#')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .skip(1)
+        .map(String::from)
+        .collect();
+    let (_server, url) = spawn_server(&args, "listening on ");
+    let models = reqwest::blocking::get(format!("{url}/v1/models"))
+        .unwrap()
+        .text()
+        .unwrap();
+    assert!(models.contains("\"policy\""), "{models}");
+}
