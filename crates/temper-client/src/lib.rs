@@ -16,7 +16,9 @@
 //! ```
 #![deny(missing_docs)]
 
+mod conn;
 pub mod proto;
 mod remote;
 
+pub use conn::SDK_VERSION;
 pub use remote::RemoteTrainer;
