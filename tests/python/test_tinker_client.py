@@ -113,15 +113,21 @@ def check_forward_backward(body):
         problems.append("forward_backward: differs from the SDK's encoding of the same request")
     if msg.seq_id < 1:
         problems.append("forward_backward: seq_id < 1")
-    return problems, ("Forward" if msg.forward_only else "ForwardBackward"), msg.model_id, msg.seq_id
+    return (problems, ("Forward" if msg.forward_only else "ForwardBackward"), msg.model_id,
+            msg.seq_id, len(msg.data))
 
 
 class Service:
     """The recording, checking, fault-injecting proxy."""
 
-    def __init__(self, upstream_port, hold_s):
+    def __init__(self, upstream_port, hold_s, flags=None, jwt=False):
         self.upstream = upstream_port
         self.hold_s = hold_s
+        self.flags = flags or {}    # merged into the service's client/config
+        self.jwt = jwt              # ask for the key to be exchanged for JWTs
+        self.tokens = []            # JWTs issued; the first is revoked mid-run
+        self.revoked = None
+        self.fb_datums = []         # datums per forward_backward request
         self.lock = threading.Lock()
         self.problems = []          # every divergence from the SDK, with its route
         self.routes = []            # every route, in order
@@ -178,8 +184,27 @@ class Service:
         route = path.removeprefix("/api/v1/")
         with self.lock:
             self.routes.append(route)
-        if h.headers.get("X-API-Key") != API_KEY:
-            self.problem(route, f"X-API-Key is {h.headers.get('X-API-Key')!r}")
+        key = h.headers.get("X-API-Key")
+        if route == "auth/token":
+            # The JWT exchange: the key buys a token, sent in its place after.
+            if key != API_KEY:
+                self.problem(route, f"X-API-Key is {key!r}")
+            with self.lock:
+                self.tokens.append(f"eyJ.test-token.{len(self.tokens)}")
+                tok = self.tokens[-1]
+            return self.reply(h, 200, {"jwt": tok})
+        if self.jwt and route != "client/config":
+            if key == self.revoked:
+                return self.reply(h, 401, {"detail": "token expired"})
+            if key not in self.tokens:
+                self.problem(route, f"X-API-Key is {key!r}, not an issued JWT")
+            elif route == "optim_step" and self.revoked is None:
+                # The token expires mid-run: the client must exchange again.
+                self.revoked = key
+                self.fault("401 jwt")
+                return self.reply(h, 401, {"detail": "token expired"})
+        elif key != API_KEY:
+            self.problem(route, f"X-API-Key is {key!r}")
         if h.headers.get("Authorization"):
             self.problem(route, "an Authorization header (the SDK sends only X-API-Key)")
         owner = seq = None
@@ -189,7 +214,9 @@ class Service:
                 if "application/x-protobuf" not in ctype:
                     self.problem(route, f"Content-Type {ctype!r}")
                 try:
-                    probs, kind, owner, seq = check_forward_backward(body)
+                    probs, kind, owner, seq, n = check_forward_backward(body)
+                    with self.lock:
+                        self.fb_datums.append(n)
                     for p in probs:
                         self.problem(route, p)
                 except Exception as e:  # a body the SDK's schema cannot parse
@@ -240,6 +267,11 @@ class Service:
                     self.fault("429 submit")
                     return self.reply(h, 429, {"detail": "sampling backpressure"})
         status, rbody, rtype = self.forward(h, body)
+        if route == "client/config" and status == 200:
+            cfg = dict(json.loads(rbody), **self.flags)
+            if self.jwt:
+                cfg["pjwt_auth_enabled"] = True
+            rbody = json.dumps(cfg).encode()
         if kind and status == 200:
             try:
                 rid = json.loads(rbody)["request_id"]
@@ -252,7 +284,8 @@ class Service:
     def forward(self, h, body):
         c = http.client.HTTPConnection("127.0.0.1", self.upstream, timeout=120)
         headers = {k: v for k, v in h.headers.items()
-                   if k.lower() not in ("host", "content-length", "connection")}
+                   if k.lower() not in ("host", "content-length", "connection", "x-api-key")}
+        headers["X-API-Key"] = API_KEY  # upstream knows the key, not the JWTs
         c.request(h.command, h.path, body=body, headers=headers)
         r = c.getresponse()
         data = r.read()
@@ -428,7 +461,7 @@ def main():
               str(sdk.faults))
 
         # temper train rl, then sft, with [remote_trainer] url = the service.
-        svc = Service(port, hold_s=11)
+        svc = Service(port, hold_s=11, flags={"fwdbwd_max_chunk_len": 1}, jwt=True)
         url = svc.start()
         env = dict(os.environ, TINKER_API_KEY=API_KEY)
         for what, cfg in [("rl", rl_config(d, url, os.path.join(d, "rl"))),
@@ -442,6 +475,15 @@ def main():
             if p.returncode == 0:
                 rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
                 check(f"  its {len(rows)} steps logged", len(rows) == 2)
+            if what == "rl":
+                # Resume from the service's checkpoint (load_weights).
+                p = subprocess.run([args.temper, "--threads", "1", "train", "rl", cfg,
+                                    "--resume", run, "--trainer.max_steps", "3"], env=env,
+                                   capture_output=True, text=True, timeout=300)
+                rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+                check("  --resume continues on the service's checkpoint",
+                      p.returncode == 0 and [r["step"] for r in rows] == [1, 2, 3],
+                      (p.stdout + p.stderr)[-2000:])
         print("     routes:", sorted(set(svc.routes)))
         check("every request temper sends validates against the SDK's types and headers",
               not svc.problems, "; ".join(dict.fromkeys(svc.problems)))
@@ -450,10 +492,17 @@ def main():
               <= svc.faults.keys(), str(svc.faults))
         check("a refused submit is resubmitted unchanged (same seq_id)",
               svc.same_resubmits >= 2, f"{svc.same_resubmits} resubmits")
+        fbs = len(svc.fb_datums)
+        steps = svc.routes.count("optim_step") - svc.faults.get("503 submit", 0)
+        check("forward_backward is split as the service's client/config says (1 datum each)",
+              fbs > steps and max(svc.fb_datums) == 1, f"{fbs} requests, {steps} steps")
+        check("the key is exchanged for a JWT, and again when the service rejects it",
+              svc.faults.get("401 jwt") == 1 and len(svc.tokens) >= 4, f"{len(svc.tokens)} JWTs")
         check("heartbeats keep the session alive while a result is held",
               svc.heartbeats_while_held >= 1, f"{svc.heartbeats_while_held} heartbeats")
         want = {"create_session", "create_model", "forward_backward", "optim_step",
-                "save_weights_for_sampler", "asample", "save_weights", "retrieve_future"}
+                "save_weights_for_sampler", "asample", "save_weights", "load_weights",
+                "retrieve_future", "session_heartbeat", "auth/token"}
         check("the RL and SFT loops use the whole protocol",
               want <= set(svc.routes), str(want - set(svc.routes)))
     finally:
