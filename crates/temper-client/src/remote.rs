@@ -169,27 +169,14 @@ impl RemoteTrainer {
     }
 
     /// The datums of one forward(_backward), split into requests as the
-    /// service's `client/config` allows (datums and bytes per request), as
-    /// index ranges.
+    /// service's `client/config` allows, as index ranges.
     fn chunks(&self, data: &[proto::Datum]) -> Vec<std::ops::Range<usize>> {
-        let (len, bytes) = (
+        let sizes: Vec<usize> = data.iter().map(|d| d.encoded_len()).collect();
+        chunk_ranges(
+            &sizes,
             self.conn.flags.max_chunk_len,
             self.conn.flags.max_chunk_bytes,
-        );
-        let mut out = Vec::new();
-        let (mut start, mut size) = (0, 0);
-        for (i, d) in data.iter().enumerate() {
-            let b = d.encoded_len();
-            if i > start && (i - start == len || size + b > bytes) {
-                out.push(start..i);
-                (start, size) = (i, 0);
-            }
-            size += b;
-        }
-        if start < data.len() || out.is_empty() {
-            out.push(start..data.len());
-        }
-        out
+        )
     }
 
     fn fwd(
@@ -207,23 +194,22 @@ impl RemoteTrainer {
             Kind::ForwardBackward
         };
         let n = data.len();
-        let bodies = (|| {
-            let datums = data.iter().map(proto_datum).collect::<Vec<_>>();
-            self.chunks(&datums)
-                .into_iter()
-                .map(|r| {
-                    encode_forward_backward(
-                        &self.model_id,
-                        self.next_seq(),
-                        &data[r.clone()],
-                        datums[r].to_vec(),
-                        &loss,
-                        forward_only,
-                    )
-                    .map(Body::Proto)
-                })
-                .collect::<Result<Vec<_>>>()
-        })();
+        let datums = data.iter().map(proto_datum).collect::<Vec<_>>();
+        let bodies = self
+            .chunks(&datums)
+            .into_iter()
+            .map(|r| {
+                encode_forward_backward(
+                    &self.model_id,
+                    self.next_seq(),
+                    &data[r.clone()],
+                    datums[r].to_vec(),
+                    &loss,
+                    forward_only,
+                )
+                .map(Body::Proto)
+            })
+            .collect::<Result<Vec<_>>>();
         self.call("forward_backward", kind, bodies, move |replies| {
             decode_forward_outputs(replies, n)
         })
@@ -368,6 +354,25 @@ fn tensor_f32(xs: &[f32]) -> proto::Tensor {
         dtype: proto::DType::Float32 as i32,
         shape: vec![xs.len() as i64],
     }
+}
+
+/// Consecutive ranges of items of `sizes` bytes, each at most `max_len`
+/// items and `max_bytes` bytes (an item larger than that goes alone), as
+/// the SDK splits a forward_backward; at least one range.
+fn chunk_ranges(sizes: &[usize], max_len: usize, max_bytes: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut size) = (0, 0);
+    for (i, &b) in sizes.iter().enumerate() {
+        if i > start && (i - start >= max_len || size + b > max_bytes) {
+            out.push(start..i);
+            (start, size) = (i, 0);
+        }
+        size += b;
+    }
+    if start < sizes.len() || out.is_empty() {
+        out.push(start..sizes.len());
+    }
+    out
 }
 
 /// One datum as the protocol carries it.
@@ -718,6 +723,17 @@ impl Trainer for RemoteTrainer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn batches_split_by_datum_count_and_bytes() {
+        assert_eq!(chunk_ranges(&[], 4, 100), vec![0..0]);
+        assert_eq!(chunk_ranges(&[1; 5], 2, 100), vec![0..2, 2..4, 4..5]);
+        assert_eq!(
+            chunk_ranges(&[40, 40, 40, 150, 10], 10, 100),
+            vec![0..2, 2..3, 3..4, 4..5]
+        );
+        assert_eq!(chunk_ranges(&[10; 3], 1024, 5_000_000), vec![0..3]);
+    }
 
     #[test]
     fn chunk_metrics_reduce_by_their_named_reduction() {
