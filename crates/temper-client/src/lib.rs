@@ -3,8 +3,11 @@
 //! [`RemoteTrainer`] implements [`temper_engine::Trainer`] over HTTP, so a
 //! training loop written against the trait runs unchanged on the in-process
 //! engine or on a `temper api serve` (or another tinker-compatible service)
-//! elsewhere. [`proto`] holds the protocol's protobuf messages, shared with
-//! the server.
+//! elsewhere. It speaks the protocol as the tinker SDK ([`SDK_VERSION`])
+//! does — auth header and JWT exchange, session heartbeat, future polling,
+//! retries, request chunking — and `tests/python/test_tinker_client.py`
+//! checks every request it sends against the SDK's own types. [`proto`]
+//! holds the protocol's protobuf messages, shared with the server.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), temper_engine::EngineError> {
@@ -16,7 +19,9 @@
 //! ```
 #![deny(missing_docs)]
 
+mod conn;
 pub mod proto;
 mod remote;
 
+pub use conn::SDK_VERSION;
 pub use remote::RemoteTrainer;

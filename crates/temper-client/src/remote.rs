@@ -13,123 +13,42 @@ use temper_engine::{
 use temper_model::{FinishReason, SamplingParams};
 use tokio::sync::oneshot;
 
+use crate::conn::{remote, Body, Conn, Kind, Reply, SDK_VERSION};
 use crate::proto;
 
-enum Body {
-    Json(Value),
-    Proto(Vec<u8>),
-}
-
-enum Reply {
-    Json(Value),
-    Proto(Vec<u8>),
-}
-
-fn remote(e: impl std::fmt::Display) -> EngineError {
-    EngineError::Remote(e.to_string())
-}
-
-struct Conn {
-    http: reqwest::Client,
-    base: String,
-    api_key: String,
-}
-
-impl Conn {
-    async fn post(&self, route: &str, body: Body) -> Result<reqwest::Response> {
-        let req = self
-            .http
-            .post(format!("{}/api/v1/{route}", self.base))
-            .header("X-API-Key", &self.api_key);
-        let req = match body {
-            Body::Json(v) => req.json(&v),
-            Body::Proto(b) => req.header("Content-Type", "application/x-protobuf").body(b),
-        };
-        let resp = req.send().await.map_err(remote)?;
-        if !resp.status().is_success() {
-            let status = resp.status();
-            let text = resp.text().await.unwrap_or_default();
-            return Err(if status.is_client_error() {
-                EngineError::InvalidRequest(format!("{route}: {status}: {text}"))
-            } else {
-                remote(format!("{route}: {status}: {text}"))
-            });
-        }
-        Ok(resp)
-    }
-
-    async fn post_json(&self, route: &str, body: Value) -> Result<Value> {
-        self.post(route, Body::Json(body))
-            .await?
-            .json()
-            .await
-            .map_err(remote)
-    }
-
-    /// Submit, returning the request id of the future.
-    async fn submit(&self, route: &str, body: Body) -> Result<String> {
-        let v: Value = self.post(route, body).await?.json().await.map_err(remote)?;
-        v.get("request_id")
-            .and_then(|r| r.as_str())
-            .map(str::to_string)
-            .ok_or_else(|| remote(format!("{route}: no request_id in {v}")))
-    }
-
-    /// Poll a future until it resolves.
-    async fn wait(&self, request_id: &str) -> Result<Reply> {
-        loop {
-            let resp = self
-                .post(
-                    "retrieve_future",
-                    Body::Json(json!({"request_id": request_id, "allow_metadata_only": false})),
-                )
-                .await?;
-            let is_proto = resp
-                .headers()
-                .get("content-type")
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|c| c.contains("application/x-protobuf"));
-            if is_proto {
-                return Ok(Reply::Proto(resp.bytes().await.map_err(remote)?.to_vec()));
-            }
-            let v: Value = resp.json().await.map_err(remote)?;
-            if v.get("type").and_then(|t| t.as_str()) == Some("try_again") {
-                continue;
-            }
-            if let Some(err) = v.get("error") {
-                let msg = err
-                    .as_str()
-                    .map(str::to_string)
-                    .unwrap_or_else(|| err.to_string());
-                return Err(match v.get("category").and_then(|c| c.as_str()) {
-                    Some("user") => EngineError::InvalidRequest(msg),
-                    _ => remote(msg),
-                });
-            }
-            return Ok(Reply::Json(v));
-        }
-    }
-}
-
-/// A training run on a remote training API, as a [`Trainer`].
+/// A training run on a Tinker-compatible training API, as a [`Trainer`]:
+/// `temper api serve`, or any service the tinker SDK drives.
 ///
 /// Calls are submitted strictly in the order they are made (each waits
 /// until the previous one is acknowledged by the server), then run
 /// concurrently with the caller: issue `forward_backward` and `optim_step`
-/// back to back and await both later. Must be used inside a tokio runtime.
+/// back to back and await both later. Sampling calls are independent of
+/// that order. Must be used inside a tokio runtime; dropping the trainer
+/// stops its session's heartbeat.
 pub struct RemoteTrainer {
     conn: Arc<Conn>,
-    session_id: String,
     model_id: String,
     seq: AtomicI64,
-    sampler_seq: Arc<AtomicI64>,
-    sample_seq: AtomicI64,
+    sampler_seq: AtomicI64,
+    sample_seq: Arc<AtomicI64>,
     chain: Mutex<Option<oneshot::Receiver<()>>>,
+    heartbeat: tokio::task::AbortHandle,
 }
+
+impl Drop for RemoteTrainer {
+    fn drop(&mut self) {
+        self.heartbeat.abort();
+    }
+}
+
+/// Resubmissions of a sample whose result the service expired (HTTP 410),
+/// each under a new `seq_id`, as the SDK's sampling retry does.
+const SAMPLE_RESUBMITS: usize = 3;
 
 impl RemoteTrainer {
     /// Open a session on `base_url` and create a LoRA run of `rank` on
-    /// `base_model` (one of the server's model names).
+    /// `base_model` (one of the server's model names). `api_key` goes in
+    /// `X-API-Key` (none when empty).
     pub async fn connect(
         base_url: &str,
         api_key: &str,
@@ -137,17 +56,12 @@ impl RemoteTrainer {
         rank: usize,
         seed: Option<u64>,
     ) -> Result<Self> {
-        let conn = Arc::new(Conn {
-            http: reqwest::Client::new(),
-            base: base_url.trim_end_matches('/').to_string(),
-            api_key: api_key.to_string(),
-        });
-        conn.post_json("client/config", json!({"sdk_version": "temper"}))
-            .await?;
+        let conn = Arc::new(Conn::open(base_url, api_key).await?);
         let s = conn
             .post_json(
                 "create_session",
-                json!({"tags": [], "type": "create_session"}),
+                json!({"tags": [], "user_metadata": {}, "sdk_version": SDK_VERSION,
+                       "type": "create_session"}),
             )
             .await?;
         let session_id = s
@@ -155,36 +69,48 @@ impl RemoteTrainer {
             .and_then(|v| v.as_str())
             .ok_or_else(|| remote(format!("create_session: {s}")))?
             .to_string();
+        let heartbeat = Conn::heartbeat(conn.clone(), session_id.clone());
         let mut lora =
             json!({"rank": rank, "train_mlp": true, "train_attn": true, "train_unembed": false});
         if let Some(seed) = seed {
             lora["seed"] = json!(seed);
         }
-        let id = conn
-            .submit(
-                "create_model",
-                Body::Json(json!({
-                    "session_id": session_id, "model_seq_id": 0, "base_model": base_model,
-                    "lora_config": lora, "type": "create_model",
-                })),
-            )
-            .await?;
-        let model_id = match conn.wait(&id).await? {
-            Reply::Json(v) => v
-                .get("model_id")
-                .and_then(|m| m.as_str())
-                .map(str::to_string)
-                .ok_or_else(|| remote(format!("create_model: {v}")))?,
-            Reply::Proto(_) => return Err(remote("create_model: unexpected protobuf")),
+        let created = async {
+            let id = conn
+                .submit(
+                    "create_model",
+                    Body::Json(json!({
+                        "session_id": session_id, "model_seq_id": 0, "base_model": base_model,
+                        "lora_config": lora, "type": "create_model",
+                    })),
+                    &[],
+                )
+                .await?;
+            match conn.resolve(&id, Kind::CreateModel).await? {
+                Reply::Json(v) => v
+                    .get("model_id")
+                    .and_then(|m| m.as_str())
+                    .map(str::to_string)
+                    .ok_or_else(|| remote(format!("create_model: {v}"))),
+                Reply::Proto(_) => Err(remote("create_model: unexpected protobuf")),
+            }
+        }
+        .await;
+        let model_id = match created {
+            Ok(m) => m,
+            Err(e) => {
+                heartbeat.abort();
+                return Err(e);
+            }
         };
         Ok(Self {
             conn,
-            session_id,
             model_id,
             seq: AtomicI64::new(1),
-            sampler_seq: Arc::new(AtomicI64::new(0)),
-            sample_seq: AtomicI64::new(0),
+            sampler_seq: AtomicI64::new(0),
+            sample_seq: Arc::new(AtomicI64::new(0)),
             chain: Mutex::new(None),
+            heartbeat,
         })
     }
 
@@ -209,13 +135,14 @@ impl RemoteTrainer {
         (prev, tx)
     }
 
-    /// Submit after every earlier call has been submitted, then wait for the
-    /// result and convert it.
+    /// Submit `bodies` in order after every earlier call has been
+    /// submitted, then wait for their results and convert them.
     fn call<T: Send + 'static>(
         &self,
         route: &'static str,
-        body: Result<Body>,
-        then: impl FnOnce(Arc<Conn>, Reply) -> TrainerFuture<T> + Send + 'static,
+        kind: Kind,
+        bodies: Result<Vec<Body>>,
+        then: impl FnOnce(Vec<Reply>) -> Result<T> + Send + 'static,
     ) -> TrainerFuture<T> {
         let (prev, tx) = self.take_turn();
         let conn = self.conn.clone();
@@ -223,15 +150,33 @@ impl RemoteTrainer {
             if let Some(p) = prev {
                 let _ = p.await;
             }
-            let submitted = match body {
-                Ok(b) => conn.submit(route, b).await,
-                Err(e) => Err(e),
-            };
+            let submitted = async {
+                let mut ids = Vec::new();
+                for b in bodies? {
+                    ids.push(conn.submit(route, b, &[]).await?);
+                }
+                Ok::<_, EngineError>(ids)
+            }
+            .await;
             let _ = tx.send(());
-            let reply = conn.wait(&submitted?).await?;
-            then(conn, reply).await
+            let mut replies = Vec::new();
+            for id in submitted? {
+                replies.push(conn.resolve(&id, kind).await?);
+            }
+            then(replies)
         });
         Box::pin(async move { task.await.map_err(remote)? })
+    }
+
+    /// The datums of one forward(_backward), split into requests as the
+    /// service's `client/config` allows, as index ranges.
+    fn chunks(&self, data: &[proto::Datum]) -> Vec<std::ops::Range<usize>> {
+        let sizes: Vec<usize> = data.iter().map(|d| d.encoded_len()).collect();
+        chunk_ranges(
+            &sizes,
+            self.conn.flags.max_chunk_len,
+            self.conn.flags.max_chunk_bytes,
+        )
     }
 
     fn fwd(
@@ -243,12 +188,30 @@ impl RemoteTrainer {
         if let (Loss::Custom(f), false) = (&loss, forward_only) {
             return self.custom_forward_backward(data, f.clone());
         }
+        let kind = if forward_only {
+            Kind::Forward
+        } else {
+            Kind::ForwardBackward
+        };
         let n = data.len();
-        let body =
-            encode_forward_backward(&self.model_id, self.next_seq(), &data, &loss, forward_only)
-                .map(Body::Proto);
-        self.call("forward_backward", body, move |_, reply| {
-            Box::pin(async move { decode_forward_output(reply, n) })
+        let datums = data.iter().map(proto_datum).collect::<Vec<_>>();
+        let bodies = self
+            .chunks(&datums)
+            .into_iter()
+            .map(|r| {
+                encode_forward_backward(
+                    &self.model_id,
+                    self.next_seq(),
+                    &data[r.clone()],
+                    datums[r].to_vec(),
+                    &loss,
+                    forward_only,
+                )
+                .map(Body::Proto)
+            })
+            .collect::<Result<Vec<_>>>();
+        self.call("forward_backward", kind, bodies, move |replies| {
+            decode_forward_outputs(replies, n)
         })
     }
 
@@ -256,7 +219,7 @@ impl RemoteTrainer {
     /// loss and its gradient `g = dL/dlogprobs` locally, then a
     /// cross-entropy forward_backward with weights `−g`, whose gradient is
     /// the custom loss's (Tinker's client-side custom-loss recipe). Both
-    /// requests go out before any later call.
+    /// passes go out before any later call.
     fn custom_forward_backward(
         &self,
         data: Vec<Datum>,
@@ -265,17 +228,40 @@ impl RemoteTrainer {
         let (prev, tx) = self.take_turn();
         let conn = self.conn.clone();
         let model_id = self.model_id.clone();
-        let (seq_fwd, seq_bwd) = (self.next_seq(), self.next_seq());
+        let chunks = self.chunks(&data.iter().map(proto_datum).collect::<Vec<_>>());
+        // Both passes' seq ids, reserved now (the SDK reserves 2 × chunks).
+        let fwd_seqs: Vec<i64> = chunks.iter().map(|_| self.next_seq()).collect();
+        let bwd_seqs: Vec<i64> = chunks.iter().map(|_| self.next_seq()).collect();
         let task = tokio::spawn(async move {
             if let Some(p) = prev {
                 let _ = p.await;
             }
+            let encode = |data: &[Datum], seq: i64, forward_only: bool| {
+                let datums = data.iter().map(proto_datum).collect();
+                encode_forward_backward(
+                    &model_id,
+                    seq,
+                    data,
+                    datums,
+                    &Loss::CrossEntropy,
+                    forward_only,
+                )
+                .map(Body::Proto)
+            };
             let result = async {
                 let n = data.len();
-                let body =
-                    encode_forward_backward(&model_id, seq_fwd, &data, &Loss::CrossEntropy, true)?;
-                let id = conn.submit("forward_backward", Body::Proto(body)).await?;
-                let fwd = decode_forward_output(conn.wait(&id).await?, n)?;
+                let mut replies = Vec::new();
+                for (r, seq) in chunks.iter().zip(&fwd_seqs) {
+                    let id = conn
+                        .submit(
+                            "forward_backward",
+                            encode(&data[r.clone()], *seq, true)?,
+                            &[],
+                        )
+                        .await?;
+                    replies.push(conn.resolve(&id, Kind::Forward).await?);
+                }
+                let fwd = decode_forward_outputs(replies, n)?;
                 let mut total = 0f64;
                 let mut weighted = Vec::with_capacity(n);
                 for (d, o) in data.iter().zip(&fwd.loss_fn_outputs) {
@@ -295,26 +281,60 @@ impl RemoteTrainer {
                     w.loss_fn_inputs.weights = Some(g.iter().map(|x| -x).collect());
                     weighted.push(w);
                 }
-                let body = encode_forward_backward(
-                    &model_id,
-                    seq_bwd,
-                    &weighted,
-                    &Loss::CrossEntropy,
-                    false,
-                )?;
-                let id = conn.submit("forward_backward", Body::Proto(body)).await;
-                Ok::<_, EngineError>((id, fwd, total))
+                let mut ids = Vec::new();
+                for (r, seq) in chunks.iter().zip(&bwd_seqs) {
+                    let body = encode(&weighted[r.clone()], *seq, false)?;
+                    ids.push(conn.submit("forward_backward", body, &[]).await?);
+                }
+                Ok::<_, EngineError>((ids, fwd, total))
             }
             .await;
             let _ = tx.send(());
-            let (id, fwd, total) = result?;
-            conn.wait(&id?).await?;
+            let (ids, fwd, total) = result?;
+            for id in ids {
+                conn.resolve(&id, Kind::ForwardBackward).await?;
+            }
             let mut metrics = BTreeMap::new();
             metrics.insert("loss:sum".to_string(), total);
             Ok(ForwardOutput {
                 loss_fn_outputs: fwd.loss_fn_outputs,
                 metrics,
             })
+        });
+        Box::pin(async move { task.await.map_err(remote)? })
+    }
+
+    /// Sample outside the training order (sampling requests are
+    /// independent), resubmitting under a new `seq_id` when the service
+    /// expired the request.
+    fn sample_call<T: Send + 'static>(
+        &self,
+        body: impl Fn(i64) -> Value + Send + 'static,
+        then: impl FnOnce(proto::SampleResponse) -> Result<T> + Send + 'static,
+    ) -> TrainerFuture<T> {
+        let conn = self.conn.clone();
+        let seq = self.sample_seq.clone();
+        let task = tokio::spawn(async move {
+            // The SDK's backpressure contract: a 429 means back off and
+            // resubmit (the submit's retry does).
+            let headers = [("X-Tinker-Sampling-Backpressure", "1".to_string())];
+            for _ in 0..=SAMPLE_RESUBMITS {
+                let b = Body::Json(body(seq.fetch_add(1, Ordering::Relaxed)));
+                let id = conn.submit("asample", b, &headers).await?;
+                match conn.wait(&id, Kind::Sample).await? {
+                    Some(Reply::Proto(b)) => {
+                        return then(proto::SampleResponse::decode(b.as_slice()).map_err(remote)?)
+                    }
+                    Some(Reply::Json(v)) => {
+                        return Err(remote(format!("asample: expected protobuf, got {v}")))
+                    }
+                    None => tracing::warn!("the service expired sample {id}; resubmitting"),
+                }
+            }
+            Err(remote(format!(
+                "the service expired a sample {} times",
+                SAMPLE_RESUBMITS + 1
+            )))
         });
         Box::pin(async move { task.await.map_err(remote)? })
     }
@@ -336,10 +356,57 @@ fn tensor_f32(xs: &[f32]) -> proto::Tensor {
     }
 }
 
+/// Consecutive ranges of items of `sizes` bytes, each at most `max_len`
+/// items and `max_bytes` bytes (an item larger than that goes alone), as
+/// the SDK splits a forward_backward; at least one range.
+fn chunk_ranges(sizes: &[usize], max_len: usize, max_bytes: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut size) = (0, 0);
+    for (i, &b) in sizes.iter().enumerate() {
+        if i > start && (i - start >= max_len || size + b > max_bytes) {
+            out.push(start..i);
+            (start, size) = (i, 0);
+        }
+        size += b;
+    }
+    if start < sizes.len() || out.is_empty() {
+        out.push(start..sizes.len());
+    }
+    out
+}
+
+/// One datum as the protocol carries it.
+fn proto_datum(d: &Datum) -> proto::Datum {
+    let mut inputs = HashMap::new();
+    let li = &d.loss_fn_inputs;
+    let targets: Vec<i64> = li.target_tokens.iter().map(|&t| t as i64).collect();
+    inputs.insert("target_tokens".to_string(), tensor_i64(&targets));
+    for (k, v) in [
+        ("weights", &li.weights),
+        ("logprobs", &li.logprobs),
+        ("advantages", &li.advantages),
+        ("sequence_ratio_mask", &li.sequence_ratio_mask),
+    ] {
+        if let Some(v) = v {
+            inputs.insert(k.to_string(), tensor_f32(v));
+        }
+    }
+    proto::Datum {
+        model_input: vec![proto::Chunk {
+            chunk: Some(proto::chunk::Chunk::EncodedText(proto::EncodedTextChunk {
+                tokens: proto::le::i32_bytes(&d.model_input),
+            })),
+        }],
+        loss_fn_inputs: inputs,
+    }
+}
+
+/// One `forward_backward` request: `datums` are `data` encoded.
 fn encode_forward_backward(
     model_id: &str,
     seq_id: i64,
     data: &[Datum],
+    datums: Vec<proto::Datum>,
     loss: &Loss,
     forward_only: bool,
 ) -> Result<Vec<u8>> {
@@ -348,9 +415,11 @@ fn encode_forward_backward(
             "a custom loss has no server-side forward; use forward_backward".into(),
         ));
     }
-    let (name, config) = (loss.name(), loss.config());
+    let (name, mut config) = (loss.name(), loss.config());
     // The wire carries one scoring temperature per request, in
-    // loss_fn_config (see the server): every datum must share it.
+    // loss_fn_config (temper's extension, see the server): every datum must
+    // share it. At 1 (the protocol's own scoring) it is left out, so a
+    // service without the extension sees only the SDK's keys.
     let temperature = data.first().and_then(|d| d.loss_fn_inputs.temperature);
     if data
         .iter()
@@ -360,41 +429,13 @@ fn encode_forward_backward(
             "datums of one forward_backward must share one temperature".into(),
         ));
     }
-    let mut config = config;
-    if let Some(t) = temperature {
+    if let Some(t) = temperature.filter(|&t| t != 1.0) {
         config.push(("temperature", t));
     }
-    let data = data
-        .iter()
-        .map(|d| {
-            let mut inputs = HashMap::new();
-            let li = &d.loss_fn_inputs;
-            let targets: Vec<i64> = li.target_tokens.iter().map(|&t| t as i64).collect();
-            inputs.insert("target_tokens".to_string(), tensor_i64(&targets));
-            for (k, v) in [
-                ("weights", &li.weights),
-                ("logprobs", &li.logprobs),
-                ("advantages", &li.advantages),
-                ("sequence_ratio_mask", &li.sequence_ratio_mask),
-            ] {
-                if let Some(v) = v {
-                    inputs.insert(k.to_string(), tensor_f32(v));
-                }
-            }
-            proto::Datum {
-                model_input: vec![proto::Chunk {
-                    chunk: Some(proto::chunk::Chunk::EncodedText(proto::EncodedTextChunk {
-                        tokens: proto::le::i32_bytes(&d.model_input),
-                    })),
-                }],
-                loss_fn_inputs: inputs,
-            }
-        })
-        .collect();
     Ok(proto::ForwardBackwardRequest {
         model_id: model_id.to_string(),
         seq_id: i32::try_from(seq_id).map_err(|_| remote("seq_id overflow"))?,
-        data,
+        data: datums,
         loss_fn: name.to_string(),
         loss_fn_config: config.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         forward_only,
@@ -413,12 +454,13 @@ fn encode_forward_backward(
     .encode_to_vec())
 }
 
-fn decode_forward_output(reply: Reply, n: usize) -> Result<ForwardOutput> {
+/// The outputs of one request's datums, and its metrics.
+fn decode_forward_output(reply: Reply) -> Result<(Vec<DatumOutput>, BTreeMap<String, f64>)> {
     let Reply::Proto(bytes) = reply else {
         return Err(remote("forward_backward: expected a protobuf result"));
     };
     let out = proto::ForwardBackwardOutput::decode(bytes.as_slice()).map_err(remote)?;
-    let mut outputs = Vec::with_capacity(n);
+    let mut outputs = Vec::new();
     for rec in &out.loss_fn_outputs {
         let f = rec
             .fields
@@ -437,13 +479,63 @@ fn decode_forward_output(reply: Reply, n: usize) -> Result<ForwardOutput> {
             });
         }
     }
+    Ok((outputs, out.metrics.into_iter().collect()))
+}
+
+/// The results of the requests one forward(_backward) was split into,
+/// joined: outputs in order, metrics reduced by the reduction each key
+/// names (`name:sum`, `:mean` weighted by datums, `:min`, `:max`; keys of
+/// another reduction are dropped, as the SDK drops them).
+fn decode_forward_outputs(replies: Vec<Reply>, n: usize) -> Result<ForwardOutput> {
+    let mut outputs = Vec::with_capacity(n);
+    let mut parts = Vec::new();
+    for r in replies {
+        let (o, m) = decode_forward_output(r)?;
+        parts.push((o.len() as f64, m));
+        outputs.extend(o);
+    }
     if outputs.len() != n {
         return Err(remote(format!("{} outputs for {n} datums", outputs.len())));
     }
+    let metrics = match parts.len() {
+        1 => parts.pop().map(|(_, m)| m).unwrap_or_default(),
+        _ => reduce_metrics(&parts),
+    };
     Ok(ForwardOutput {
         loss_fn_outputs: outputs,
-        metrics: out.metrics.into_iter().collect::<BTreeMap<_, _>>(),
+        metrics,
     })
+}
+
+fn reduce_metrics(parts: &[(f64, BTreeMap<String, f64>)]) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let Some((_, first)) = parts.first() else {
+        return out;
+    };
+    for key in first.keys() {
+        let Some(vals) = parts
+            .iter()
+            .map(|(w, m)| m.get(key).map(|v| (*w, *v)))
+            .collect::<Option<Vec<_>>>()
+        else {
+            continue;
+        };
+        let v = match key.rsplit_once(':').map(|(_, r)| r) {
+            Some("sum") => vals.iter().map(|(_, v)| v).sum(),
+            Some("mean") => {
+                let w: f64 = vals.iter().map(|(w, _)| w).sum();
+                vals.iter().map(|(w, v)| w * v).sum::<f64>() / w.max(1.0)
+            }
+            Some("min") => vals.iter().map(|(_, v)| *v).fold(f64::INFINITY, f64::min),
+            Some("max") => vals
+                .iter()
+                .map(|(_, v)| *v)
+                .fold(f64::NEG_INFINITY, f64::max),
+            _ => continue,
+        };
+        out.insert(key.clone(), v);
+    }
+    out
 }
 
 fn sampling_json(p: &SamplingParams) -> Value {
@@ -467,17 +559,10 @@ fn sampling_json(p: &SamplingParams) -> Value {
     v
 }
 
-fn json_reply(reply: Reply, what: &str) -> Result<Value> {
-    match reply {
-        Reply::Json(v) => Ok(v),
-        Reply::Proto(_) => Err(remote(format!("{what}: unexpected protobuf result"))),
-    }
-}
-
-fn sample_reply(reply: Reply) -> Result<proto::SampleResponse> {
-    match reply {
-        Reply::Proto(b) => proto::SampleResponse::decode(b.as_slice()).map_err(remote),
-        Reply::Json(v) => Err(remote(format!("asample: expected protobuf, got {v}"))),
+fn json_reply(mut replies: Vec<Reply>, what: &str) -> Result<Value> {
+    match replies.pop() {
+        Some(Reply::Json(v)) => Ok(v),
+        _ => Err(remote(format!("{what}: expected one JSON result"))),
     }
 }
 
@@ -495,47 +580,40 @@ impl Trainer for RemoteTrainer {
             "model_id": self.model_id, "seq_id": self.next_seq(), "type": "optim_step",
             "adam_params": params,
         });
-        self.call("optim_step", Ok(Body::Json(body)), move |_, reply| {
-            Box::pin(async move {
+        self.call(
+            "optim_step",
+            Kind::OptimStep,
+            Ok(vec![Body::Json(body)]),
+            move |reply| {
                 let v = json_reply(reply, "optim_step")?;
                 let m = |k: &str| v["metrics"][k].as_f64();
                 Ok(StepStats {
                     grad_norm: m("grad_norm:mean").unwrap_or(f64::NAN),
                     learning_rate: m("learning_rate:mean").unwrap_or(params.learning_rate),
                 })
-            })
-        })
+            },
+        )
     }
 
-    fn save_weights_for_sampler(&self, name: &str) -> TrainerFuture<String> {
+    /// The SDK's `save_weights_and_get_sampling_client`: an unnamed,
+    /// ephemeral snapshot with its own sampling session (no checkpoint is
+    /// kept on the service; `name` is not sent).
+    fn save_weights_for_sampler(&self, _name: &str) -> TrainerFuture<String> {
         let body = json!({
-            "model_id": self.model_id, "path": name, "kind": "snapshot",
-            "seq_id": self.next_seq(), "type": "save_weights_for_sampler",
+            "model_id": self.model_id,
+            "sampling_session_seq_id": self.sampler_seq.fetch_add(1, Ordering::Relaxed),
+            "kind": "snapshot", "seq_id": self.next_seq(), "type": "save_weights_for_sampler",
         });
-        let session = self.session_id.clone();
-        let sampler_seq = self.sampler_seq.clone();
         self.call(
             "save_weights_for_sampler",
-            Ok(Body::Json(body)),
-            move |conn, reply| {
-                Box::pin(async move {
-                    let v = json_reply(reply, "save_weights_for_sampler")?;
-                    let path = v["path"]
-                        .as_str()
-                        .ok_or_else(|| remote(format!("save_weights_for_sampler: {v}")))?;
-                    let n = sampler_seq.fetch_add(1, Ordering::Relaxed);
-                    let s = conn
-                        .post_json(
-                            "create_sampling_session",
-                            json!({"session_id": session, "sampling_session_seq_id": n,
-                               "model_path": path, "type": "create_sampling_session"}),
-                        )
-                        .await?;
-                    s["sampling_session_id"]
-                        .as_str()
-                        .map(str::to_string)
-                        .ok_or_else(|| remote(format!("create_sampling_session: {s}")))
-                })
+            Kind::SaveWeightsForSampler,
+            Ok(vec![Body::Json(body)]),
+            move |reply| {
+                let v = json_reply(reply, "save_weights_for_sampler")?;
+                v["sampling_session_id"]
+                    .as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| remote(format!("save_weights_for_sampler: {v}")))
             },
         )
     }
@@ -547,35 +625,36 @@ impl Trainer for RemoteTrainer {
         n: usize,
         params: SamplingParams,
     ) -> TrainerFuture<Vec<Sample>> {
-        let body = json!({
-            "sampling_session_id": sampler, "seq_id": self.sample_seq.fetch_add(1, Ordering::Relaxed),
-            "num_samples": n, "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
-            "sampling_params": sampling_json(&params), "prompt_logprobs": false, "type": "sample",
-        });
-        self.call("asample", Ok(Body::Json(body)), move |_, reply| {
-            Box::pin(async move {
-                let r = sample_reply(reply)?;
-                r.sequences
-                    .iter()
-                    .map(|s| {
-                        Ok(Sample {
-                            tokens: proto::le::ids_from_i32(&s.tokens)
-                                .ok_or_else(|| remote("malformed tokens"))?,
-                            logprobs: s
-                                .logprobs
-                                .as_deref()
-                                .map(proto::le::f32_from)
-                                .unwrap_or(Some(Vec::new()))
-                                .ok_or_else(|| remote("malformed logprobs"))?,
-                            finish_reason: if s.stop_reason == proto::StopReason::Length as i32 {
-                                FinishReason::Length
-                            } else {
-                                FinishReason::Stop
-                            },
-                        })
-                    })
-                    .collect()
+        let sampler = sampler.to_string();
+        let sampling = sampling_json(&params);
+        let body = move |seq: i64| {
+            json!({
+                "sampling_session_id": sampler, "seq_id": seq, "num_samples": n,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+                "sampling_params": sampling, "prompt_logprobs": false, "type": "sample",
             })
+        };
+        self.sample_call(body, move |r| {
+            r.sequences
+                .iter()
+                .map(|s| {
+                    Ok(Sample {
+                        tokens: proto::le::ids_from_i32(&s.tokens)
+                            .ok_or_else(|| remote("malformed tokens"))?,
+                        logprobs: s
+                            .logprobs
+                            .as_deref()
+                            .map(proto::le::f32_from)
+                            .unwrap_or(Some(Vec::new()))
+                            .ok_or_else(|| remote("malformed logprobs"))?,
+                        finish_reason: if s.stop_reason == proto::StopReason::Length as i32 {
+                            FinishReason::Length
+                        } else {
+                            FinishReason::Stop
+                        },
+                    })
+                })
+                .collect()
         })
     }
 
@@ -586,22 +665,22 @@ impl Trainer for RemoteTrainer {
         temperature: f64,
     ) -> TrainerFuture<Vec<f32>> {
         // Prompt logprobs come back at the request's sampling temperature.
-        let body = json!({
-            "sampling_session_id": sampler, "seq_id": self.sample_seq.fetch_add(1, Ordering::Relaxed),
-            "num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
-            "sampling_params": {"max_tokens": 1, "temperature": temperature, "top_k": -1, "top_p": 1.0},
-            "prompt_logprobs": true, "type": "sample",
-        });
-        self.call("asample", Ok(Body::Json(body)), move |_, reply| {
-            Box::pin(async move {
-                let r = sample_reply(reply)?;
-                let lp = r
-                    .prompt_logprobs
-                    .as_deref()
-                    .and_then(proto::le::f32_from)
-                    .ok_or_else(|| remote("compute_logprobs: no prompt logprobs"))?;
-                Ok(lp.into_iter().skip(1).collect())
+        let sampler = sampler.to_string();
+        let body = move |seq: i64| {
+            json!({
+                "sampling_session_id": sampler, "seq_id": seq, "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+                "sampling_params": {"max_tokens": 1, "temperature": temperature, "top_k": -1, "top_p": 1.0},
+                "prompt_logprobs": true, "type": "sample",
             })
+        };
+        self.sample_call(body, |r| {
+            let lp = r
+                .prompt_logprobs
+                .as_deref()
+                .and_then(proto::le::f32_from)
+                .ok_or_else(|| remote("compute_logprobs: no prompt logprobs"))?;
+            Ok(lp.into_iter().skip(1).collect())
         })
     }
 
@@ -610,15 +689,18 @@ impl Trainer for RemoteTrainer {
             "model_id": self.model_id, "path": name, "seq_id": self.next_seq(),
             "overwrite": true, "type": "save_weights",
         });
-        self.call("save_weights", Ok(Body::Json(body)), move |_, reply| {
-            Box::pin(async move {
+        self.call(
+            "save_weights",
+            Kind::SaveWeights,
+            Ok(vec![Body::Json(body)]),
+            move |reply| {
                 let v = json_reply(reply, "save_weights")?;
                 v["path"]
                     .as_str()
                     .map(str::to_string)
                     .ok_or_else(|| remote(format!("save_weights: {v}")))
-            })
-        })
+            },
+        )
     }
 
     fn load_state(&self, path: &str, with_optimizer: bool) -> TrainerFuture<()> {
@@ -626,11 +708,66 @@ impl Trainer for RemoteTrainer {
             "model_id": self.model_id, "path": path, "seq_id": self.next_seq(),
             "optimizer": with_optimizer, "type": "load_weights",
         });
-        self.call("load_weights", Ok(Body::Json(body)), move |_, reply| {
-            Box::pin(async move {
+        self.call(
+            "load_weights",
+            Kind::LoadWeights,
+            Ok(vec![Body::Json(body)]),
+            move |reply| {
                 json_reply(reply, "load_weights")?;
                 Ok(())
-            })
-        })
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_split_by_datum_count_and_bytes() {
+        assert_eq!(chunk_ranges(&[], 4, 100), vec![0..0]);
+        assert_eq!(chunk_ranges(&[1; 5], 2, 100), vec![0..2, 2..4, 4..5]);
+        assert_eq!(
+            chunk_ranges(&[40, 40, 40, 150, 10], 10, 100),
+            vec![0..2, 2..3, 3..4, 4..5]
+        );
+        assert_eq!(chunk_ranges(&[10; 3], 1024, 5_000_000), vec![0..3]);
+    }
+
+    #[test]
+    fn chunk_metrics_reduce_by_their_named_reduction() {
+        let part = |w: f64, kv: &[(&str, f64)]| {
+            (
+                w,
+                kv.iter()
+                    .map(|(k, v)| (k.to_string(), *v))
+                    .collect::<BTreeMap<_, _>>(),
+            )
+        };
+        let m = reduce_metrics(&[
+            part(
+                1.0,
+                &[
+                    ("loss:sum", 2.0),
+                    ("x:mean", 1.0),
+                    ("y:max", 3.0),
+                    ("z:hash2", 1.0),
+                ],
+            ),
+            part(
+                3.0,
+                &[
+                    ("loss:sum", 5.0),
+                    ("x:mean", 5.0),
+                    ("y:max", 1.0),
+                    ("z:hash2", 2.0),
+                ],
+            ),
+        ]);
+        assert_eq!(m.get("loss:sum"), Some(&7.0));
+        assert_eq!(m.get("x:mean"), Some(&4.0));
+        assert_eq!(m.get("y:max"), Some(&3.0));
+        assert_eq!(m.get("z:hash2"), None, "unknown reductions are dropped");
     }
 }

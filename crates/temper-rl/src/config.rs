@@ -365,7 +365,8 @@ pub struct SamplerSection {
 pub struct RemoteTrainerSection {
     /// Base URL; unset trains in process.
     pub url: Option<String>,
-    /// Environment variable holding the API key.
+    /// Environment variable holding the API key (sent as `X-API-Key`);
+    /// unset: `TINKER_API_KEY`, as the tinker SDK reads it, if set.
     pub api_key_env: Option<String>,
     /// The server's name for the base model (`--model NAME=DIR`); `[model]`
     /// must point at the same weights locally, for the tokenizer and template.

@@ -174,6 +174,14 @@ impl TryFrom<RlConfig> for RlPlan {
         if cfg.sampler.url.is_some() && !cfg.lora.enabled {
             return bad("an external sampler receives LoRA adapters: set lora.enabled = true");
         }
+        if cfg.sampler.url.is_some() && remote.is_some() {
+            // The weights never leave the service, so no adapter can be
+            // pushed to another server: the service samples them itself.
+            return bad(
+                "with [remote_trainer] url, rollouts are sampled by the training service's own \
+                 sampling client (the weights stay there): leave [sampler] url unset",
+            );
+        }
         let loss = rl_loss(&cfg.trainer)?;
         let t = &cfg.trainer;
         let optim = Optim {
@@ -452,6 +460,14 @@ mod tests {
                     ("lora.alpha", "16.0"),
                 ],
                 "alpha 32",
+            ),
+            (
+                &[
+                    ("remote_trainer.url", "\"http://x\""),
+                    ("lora.alpha", "32.0"),
+                    ("sampler.url", "\"http://y\""),
+                ],
+                "sampled by the training service",
             ),
         ];
         for (ov, want) in cases {

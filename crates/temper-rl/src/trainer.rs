@@ -108,14 +108,24 @@ pub async fn trainer_for(
         ..LoadOptions::default()
     };
     let base = off_runtime(move || Ok(Arc::new(Pretrained::load(&dir, &opts)?))).await?;
-    let key = remote
-        .api_key_env
-        .as_ref()
-        .and_then(|v| std::env::var(v).ok())
-        .unwrap_or_default();
+    let key = remote_api_key(remote)?;
     let remote =
         temper_client::RemoteTrainer::connect(url, &key, &remote.base_model, lora.rank, Some(seed))
             .await
             .map_err(|e| RlError::Sampler(format!("training API {url}: {e}")))?;
     Ok((base, Arc::new(remote)))
+}
+
+/// The training API's key: from the variable `api_key_env` names (an error
+/// when unset), else `TINKER_API_KEY` as the tinker SDK reads it, else none
+/// (a `temper api serve` started without `--api-key`).
+fn remote_api_key(remote: &RemoteTrainerSection) -> Result<String> {
+    match &remote.api_key_env {
+        Some(var) => std::env::var(var).map_err(|_| {
+            RlError::Config(format!(
+                "remote_trainer.api_key_env names {var}, which is not set"
+            ))
+        }),
+        None => Ok(std::env::var("TINKER_API_KEY").unwrap_or_default()),
+    }
 }
