@@ -410,9 +410,6 @@ fn issue39_a_finished_run_prints_next_commands_that_work() {
         .map(String::from)
         .collect();
     let (_server, url) = spawn_server(&args, "listening on ");
-    let models = reqwest::blocking::get(format!("{url}/v1/models"))
-        .unwrap()
-        .text()
-        .unwrap();
-    assert!(models.contains("\"policy\""), "{models}");
+    let models = http("GET", &format!("{url}/v1/models"), None);
+    assert!(models.to_string().contains("\"policy\""), "{models}");
 }
