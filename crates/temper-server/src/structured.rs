@@ -826,6 +826,35 @@ mod tests {
         assert!(err.to_string().contains("4032 pairs"), "{err}");
     }
 
+    /// An annotation beside a recursive `$ref` (CircleCI's
+    /// `markdownDescription`) no longer breaks the compile; what looks like
+    /// one but is data (a property's name) stays.
+    #[test]
+    fn annotations_beside_a_ref_are_dropped_and_data_is_not() {
+        let (tok, c) = compiler();
+        let schema = json!({
+            "$ref": "#/definitions/logic",
+            "definitions": {"logic": {"anyOf": [
+                {"type": "boolean"},
+                {"type": "object", "additionalProperties": false, "properties": {
+                    "not": {"$ref": "#/definitions/logic", "markdownDescription": "negation"},
+                    "markdownDescription": {"type": "integer"}}}]}}
+        });
+        let mut stripped = schema.clone();
+        strip_annotations(&mut stripped);
+        let logic = &stripped["definitions"]["logic"]["anyOf"][1]["properties"];
+        assert_eq!(logic["not"], json!({"$ref": "#/definitions/logic"}));
+        assert_eq!(logic["markdownDescription"], json!({"type": "integer"}));
+        let mut g = c.compile(&strict(schema)).expect("compiles");
+        for t in tok
+            .encode("{\"not\": {\"markdownDescription\": 1}}", false)
+            .expect("encode")
+        {
+            assert!(g.mask().expect("mask").allows(t as usize), "token {t}");
+            g.advance(t).expect("advance");
+        }
+    }
+
     #[test]
     fn repetitions_are_measured_unrolled() {
         assert_eq!(largest_repetition("^a+$"), 1);
