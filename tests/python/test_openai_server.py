@@ -319,12 +319,19 @@ def main():
                 assert name in classes and (only is None or name == only), name
                 classes[name].model_validate_json(call.function.arguments, strict=True)
 
-    @check("structured: unsupported schema keywords and bad tool_choice are 400s naming them")
+    @check("structured: unenforceable keywords: strict 400 naming them, else named in the answer")
     def _():
+        unique = {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2, "uniqueItems": True}
         expect(openai.BadRequestError, lambda: client.chat.completions.create(
             model=MODEL, messages=user, max_tokens=8, response_format={
-                "type": "json_schema", "json_schema": {"name": "x", "schema": {
-                    "type": "array", "uniqueItems": True}}}), "uniqueItems")
+                "type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                       "schema": unique}}), "uniqueItems")
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=user, max_tokens=8, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": unique}})
+        assert raw.headers["x-temper-unenforced-schema-keywords"] == "uniqueItems", raw.headers
+        r = raw.parse()
+        assert r.model_extra["unenforced_schema_keywords"] == ["uniqueItems"], r
         expect(openai.BadRequestError, lambda: client.chat.completions.create(
             model=MODEL, messages=user, max_tokens=8,
             tools=[openai.pydantic_function_tool(Add)],

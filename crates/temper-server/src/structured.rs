@@ -48,23 +48,50 @@ pub enum StructuredError {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Constraint {
     /// A JSON document valid under this JSON schema (an object).
-    JsonSchema(Value),
+    JsonSchema(Value, Enforce),
     /// One Hermes tool call, `<tool_call>\n{"name": ..., "arguments":
     /// ...}\n</tool_call>`, its JSON valid under this schema (an object).
-    ToolCall(Value),
+    ToolCall(Value, Enforce),
 }
 
-/// JSON layout options forced on every schema: the separators of Python's
-/// `json.dumps` and no free whitespace. Free whitespace would let a model
-/// pad a document with spaces and newlines until `max_tokens`; fixed
-/// separators keep a valid document finite and still natural to models.
-fn layout() -> Value {
-    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+/// What to do with schema keywords the engine cannot enforce (`not`,
+/// `uniqueItems`, `if`/`then`/`else`, an unknown `format`, ...): OpenAI's
+/// `strict` flag chooses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enforce {
+    /// `strict: true`: every keyword is enforced, or the schema is refused
+    /// naming the one that cannot be.
+    Strict,
+    /// `strict` false or absent: enforce what can be, and report the rest
+    /// ([`Grammar::unenforced`]); `oneOf` is enforced as `anyOf`.
+    Lenient,
 }
 
-/// `schema` with [`layout`] set; a client's own `x-guidance` (llguidance's
+impl Enforce {
+    /// `Strict` when `strict` is `true`.
+    pub fn from_strict(strict: bool) -> Self {
+        if strict {
+            Enforce::Strict
+        } else {
+            Enforce::Lenient
+        }
+    }
+}
+
+/// llguidance's options forced on every schema: the separators of Python's
+/// `json.dumps` and no free whitespace, and its `lenient` mode (unsupported
+/// keywords and unknown formats ignored with a warning, `oneOf` as `anyOf`)
+/// unless `strict`. Free whitespace would let a model pad a document with
+/// spaces and newlines until `max_tokens`; fixed separators keep a valid
+/// document finite and still natural to models.
+fn options(enforce: Enforce) -> Value {
+    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ",
+           "lenient": enforce == Enforce::Lenient})
+}
+
+/// `schema` with [`options`] set; a client's own `x-guidance` (llguidance's
 /// option key) is refused rather than silently overridden.
-fn with_layout(schema: &Value) -> Result<Value, StructuredError> {
+fn with_options(schema: &Value, enforce: Enforce) -> Result<Value, StructuredError> {
     let Value::Object(m) = schema else {
         return Err(StructuredError::Compile(format!(
             "the schema must be a JSON object, got {schema}"
@@ -75,15 +102,140 @@ fn with_layout(schema: &Value) -> Result<Value, StructuredError> {
             "unsupported schema keyword `x-guidance`".into(),
         ));
     }
-    let mut m = m.clone();
-    m.insert("x-guidance".into(), layout());
-    Ok(Value::Object(m))
+    let mut v = schema.clone();
+    strip_annotations(&mut v);
+    if let Value::Object(m) = &mut v {
+        m.insert("x-guidance".into(), options(enforce));
+    }
+    Ok(v)
 }
 
-/// Most `patternProperties` patterns in one schema: llguidance checks every
-/// pair of an object's patterns for overlap, so compile time grows faster
-/// than the square of their number: 64 take 0.1 s, 128 0.4 s, 500 168 s
-/// (on a 2-core box).
+/// Every JSON-schema keyword of drafts 4 to 2020-12 (a key outside this
+/// list is an annotation: it constrains nothing).
+const KEYWORDS: &[&str] = &[
+    "$anchor",
+    "$comment",
+    "$defs",
+    "$dynamicAnchor",
+    "$dynamicRef",
+    "$id",
+    "$recursiveAnchor",
+    "$recursiveRef",
+    "$ref",
+    "$schema",
+    "$vocabulary",
+    "additionalItems",
+    "additionalProperties",
+    "allOf",
+    "anyOf",
+    "const",
+    "contains",
+    "contentEncoding",
+    "contentMediaType",
+    "contentSchema",
+    "default",
+    "definitions",
+    "dependencies",
+    "dependentRequired",
+    "dependentSchemas",
+    "deprecated",
+    "description",
+    "else",
+    "enum",
+    "examples",
+    "exclusiveMaximum",
+    "exclusiveMinimum",
+    "format",
+    "id",
+    "if",
+    "items",
+    "maxContains",
+    "maxItems",
+    "maxLength",
+    "maxProperties",
+    "maximum",
+    "minContains",
+    "minItems",
+    "minLength",
+    "minProperties",
+    "minimum",
+    "multipleOf",
+    "not",
+    "oneOf",
+    "pattern",
+    "patternProperties",
+    "prefixItems",
+    "properties",
+    "propertyNames",
+    "readOnly",
+    "required",
+    "then",
+    "title",
+    "type",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "uniqueItems",
+    "writeOnly",
+];
+
+/// Drops the keys beside a `$ref` that are no JSON-schema keyword
+/// (`markdownDescription`, `x-...`), in `schema` and its subschemas: they
+/// are annotations, as JSON Schema specifies, but llguidance compiles them
+/// as a constraint of no type to intersect with the reference, which fails
+/// when the reference is recursive ("circular references with sibling
+/// keys"). Only schema positions are walked (property names, `enum` values
+/// and defaults are data), and only `$ref`s' siblings are dropped: other
+/// objects may be the targets of `$ref`s (`#/$defs/group/name`).
+fn strip_annotations(schema: &mut Value) {
+    const ONE: &[&str] = &[
+        "additionalItems",
+        "additionalProperties",
+        "contains",
+        "contentSchema",
+        "else",
+        "if",
+        "items",
+        "not",
+        "propertyNames",
+        "then",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+    ];
+    const LIST: &[&str] = &["allOf", "anyOf", "oneOf", "prefixItems", "items"];
+    const MAP: &[&str] = &[
+        "$defs",
+        "definitions",
+        "dependencies",
+        "dependentSchemas",
+        "patternProperties",
+        "properties",
+    ];
+    let Value::Object(m) = schema else {
+        return;
+    };
+    if m.contains_key("$ref") {
+        m.retain(|k, _| KEYWORDS.contains(&k.as_str()));
+    }
+    for (k, v) in m.iter_mut() {
+        let k = k.as_str();
+        match v {
+            Value::Object(_) if ONE.contains(&k) => strip_annotations(v),
+            Value::Array(a) if LIST.contains(&k) => a.iter_mut().for_each(strip_annotations),
+            // `dependencies` values may be lists of names: not objects, not walked.
+            Value::Object(sub) if MAP.contains(&k) => sub.values_mut().for_each(strip_annotations),
+            _ => {}
+        }
+    }
+}
+
+/// Most distinct `patternProperties` patterns in one schema: llguidance
+/// checks every pair of an object's patterns for overlap, so compile time
+/// grows faster than the square of their number: 64 take 0.1 s, 128 0.4 s,
+/// 500 168 s (on a 2-core box). An object's patterns are distinct (they are
+/// its map's keys, merged objects' too), so no object, written or merged,
+/// has more; and the pairs of all written objects together are at most
+/// those of one object of this many (real schemas repeat one pattern, such
+/// as Compose's `^x-` in 47 objects, which costs no pair).
 pub const MAX_PATTERN_PROPERTIES: usize = 64;
 
 /// Most characters a `pattern`'s counted repetition may stand for, unrolled
@@ -134,12 +286,17 @@ fn largest_repetition(pattern: &str) -> u64 {
 }
 
 /// Refuses what the engine would spend unbounded time on, before compiling:
-/// too many `patternProperties` patterns in all (every object's and
-/// `$defs`' counted, so merged objects cannot exceed it either), and a
+/// more than [`MAX_PATTERN_PROPERTIES`] distinct `patternProperties`
+/// patterns, or objects whose patterns make more pairs in all than one
+/// object of that many (every object's and `$defs`' counted), and a
 /// `pattern` (or `patternProperties` key) whose counted repetitions unroll
 /// past [`MAX_PATTERN_REPETITION`].
 fn check_cost(schema: &Value) -> Result<(), StructuredError> {
-    fn walk(v: &Value, n: &mut usize) -> Result<(), StructuredError> {
+    fn walk<'a>(
+        v: &'a Value,
+        distinct: &mut std::collections::HashSet<&'a str>,
+        pairs: &mut usize,
+    ) -> Result<(), StructuredError> {
         match v {
             Value::Object(m) => {
                 let mut patterns: Vec<&str> = Vec::new();
@@ -147,7 +304,9 @@ fn check_cost(schema: &Value) -> Result<(), StructuredError> {
                     patterns.push(p);
                 }
                 if let Some(Value::Object(pp)) = m.get("patternProperties") {
-                    *n += pp.len();
+                    let k = pp.len();
+                    *pairs = pairs.saturating_add(k * k.saturating_sub(1) / 2);
+                    distinct.extend(pp.keys().map(String::as_str));
                     patterns.extend(pp.keys().map(String::as_str));
                 }
                 for p in patterns {
@@ -161,18 +320,29 @@ fn check_cost(schema: &Value) -> Result<(), StructuredError> {
                         )));
                     }
                 }
-                m.values().try_for_each(|x| walk(x, n))
+                m.values().try_for_each(|x| walk(x, distinct, pairs))
             }
-            Value::Array(a) => a.iter().try_for_each(|x| walk(x, n)),
+            Value::Array(a) => a.iter().try_for_each(|x| walk(x, distinct, pairs)),
             _ => Ok(()),
         }
     }
-    let mut n = 0;
-    walk(schema, &mut n)?;
+    let mut distinct = std::collections::HashSet::new();
+    let mut pairs = 0;
+    walk(schema, &mut distinct, &mut pairs)?;
+    let n = distinct.len();
     if n > MAX_PATTERN_PROPERTIES {
         return Err(StructuredError::Compile(format!(
             "the schema has {n} `patternProperties` patterns; the limit is \
-             {MAX_PATTERN_PROPERTIES} (each pair is checked for overlap at compile time)"
+             {MAX_PATTERN_PROPERTIES} distinct ones (each pair in an object is checked for \
+             overlap at compile time)"
+        )));
+    }
+    let most = MAX_PATTERN_PROPERTIES * (MAX_PATTERN_PROPERTIES - 1) / 2;
+    if pairs > most {
+        return Err(StructuredError::Compile(format!(
+            "the schema's objects have {pairs} pairs of `patternProperties` patterns in all; \
+             the limit is {most}, the pairs of one object of {MAX_PATTERN_PROPERTIES} \
+             (each pair is checked for overlap at compile time)"
         )));
     }
     Ok(())
@@ -182,17 +352,19 @@ impl Constraint {
     /// The schema constrained to.
     fn schema(&self) -> &Value {
         match self {
-            Constraint::JsonSchema(s) | Constraint::ToolCall(s) => s,
+            Constraint::JsonSchema(s, _) | Constraint::ToolCall(s, _) => s,
         }
     }
 
     /// A digest naming this constraint exactly (the cache key of compiled
-    /// grammars): its kind and its schema's JSON text.
+    /// grammars): its kind, its enforcement and its schema's JSON text.
     pub fn digest(&self) -> [u8; 32] {
         use sha2::{Digest, Sha256};
         let kind: &[u8] = match self {
-            Constraint::JsonSchema(_) => b"json_schema\0",
-            Constraint::ToolCall(_) => b"tool_call\0",
+            Constraint::JsonSchema(_, Enforce::Strict) => b"json_schema\0",
+            Constraint::JsonSchema(_, Enforce::Lenient) => b"json_schema lenient\0",
+            Constraint::ToolCall(_, Enforce::Strict) => b"tool_call\0",
+            Constraint::ToolCall(_, Enforce::Lenient) => b"tool_call lenient\0",
         };
         let mut h = Sha256::new();
         h.update(kind);
@@ -203,12 +375,14 @@ impl Constraint {
     fn grammar(&self) -> Result<TopLevelGrammar, StructuredError> {
         check_cost(self.schema())?;
         match self {
-            Constraint::JsonSchema(s) => Ok(TopLevelGrammar::from_json_schema(with_layout(s)?)),
-            Constraint::ToolCall(s) => {
+            Constraint::JsonSchema(s, e) => {
+                Ok(TopLevelGrammar::from_json_schema(with_options(s, *e)?))
+            }
+            Constraint::ToolCall(s, e) => {
                 // The tags are lark string literals: they match the tag's own
                 // token when the vocabulary has one (Qwen's `<tool_call>`
                 // is a plain added token) or its spelling otherwise.
-                let body = serde_json::to_string(&with_layout(s)?)
+                let body = serde_json::to_string(&with_options(s, *e)?)
                     .map_err(|e| StructuredError::Compile(e.to_string()))?;
                 Ok(TopLevelGrammar::from_lark(format!(
                     "start: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {body}\n"
@@ -318,10 +492,11 @@ impl GrammarCompiler {
     /// compile error, and the work is done once for every sample.
     pub fn compile(&self, c: &Constraint) -> Result<Grammar, StructuredError> {
         let grammar = c.grammar()?;
-        let parser = self
+        let mut parser = self
             .factory
             .create_parser(grammar)
-            .map_err(|e| StructuredError::Compile(engine_message(e)))?;
+            .map_err(|e| StructuredError::Compile(explain(&engine_message(e))))?;
+        let unenforced = unenforced_keywords(&parser.grammar_warnings(), c.schema()).into();
         let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(StructuredError::Compile(engine_message(e)));
@@ -341,8 +516,55 @@ impl GrammarCompiler {
                 "no document satisfies the schema: no token can start one".into(),
             ));
         }
-        Ok(Grammar { matcher })
+        Ok(Grammar {
+            matcher,
+            unenforced,
+        })
     }
+}
+
+/// The schema keywords llguidance's lenient mode left unenforced, from its
+/// warnings (sorted, each once): `Unimplemented keys: ["not", ...]`,
+/// `Unknown format: ...` (`format`), `oneOf` enforced as `anyOf` (`oneOf`),
+/// `min/maxProperties` beside optional properties (whichever of the two
+/// `schema` uses). A warning of another shape is passed on as it is, so
+/// nothing left out goes unsaid (the test
+/// `lenient_mode_reports_what_it_leaves_unenforced` pins the shapes).
+fn unenforced_keywords(warnings: &[String], schema: &Value) -> Vec<String> {
+    fn uses_key(v: &Value, key: &str) -> bool {
+        match v {
+            Value::Object(m) => m.contains_key(key) || m.values().any(|x| uses_key(x, key)),
+            Value::Array(a) => a.iter().any(|x| uses_key(x, key)),
+            _ => false,
+        }
+    }
+    let mut out: Vec<String> = Vec::new();
+    for w in warnings {
+        if let Some(rest) = w.strip_prefix("Unimplemented keys: [") {
+            let list = rest.split(']').next().unwrap_or_default();
+            out.extend(
+                list.split(',')
+                    .map(|k| k.trim().trim_matches('"').to_string())
+                    .filter(|k| !k.is_empty()),
+            );
+        } else if w.starts_with("Unknown format: ") {
+            out.push("format".into());
+        } else if w.starts_with("oneOf not fully supported") {
+            out.push("oneOf".into());
+        } else if w.starts_with("min/maxProperties only supported") {
+            out.extend(
+                ["minProperties", "maxProperties"]
+                    .into_iter()
+                    .filter(|k| uses_key(schema, k))
+                    .map(String::from),
+            );
+        } else if w != "..." {
+            out.push(w.chars().take(200).collect());
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// An llguidance error's first line (without verbose errors it still ends
@@ -350,6 +572,24 @@ impl GrammarCompiler {
 fn engine_message(e: impl std::fmt::Display) -> String {
     let e = e.to_string();
     e.lines().next().unwrap_or_default().trim().to_string()
+}
+
+/// A compile error of llguidance's that names its own internals, said in
+/// the schema's terms (the engine's words follow).
+fn explain(m: &str) -> String {
+    let why = if m.starts_with("Only absolute $ref's") {
+        "a `$ref` to another document: only references inside the schema (`#/...`) are \
+         resolved; inline what it refers to"
+    } else if m == "schema too large" {
+        "the schema is too large: compiling it takes more than the engine's 50,000 \
+         subschemas and intersections"
+    } else if m.starts_with("circular references with sibling keys") {
+        "a recursive `$ref` with constraints beside it, which the engine cannot intersect; \
+         move them into the referenced schema"
+    } else {
+        return m.to_string();
+    };
+    format!("{why} (llguidance: {m})")
 }
 
 fn special_name(id: usize) -> Vec<u8> {
@@ -361,6 +601,8 @@ fn special_name(id: usize) -> Vec<u8> {
 /// One sample's grammar state.
 pub struct Grammar {
     matcher: Matcher,
+    /// Schema keywords the grammar does not enforce (lenient mode).
+    unenforced: Arc<[String]>,
 }
 
 impl std::fmt::Debug for Grammar {
@@ -386,7 +628,15 @@ impl Grammar {
     pub fn fork(&self) -> Self {
         Self {
             matcher: self.matcher.deep_clone(),
+            unenforced: self.unenforced.clone(),
         }
+    }
+
+    /// The schema keywords this grammar does not enforce, sorted (empty
+    /// under [`Enforce::Strict`]): a document it allows may still break
+    /// them.
+    pub fn unenforced(&self) -> &[String] {
+        &self.unenforced
     }
 
     /// The tokens allowed next: only EOS once the grammar is complete.
@@ -410,6 +660,14 @@ mod tests {
     use super::*;
     use std::path::PathBuf;
 
+    fn strict(schema: Value) -> Constraint {
+        Constraint::JsonSchema(schema, Enforce::Strict)
+    }
+
+    fn lenient(schema: Value) -> Constraint {
+        Constraint::JsonSchema(schema, Enforce::Lenient)
+    }
+
     fn compiler() -> (Tokenizer, GrammarCompiler) {
         let dir =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
@@ -425,7 +683,7 @@ mod tests {
         let (tok, c) = compiler();
         let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}},
                             "required": ["ok"], "additionalProperties": false});
-        let mut g = c.compile(&Constraint::JsonSchema(schema)).expect("compile");
+        let mut g = c.compile(&strict(schema)).expect("compile");
         for t in tok.encode("{\"ok\": true}", false).expect("encode") {
             assert!(g.mask().expect("mask").allows(t as usize), "token {t}");
             g.advance(t).expect("advance");
@@ -442,7 +700,7 @@ mod tests {
         let (tok, c) = compiler();
         let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}},
                             "required": ["ok"], "additionalProperties": false});
-        let mut g = c.compile(&Constraint::JsonSchema(schema)).expect("compile");
+        let mut g = c.compile(&strict(schema)).expect("compile");
         let open = tok.encode("{", false).expect("encode");
         for &t in &open {
             g.advance(t).expect("advance");
@@ -473,7 +731,7 @@ mod tests {
         let schema = json!({"type": "object", "additionalProperties": false,
             "required": ["category", "urgent"],
             "properties": {"category": {"enum": ["billing", "bug"]}, "urgent": {"type": "boolean"}}});
-        let mut g = c.compile(&Constraint::JsonSchema(schema)).expect("compile");
+        let mut g = c.compile(&strict(schema)).expect("compile");
         let doc = tok
             .encode("{\"category\": \"billing\", \"urgent\": false}", false)
             .expect("encode");
@@ -514,16 +772,86 @@ mod tests {
             json!({"anyOf": []}),
             json!({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
         ];
-        for schema in cases {
-            let shown = schema.to_string();
+        // Lenient mode compiles more of what it is sent: each case in both.
+        for (schema, mode) in cases
+            .into_iter()
+            .flat_map(|s| [(s.clone(), Enforce::Strict), (s, Enforce::Lenient)])
+        {
+            let shown = format!("{mode:?} {schema}");
             let started = std::time::Instant::now();
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                c.compile(&Constraint::JsonSchema(schema))
+                c.compile(&Constraint::JsonSchema(schema, mode))
                     .map(|mut g| g.mask().map(|_| ()))
             }));
             let took = started.elapsed();
             assert!(r.is_ok(), "panicked on {:.80}", shown);
             assert!(took.as_secs() < 10, "{took:?} on {:.80}", shown);
+        }
+    }
+
+    /// The `patternProperties` bound counts distinct patterns and the pairs
+    /// each object's patterns make: one pattern repeated in many objects
+    /// (Compose's `^x-`) costs no pair and passes; 65 distinct patterns, or
+    /// two objects of 64, are refused before compiling.
+    #[test]
+    fn pattern_properties_are_bounded_by_distinct_patterns_and_pairs() {
+        let (_, c) = compiler();
+        let object = |pats: Vec<String>| {
+            let pp: serde_json::Map<String, Value> = pats
+                .into_iter()
+                .map(|p| (p, json!({"type": "integer"})))
+                .collect();
+            json!({"type": "object", "patternProperties": pp})
+        };
+        let repeated: serde_json::Map<String, Value> = (0..100)
+            .map(|i| (format!("o{i}"), object(vec!["^x-".into()])))
+            .collect();
+        let ok = json!({"type": "object", "properties": repeated});
+        assert!(c.compile(&strict(ok)).is_ok());
+        let distinct = |n: usize, tag: &str| -> Vec<String> {
+            (0..n).map(|i| format!("^{tag}{i}_[a-z]+$")).collect()
+        };
+        let spread: serde_json::Map<String, Value> = distinct(65, "p")
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| (format!("o{i}"), object(vec![p])))
+            .collect();
+        let err = c
+            .compile(&lenient(json!({"type": "object", "properties": spread})))
+            .expect_err("65 distinct");
+        assert!(err.to_string().contains("65 `patternProperties`"), "{err}");
+        let twice = json!({"type": "object", "properties": {
+            "a": object(distinct(64, "p")), "b": object(distinct(64, "p"))}});
+        let err = c.compile(&lenient(twice)).expect_err("4032 pairs");
+        assert!(err.to_string().contains("4032 pairs"), "{err}");
+    }
+
+    /// An annotation beside a recursive `$ref` (CircleCI's
+    /// `markdownDescription`) no longer breaks the compile; what looks like
+    /// one but is data (a property's name) stays.
+    #[test]
+    fn annotations_beside_a_ref_are_dropped_and_data_is_not() {
+        let (tok, c) = compiler();
+        let schema = json!({
+            "$ref": "#/definitions/logic",
+            "definitions": {"logic": {"anyOf": [
+                {"type": "boolean"},
+                {"type": "object", "additionalProperties": false, "properties": {
+                    "not": {"$ref": "#/definitions/logic", "markdownDescription": "negation"},
+                    "markdownDescription": {"type": "integer"}}}]}}
+        });
+        let mut stripped = schema.clone();
+        strip_annotations(&mut stripped);
+        let logic = &stripped["definitions"]["logic"]["anyOf"][1]["properties"];
+        assert_eq!(logic["not"], json!({"$ref": "#/definitions/logic"}));
+        assert_eq!(logic["markdownDescription"], json!({"type": "integer"}));
+        let mut g = c.compile(&strict(schema)).expect("compiles");
+        for t in tok
+            .encode("{\"not\": {\"markdownDescription\": 1}}", false)
+            .expect("encode")
+        {
+            assert!(g.mask().expect("mask").allows(t as usize), "token {t}");
+            g.advance(t).expect("advance");
         }
     }
 
@@ -540,28 +868,85 @@ mod tests {
         let (_, c) = compiler();
         let nested = json!({"type": "object", "properties":
             {"s": {"type": "string", "pattern": "^(a{200}){100}$"}}});
-        let err = c
-            .compile(&Constraint::JsonSchema(nested))
-            .expect_err("20,000 unrolled");
+        let err = c.compile(&strict(nested)).expect_err("20,000 unrolled");
         assert!(err.to_string().contains("20000"), "{err}");
         // A property named `pattern` is no pattern.
         let named = json!({"type": "object", "properties": {"pattern": {"type": "string"}}});
-        assert!(c.compile(&Constraint::JsonSchema(named)).is_ok());
+        assert!(c.compile(&strict(named)).is_ok());
+    }
+
+    /// Lenient mode compiles what strict mode refuses, enforces what it
+    /// can, and names the rest: llguidance's warning shapes, as read by
+    /// [`unenforced_keywords`], for this llguidance version.
+    #[test]
+    fn lenient_mode_reports_what_it_leaves_unenforced() {
+        let (tok, c) = compiler();
+        let schema = json!({
+            "type": "object", "required": ["tags", "kind"],
+            "minProperties": 3,
+            "properties": {
+                "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": true,
+                         "maxItems": 2},
+                "kind": {"oneOf": [{"type": "string", "maxLength": 2}, {"enum": ["x", "yyy"]}]},
+                "when": {"type": "string", "format": "no-such-format", "maxLength": 4},
+                "n": {"type": "integer", "not": {"const": 3}},
+                "m": {"type": "integer"}
+            },
+            "if": {"required": ["n"]}, "then": {"required": ["m"]}
+        });
+        let err = c.compile(&strict(schema.clone())).expect_err("strict");
+        assert!(err.to_string().contains("Unimplemented keys"), "{err}");
+        let mut g = c.compile(&lenient(schema.clone())).expect("lenient");
+        assert_eq!(
+            g.unenforced(),
+            [
+                "format",
+                "if",
+                "minProperties",
+                "not",
+                "oneOf",
+                "then",
+                "uniqueItems"
+            ]
+        );
+        assert_eq!(g.fork().unenforced(), g.unenforced());
+        // What is enforceable still is (`items`, `enum`).
+        let mut prefix = Vec::new();
+        for t in tok.encode("{\"tags\": [\"", false).expect("encode") {
+            assert!(g.mask().expect("mask").allows(t as usize), "token {t}");
+            g.advance(t).expect("advance");
+            prefix.push(t);
+        }
+        let m = g.mask().expect("mask");
+        let c_tok = tok.encode("c", false).expect("encode");
+        assert!(!m.allows(c_tok[0] as usize), "`c` is not in the enum");
+        // A schema strict mode takes reports nothing either way.
+        let plain = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        assert!(c
+            .compile(&strict(plain.clone()))
+            .expect("strict")
+            .unenforced()
+            .is_empty());
+        assert!(c
+            .compile(&lenient(plain))
+            .expect("lenient")
+            .unenforced()
+            .is_empty());
+        // Strict and lenient grammars of one schema are cached apart.
+        assert_ne!(strict(schema.clone()).digest(), lenient(schema).digest());
     }
 
     #[test]
     fn unsupported_keywords_and_bad_schemas_are_compile_errors() {
         let (_, c) = compiler();
         let err = c
-            .compile(&Constraint::JsonSchema(
-                json!({"type": "array", "uniqueItems": true}),
-            ))
+            .compile(&strict(json!({"type": "array", "uniqueItems": true})))
             .expect_err("uniqueItems");
         assert!(err.to_string().contains("uniqueItems"), "{err}");
         let err = c
-            .compile(&Constraint::JsonSchema(json!({"x-guidance": {}})))
+            .compile(&strict(json!({"x-guidance": {}})))
             .expect_err("x-guidance");
         assert!(err.to_string().contains("x-guidance"), "{err}");
-        assert!(c.compile(&Constraint::JsonSchema(json!(true))).is_err());
+        assert!(c.compile(&strict(json!(true))).is_err());
     }
 }

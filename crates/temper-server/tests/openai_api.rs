@@ -1087,6 +1087,230 @@ async fn json_schema_outputs_validate_at_temperature_1() {
     assert!(stopped > 0, "no sample finished: {v}");
 }
 
+/// A real-world-style schema with keywords the engine cannot enforce
+/// (`uniqueItems`, `not`, `if`/`then`, an unknown `format`, an overlapping
+/// `oneOf`) beside ones it can (`enum`, `maxLength`, `maxItems`, `required`,
+/// `additionalProperties`), and the enforceable part alone.
+fn lenient_schema() -> (Value, Value) {
+    let full = json!({
+        "type": "object", "additionalProperties": false,
+        "required": ["kind", "tags", "note"],
+        "properties": {
+            "kind": {"oneOf": [{"enum": ["bug", "idea"]}, {"type": "string", "maxLength": 3}]},
+            "tags": {"type": "array", "items": {"enum": ["ui", "api", "db"]}, "maxItems": 3,
+                     "uniqueItems": true},
+            "note": {"type": "string", "maxLength": 12, "format": "x-no-such-format",
+                     "not": {"const": "nothing"}},
+            "done": {"type": "boolean"}
+        },
+        "if": {"required": ["done"]}, "then": {"required": ["note"]}
+    });
+    let enforced = json!({
+        "type": "object", "additionalProperties": false,
+        "required": ["kind", "tags", "note"],
+        "properties": {
+            "kind": {"anyOf": [{"enum": ["bug", "idea"]}, {"type": "string", "maxLength": 3}]},
+            "tags": {"type": "array", "items": {"enum": ["ui", "api", "db"]}, "maxItems": 3},
+            "note": {"type": "string", "maxLength": 12},
+            "done": {"type": "boolean"}
+        }
+    });
+    (full, enforced)
+}
+
+const UNENFORCED: &str = "format, if, not, oneOf, then, uniqueItems";
+
+/// POST `body` to `path`; the status, the unenforced-keywords header and
+/// the raw body.
+async fn post_raw(r: &Router, path: &str, body: Value) -> (StatusCode, Option<String>, Vec<u8>) {
+    let req = Request::post(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let resp = r.clone().oneshot(req).await.expect("response");
+    let status = resp.status();
+    let header = resp
+        .headers()
+        .get("x-temper-unenforced-schema-keywords")
+        .map(|h| h.to_str().expect("ascii").to_string());
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, header, bytes.to_vec())
+}
+
+/// Issue 41, item 2: a schema with keywords the engine cannot enforce is
+/// accepted when `strict` is not true (OpenAI's meaning of `strict`), in
+/// `response_format`, the Responses API's `text.format` and tool
+/// parameters, streamed or not: what can be enforced is (every finished
+/// sample at temperature 1 validates against the enforceable part), and the
+/// header `x-temper-unenforced-schema-keywords` and the response field
+/// `unenforced_schema_keywords` name the rest. `strict: true` refuses it
+/// naming a keyword; a fully enforceable schema gets neither header nor
+/// field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lenient_schemas_are_accepted_and_name_what_is_not_enforced() {
+    let s = server_with(load(), |c| c.scheduler.max_model_len = 1024);
+    let r = app(s);
+    let (full, enforced) = lenient_schema();
+    let check = jsonschema::validator_for(&enforced).expect("schema");
+    let words: Vec<&str> = UNENFORCED.split(", ").collect();
+    let format = |strict: Value| {
+        json!({"type": "json_schema",
+               "json_schema": {"name": "issue", "schema": full, "strict": strict}})
+    };
+
+    // Non-streamed chat, `strict` absent / false / null: accepted.
+    for strict in [json!(false), Value::Null] {
+        let (st, header, bytes) = post_raw(
+            &r,
+            "/v1/chat/completions",
+            chat_body(json!({"response_format": format(strict), "n": 8, "max_tokens": 96})),
+        )
+        .await;
+        let v: Value = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(header.as_deref(), Some(UNENFORCED));
+        assert_eq!(v["unenforced_schema_keywords"], json!(words));
+        let mut stopped = 0;
+        for c in v["choices"].as_array().expect("choices") {
+            let text = c["message"]["content"].as_str().expect("content");
+            if c["finish_reason"] == "stop" {
+                stopped += 1;
+                let doc: Value = serde_json::from_str(text).expect("the output parses");
+                assert!(check.is_valid(&doc), "breaks an enforced keyword: {text}");
+            }
+        }
+        assert!(stopped > 0, "no sample finished: {v}");
+    }
+
+    // `strict: true`: refused, naming what cannot be enforced.
+    let (st, header, bytes) = post_raw(
+        &r,
+        "/v1/chat/completions",
+        chat_body(json!({"response_format": format(json!(true))})),
+    )
+    .await;
+    let v: Value = serde_json::from_slice(&bytes).expect("json");
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    assert!(header.is_none());
+    let msg = v["error"]["message"].as_str().expect("message");
+    assert!(msg.contains("Unimplemented keys"), "{msg}");
+
+    // Streamed: the header, and the field on every chunk.
+    let mut body = chat_body(json!({"response_format": format(Value::Null), "max_tokens": 8}));
+    body["stream"] = json!(true);
+    let (st, header, bytes) = post_raw(&r, "/v1/chat/completions", body).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(header.as_deref(), Some(UNENFORCED));
+    let chunks: Vec<Value> = sse_payloads(&bytes)
+        .iter()
+        .filter(|e| e.as_str() != "[DONE]")
+        .map(|e| serde_json::from_str(e).expect("chunk json"))
+        .collect();
+    assert!(!chunks.is_empty());
+    for c in &chunks {
+        assert_eq!(c["unenforced_schema_keywords"], json!(words), "{c}");
+    }
+
+    // The Responses API's text.format, streamed and not.
+    for stream in [false, true] {
+        let body = responses_body(json!({"input": "File an issue.", "stream": stream,
+            "text": {"format": {"type": "json_schema", "name": "issue", "schema": full}}}));
+        let (st, header, bytes) = post_raw(&r, "/v1/responses", body).await;
+        assert_eq!(st, StatusCode::OK, "{}", String::from_utf8_lossy(&bytes));
+        assert_eq!(header.as_deref(), Some(UNENFORCED));
+        let v: Value = if stream {
+            // The last event (`event: ...\ndata: {...}`) carries the response.
+            let text = String::from_utf8(bytes).expect("utf8");
+            let data = text.rsplit("\ndata: ").next().expect("an event").trim_end();
+            serde_json::from_str::<Value>(data).expect("json")["response"].clone()
+        } else {
+            serde_json::from_slice(&bytes).expect("json")
+        };
+        assert_eq!(v["unenforced_schema_keywords"], json!(words), "{v}");
+    }
+
+    // Tool parameters: a forced call to a tool that is not strict is
+    // accepted and reported; a strict one is refused.
+    let tool = |strict: bool| {
+        json!([{"type": "function", "function": {"name": "file_issue", "parameters": full,
+                "strict": strict}}])
+    };
+    let (st, header, bytes) = post_raw(
+        &r,
+        "/v1/chat/completions",
+        chat_body(json!({"tools": tool(false), "tool_choice": "required", "max_tokens": 8})),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{}", String::from_utf8_lossy(&bytes));
+    assert_eq!(header.as_deref(), Some(UNENFORCED));
+    let (st, _, bytes) = post_raw(
+        &r,
+        "/v1/chat/completions",
+        chat_body(json!({"tools": tool(true), "tool_choice": "required"})),
+    )
+    .await;
+    assert_eq!(
+        st,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        String::from_utf8_lossy(&bytes)
+    );
+
+    // Everything enforced: no header, no field, strict or not.
+    for strict in [true, false] {
+        let format = json!({"type": "json_schema",
+            "json_schema": {"name": "e", "schema": enforced, "strict": strict}});
+        let (st, header, bytes) = post_raw(
+            &r,
+            "/v1/chat/completions",
+            chat_body(json!({"response_format": format, "max_tokens": 8})),
+        )
+        .await;
+        let v: Value = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert!(header.is_none(), "{header:?}");
+        assert!(v.get("unenforced_schema_keywords").is_none(), "{v}");
+    }
+}
+
+/// Issue 41, item 2: a schema still impossible in lenient mode is a 400
+/// that says why in the schema's terms: a `$ref` to another document, a
+/// recursive `$ref` with constraints beside it; the bounds on
+/// `patternProperties` still hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn impossible_schemas_are_400s_naming_why() {
+    let r = app(server_with(load(), |_| {}));
+    let pp = |n: usize| -> serde_json::Map<String, Value> {
+        (0..n)
+            .map(|i| (format!("^p{i}_[a-z]+$"), json!({"type": "integer"})))
+            .collect()
+    };
+    let cases = [
+        (
+            json!({"type": "object", "properties": {"meta": {"$ref": "other.json#/definitions/Meta"}}}),
+            "a `$ref` to another document",
+        ),
+        (
+            json!({"$defs": {"node": {"type": "object", "properties": {
+                "next": {"$ref": "#/$defs/node", "required": ["v"]}}}},
+                "$ref": "#/$defs/node"}),
+            "a recursive `$ref` with constraints beside it",
+        ),
+        (
+            json!({"type": "object", "patternProperties": pp(65)}),
+            "65 `patternProperties` patterns",
+        ),
+    ];
+    for (schema, needle) in cases {
+        let (st, v) = post(&r, "/v1/chat/completions", schema_body(schema.clone())).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{schema}: {v}");
+        assert_eq!(v["error"]["param"], "response_format", "{v}");
+        let msg = v["error"]["message"].as_str().expect("message");
+        assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
+        assert!(msg.len() < 600, "{msg}");
+    }
+}
+
 /// Constrained samples report the *unmasked* model's logprobs (the ones the
 /// trainer recomputes), not the renormalised masked distribution: at the
 /// first position, which depends on the prompt alone, the top-20
@@ -1271,7 +1495,8 @@ async fn constrained_streaming_matches_and_length_cuts() {
     }
 }
 
-/// What cannot be honoured is a 400 naming it, never ignored.
+/// What cannot be honoured is a 400 naming it (with `strict: true`, a
+/// keyword the engine cannot enforce is one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn structured_output_errors_name_the_problem() {
     let (_, s) = server();
@@ -1282,7 +1507,8 @@ async fn structured_output_errors_name_the_problem() {
         |s: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": s}});
     let cases = [
         (
-            json!({"response_format": schema(json!({"type": "array", "uniqueItems": true}))}),
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                   "strict": true, "schema": {"type": "array", "uniqueItems": true}}}}),
             "uniqueItems",
         ),
         (

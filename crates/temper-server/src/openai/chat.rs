@@ -16,12 +16,12 @@ use super::protocol::{max_tokens_field, parse_body, top_logprobs_field, ChatRequ
 
 use super::capture::{self, EpisodeTag};
 use super::jobs::{collect, prepare, submit, Prepared};
-use super::response::{chat_logprobs, usage};
+use super::response::{chat_logprobs, mark_unenforced, unenforced, unenforced_header, usage};
 use super::state::{now_secs, OpenAiState};
 use super::streaming::{sse, StreamKind};
 use super::tools;
 use crate::scheduler::{Event, Finished};
-use crate::structured::Constraint;
+use crate::structured::{Constraint, Enforce};
 
 /// Tool settings of a chat request, and its output constraint (with the
 /// field it came from, for error messages).
@@ -57,7 +57,10 @@ fn response_format_constraint(f: &Value) -> Result<Option<Constraint>, OpenAiErr
         }
         Some("json_object") => {
             unknown_key(obj, &["type"], "response_format")?;
-            Ok(Some(Constraint::JsonSchema(json!({"type": "object"}))))
+            Ok(Some(Constraint::JsonSchema(
+                json!({"type": "object"}),
+                Enforce::Strict,
+            )))
         }
         Some("json_schema") => {
             unknown_key(obj, &["type", "json_schema"], "response_format")?;
@@ -66,7 +69,8 @@ fn response_format_constraint(f: &Value) -> Result<Option<Constraint>, OpenAiErr
                     "response_format of type json_schema needs a `json_schema` object".into(),
                 ));
             };
-            // `strict` is accepted either way: the schema is always enforced.
+            // `strict: true`: every keyword enforced or a 400 (OpenAI's
+            // meaning); otherwise what cannot be enforced is reported.
             unknown_key(
                 js,
                 &["name", "description", "schema", "strict"],
@@ -78,8 +82,9 @@ fn response_format_constraint(f: &Value) -> Result<Option<Constraint>, OpenAiErr
             if js.get("strict").is_some_and(|s| !s.is_boolean() && !s.is_null()) {
                 return Err(bad("response_format.json_schema.strict must be a boolean".into()));
             }
+            let enforce = Enforce::from_strict(js.get("strict") == Some(&Value::Bool(true)));
             match js.get("schema") {
-                Some(s @ Value::Object(_)) => Ok(Some(Constraint::JsonSchema(s.clone()))),
+                Some(s @ Value::Object(_)) => Ok(Some(Constraint::JsonSchema(s.clone(), enforce))),
                 Some(other) => Err(bad(format!(
                     "response_format.json_schema.schema must be a JSON schema object, got {other}"
                 ))),
@@ -94,8 +99,9 @@ fn response_format_constraint(f: &Value) -> Result<Option<Constraint>, OpenAiErr
 }
 
 /// The schema of one Hermes tool call (`{"name": ..., "arguments": ...}`)
-/// to `tool`, an OpenAI `{"type": "function", "function": {...}}` entry.
-fn tool_call_schema(i: usize, tool: &Value) -> Result<(String, Value), OpenAiError> {
+/// to `tool`, an OpenAI `{"type": "function", "function": {...}}` entry,
+/// and whether the function is `strict`.
+fn tool_call_schema(i: usize, tool: &Value) -> Result<(String, Value, bool), OpenAiError> {
     let bad = |m: String| OpenAiError::invalid("tools", m);
     let f = tool
         .get("function")
@@ -128,7 +134,13 @@ fn tool_call_schema(i: usize, tool: &Value) -> Result<(String, Value), OpenAiErr
         "required": ["name", "arguments"],
         "additionalProperties": false,
     });
-    Ok((name.to_string(), schema))
+    if f.get("strict")
+        .is_some_and(|s| !s.is_boolean() && !s.is_null())
+    {
+        return Err(bad(format!("tools[{i}].function.strict must be a boolean")));
+    }
+    let strict = f.get("strict") == Some(&Value::Bool(true));
+    Ok((name.to_string(), schema, strict))
 }
 
 /// `tool_choice`: whether to parse tool calls, and the call the output is
@@ -169,10 +181,13 @@ fn tool_choice_mode(
         ));
     };
     let mut schemas = Vec::new();
+    // One grammar for every callable tool: strict when each of them is.
+    let mut all_strict = true;
     for (i, t) in tools.iter().enumerate() {
-        let (name, schema) = tool_call_schema(i, t)?;
+        let (name, schema, strict) = tool_call_schema(i, t)?;
         if forced.is_none_or(|want| want == name) {
             schemas.push(schema);
+            all_strict &= strict;
         }
     }
     let schema = match (forced, schemas.len()) {
@@ -184,7 +199,13 @@ fn tool_choice_mode(
         (_, 1) => schemas.remove(0),
         _ => json!({"anyOf": schemas}),
     };
-    Ok((true, Some(Constraint::ToolCall(schema))))
+    Ok((
+        true,
+        Some(Constraint::ToolCall(
+            schema,
+            Enforce::from_strict(all_strict),
+        )),
+    ))
 }
 
 /// Render the chat prompt; `format` is the output constraint of the
@@ -399,7 +420,8 @@ pub(super) async fn chat_completions(
     let id = s.request_id("chatcmpl");
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        return Ok(sse(
+        let u = unenforced(&p);
+        let r = sse(
             s.clone(),
             rx,
             p,
@@ -407,7 +429,8 @@ pub(super) async fn chat_completions(
             id,
             include_usage,
             started,
-        ));
+        );
+        return Ok(unenforced_header(&u, r));
     }
     let done = collect(&s, rx, p.total_choices(), started).await?;
     let mut choices = Vec::with_capacity(done.len());
@@ -436,7 +459,9 @@ pub(super) async fn chat_completions(
     if p.vllm.return_token_ids {
         body["prompt_token_ids"] = json!(p.prompts[0]);
     }
-    Ok(Json(body).into_response())
+    let u = unenforced(&p);
+    mark_unenforced(&u, &mut body);
+    Ok(unenforced_header(&u, Json(body).into_response()))
 }
 
 /// The assistant message and finish reason of a finished chat sample.

@@ -1,10 +1,60 @@
 //! Response pieces shared by the endpoints: logprobs in the chat and the
-//! completions shapes, and `usage`.
+//! completions shapes, `usage`, and the schema keywords a structured output
+//! left unenforced.
 
+use axum::http::HeaderValue;
+use axum::response::Response;
 use serde_json::{json, Map, Value};
 use temper_model::TopLogprobs;
 
+use super::jobs::Prepared;
 use super::state::OpenAiState;
+
+/// The response field naming the schema keywords a lenient structured
+/// output did not enforce (absent when every keyword was).
+pub(super) const UNENFORCED_FIELD: &str = "unenforced_schema_keywords";
+/// The response header saying the same, comma-separated.
+pub(super) const UNENFORCED_HEADER: &str = "x-temper-unenforced-schema-keywords";
+
+/// The schema keywords `p`'s grammar leaves unenforced (empty: none, or
+/// no grammar).
+pub(super) fn unenforced(p: &Prepared) -> Vec<String> {
+    p.grammar
+        .as_ref()
+        .map(|g| g.unenforced().to_vec())
+        .unwrap_or_default()
+}
+
+/// Set [`UNENFORCED_FIELD`] on a response object when keywords were left
+/// unenforced.
+pub(super) fn mark_unenforced(u: &[String], body: &mut Value) {
+    if !u.is_empty() {
+        body[UNENFORCED_FIELD] = json!(u);
+    }
+}
+
+/// Add [`UNENFORCED_HEADER`] to `r` when keywords were left unenforced
+/// (characters a header cannot carry become `?`).
+pub(super) fn unenforced_header(u: &[String], mut r: Response) -> Response {
+    if u.is_empty() {
+        return r;
+    }
+    let text: String = u
+        .join(", ")
+        .chars()
+        .map(|c| {
+            if c == ' ' || c.is_ascii_graphic() {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect();
+    if let Ok(v) = HeaderValue::from_str(&text) {
+        r.headers_mut().insert(UNENFORCED_HEADER, v);
+    }
+    r
+}
 
 /// A token as logprobs name it: its text, or with `as_id` (vLLM's
 /// `return_tokens_as_token_ids`) `token_id:<id>`, which names tokens whose

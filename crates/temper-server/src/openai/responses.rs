@@ -24,11 +24,11 @@ use super::chat::{chat_message, start_chat, ChatRun};
 use super::error::OpenAiError;
 use super::jobs::{collect, Prepared};
 use super::protocol::{parse_body, ChatRequest, ResponsesRequest};
-use super::response::chat_logprobs;
+use super::response::{chat_logprobs, unenforced, unenforced_header, UNENFORCED_FIELD};
 use super::state::{now_secs, OpenAiState};
 use super::streaming::{sse, StreamKind};
 use crate::scheduler::Finished;
-use crate::structured::Constraint;
+use crate::structured::{Constraint, Enforce};
 
 /// The `include` values honoured (the second is vacuous: no reasoning
 /// items are produced, so there is none to include).
@@ -245,11 +245,13 @@ fn chat_tools(tools: &[Value]) -> Result<Vec<Value>, OpenAiError> {
         if !obj.get("name").is_some_and(Value::is_string) {
             return Err(bad("tools", format!("{what} needs a string `name`")));
         }
-        let function: Map<String, Value> = obj
+        let mut function: Map<String, Value> = obj
             .iter()
             .filter(|(k, v)| k.as_str() != "type" && !v.is_null())
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
+        // The Responses API's function tools are strict unless they say not.
+        function.entry("strict").or_insert(Value::Bool(true));
         out.push(json!({"type": "function", "function": function}));
     }
     Ok(out)
@@ -313,10 +315,14 @@ fn text_format(text: Option<&Value>) -> Result<Option<Constraint>, OpenAiError> 
         }
         Some("json_object") => {
             known_keys(f, &["type"], "text.format", "text.format")?;
-            Ok(Some(Constraint::JsonSchema(json!({"type": "object"}))))
+            Ok(Some(Constraint::JsonSchema(
+                json!({"type": "object"}),
+                Enforce::Strict,
+            )))
         }
         Some("json_schema") => {
-            // `strict` is accepted either way: the schema is always enforced.
+            // `strict: true`: every keyword enforced or a 400 (OpenAI's
+            // meaning); otherwise what cannot be enforced is reported.
             known_keys(
                 f,
                 &["type", "name", "schema", "description", "strict"],
@@ -335,8 +341,9 @@ fn text_format(text: Option<&Value>) -> Result<Option<Constraint>, OpenAiError> 
                     "text.format.strict must be a boolean".into(),
                 ));
             }
+            let enforce = Enforce::from_strict(f.get("strict") == Some(&Value::Bool(true)));
             match f.get("schema") {
-                Some(s @ Value::Object(_)) => Ok(Some(Constraint::JsonSchema(s.clone()))),
+                Some(s @ Value::Object(_)) => Ok(Some(Constraint::JsonSchema(s.clone(), enforce))),
                 Some(other) => Err(bad(
                     "text.format",
                     format!("text.format.schema must be a JSON schema object, got {other}"),
@@ -776,6 +783,11 @@ pub(super) async fn responses(
         c.endpoint = "responses";
     }
     let id = s.request_id("resp");
+    let u = unenforced(&p);
+    let mut echo = echo;
+    if !u.is_empty() {
+        echo.insert(UNENFORCED_FIELD.into(), json!(u));
+    }
     let shape = ResponseShape::new(&id, &p, echo);
     if stream {
         let r = ResponsesStream {
@@ -784,7 +796,7 @@ pub(super) async fn responses(
             seq: 0,
             message_open: false,
         };
-        return Ok(sse(
+        let r = sse(
             s.clone(),
             rx,
             p,
@@ -792,7 +804,8 @@ pub(super) async fn responses(
             id,
             false,
             started,
-        ));
+        );
+        return Ok(unenforced_header(&u, r));
     }
     let f = collect(&s, rx, 1, started)
         .await?
@@ -804,6 +817,7 @@ pub(super) async fn responses(
     capture::record(&s, &p, &id, &f, finish, scores.as_ref(), message.clone())?;
     let lp = output_logprobs(&s, &p, &f, scores.as_ref());
     let output = shape.output(&message, finish, lp.as_ref(), false);
-    let u = usage(&p, f.tokens.len());
-    Ok(Json(shape.object(status(finish), &output, Some(u))).into_response())
+    let usage_of = usage(&p, f.tokens.len());
+    let body = Json(shape.object(status(finish), &output, Some(usage_of)));
+    Ok(unenforced_header(&u, body.into_response()))
 }

@@ -20,7 +20,7 @@ use super::error::OpenAiError;
 use super::capture;
 use super::chat::chat_message;
 use super::jobs::Prepared;
-use super::response::{chat_logprobs, completion_logprobs, usage};
+use super::response::{chat_logprobs, completion_logprobs, mark_unenforced, usage};
 use super::responses::{output_logprobs, ResponsesStream};
 use super::state::{now_secs, OpenAiState};
 use super::tools;
@@ -112,6 +112,9 @@ impl StreamState {
         }
         if let Some(u) = usage {
             v["usage"] = u;
+        }
+        if let Some(g) = &self.p.grammar {
+            mark_unenforced(g.unenforced(), &mut v);
         }
         Bytes::from(format!("data: {v}\n\n"))
     }
