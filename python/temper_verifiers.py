@@ -38,12 +38,16 @@ import traceback
 KEY_VAR = "TEMPER_GATE_KEY"
 
 
+class BridgeError(Exception):
+    """A failure the message explains (no traceback)."""
+
+
 def _import_verifiers():
     try:
         import verifiers  # noqa: F401
         import verifiers.v1 as vf
     except ImportError as e:
-        raise RuntimeError(
+        raise BridgeError(
             f"verifiers is not installed for {sys.executable} ({e}); install it "
             "(pip install verifiers==0.4.0) or point the environment's `python` "
             "argument (or TEMPER_VERIFIERS_PYTHON) at a Python that has it"
@@ -56,19 +60,26 @@ def _import_verifiers():
     return vf
 
 
+def importable(directory):
+    """Make modules in `directory` importable here and in the processes verifiers
+    starts (a toolset's MCP server imports the taskset's module)."""
+    sys.path.insert(0, directory)
+    parts = [directory] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+
+
 def resolve_target(target):
     """The taskset id for `target`, making a path importable first."""
     path = os.path.abspath(target)
     if os.path.isdir(path):
-        sys.path.insert(0, os.path.dirname(path))
+        importable(os.path.dirname(path))
         return os.path.basename(path)
     if os.path.isfile(path) and path.endswith(".py"):
-        sys.path.insert(0, os.path.dirname(path))
+        importable(os.path.dirname(path))
         return os.path.basename(path)[:-3]
     if os.sep in target or target.endswith(".py"):
-        raise ValueError(f"no taskset package or file at {target}")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        raise BridgeError(f"no taskset package or file at {target}")
+    importable(os.getcwd())
     return target
 
 
@@ -144,6 +155,7 @@ def rollout_result(episode):
             "score": {"reward": float(reward), "metrics": metrics},
             "episode": episode.id,
             "traces": len(episode.traces),
+            "tools": [t.name for t in main.tools] if main is not None else [],
         },
     }
 
@@ -166,6 +178,13 @@ class Bridge:
         taskset_id = resolve_target(self.target)
         config = env_config(vf, taskset_id, args)
         self.env = load_environment(config)
+        # The env's serving resources (interception, shared tool servers) come up
+        # once, before any rollout, and stay up for the process's life, as under
+        # vf-eval.
+        self.serving = contextlib.AsyncExitStack()
+        asyncio.run_coroutine_threadsafe(
+            self.serving.enter_async_context(self.env.serving()), self.loop
+        ).result()
         return {"env_id": config.env_id, "rollout": True}
 
     def rows(self, split, n, seed):
@@ -192,11 +211,6 @@ class Bridge:
         task = self.tasks.get(idx)
         if task is None:
             raise ValueError(f"no verifiers task {idx!r}: rows must come from this environment")
-        if self.serving is None:
-            # The env's serving resources (interception, shared tools), up for the
-            # process's life, as under vf-eval.
-            self.serving = contextlib.AsyncExitStack()
-            await self.serving.enter_async_context(self.env.serving())
         os.environ.setdefault(KEY_VAR, "temper")
         ctx = ModelContext(
             client=EvalClientConfig(base_url=base_url, api_key_var=KEY_VAR),
@@ -219,6 +233,12 @@ class Bridge:
             out.append(s if s is not None else {"reward": 0.0, "metrics": {"verifiers/error": 1.0}})
         return out
 
+    def close(self):
+        """Tear down the serving resources (temper closed the pipe)."""
+        if self.serving is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self.serving.aclose(), self.loop).result(timeout=30)
+
     # --- dispatch -----------------------------------------------------------------
 
     def handle(self, req, write):
@@ -240,6 +260,8 @@ class Bridge:
             else:
                 raise ValueError(f"unknown method {method!r}")
             write(req.get("id"), result=result)
+        except BridgeError as e:
+            write(req.get("id"), error=str(e))
         except Exception as e:  # noqa: BLE001 - every failure is an answer
             traceback.print_exc(file=sys.stderr)
             write(req.get("id"), error=f"{type(e).__name__}: {e}")
@@ -265,6 +287,7 @@ def serve(bridge, stdin=None, stdout=None):
     for line in stdin:
         if line.strip():
             bridge.handle(json.loads(line), write)
+    bridge.close()
 
 
 def main(argv):
