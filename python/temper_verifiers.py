@@ -144,8 +144,12 @@ def rollout_result(episode):
     completion = []
     if main is not None:
         msgs = wire_messages(main.messages)
-        first = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
-        completion = msgs[first:]
+        # What followed the task's prompt (few-shot turns in it are not the model's).
+        prompt = prompt_messages(main.task.data)
+        n = len(prompt)
+        if [m.get("role") for m in msgs[:n]] != [m["role"] for m in prompt]:
+            n = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
+        completion = msgs[n:]
     return {
         "completion": completion,
         "error": error,

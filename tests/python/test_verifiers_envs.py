@@ -6,9 +6,9 @@ Run with the Python that has verifiers (tests/python/requirements-verifiers.txt)
 
     .venv-verifiers/bin/python tests/python/test_verifiers_envs.py [--temper target/debug/temper]
 
-- vf_add (single-turn, a dataset, two weighted @vf.reward functions): every reward is
-  1.0 x right number + 0.5 x tag format, recomputed here from the completion; the mock
-  gets about a third of the sums wrong, so both values occur.
+- vf_add (single-turn, a dataset, a few-shot Messages prompt, two weighted @vf.reward
+  functions): every reward is 1.0 x right number + 0.5 x tag format, recomputed here
+  from the completion; the mock gets about a third of the sums wrong, so both occur.
 - vf_quiz (multi-turn: an Env whose run() answers each reply with the next question):
   three assistant turns with the questions between them; the reward is the share
   answered right, recomputed here.
@@ -68,10 +68,11 @@ def answer(text):
 def check_add(lines):
     rewards = set()
     for l in lines:
-        [reply] = [m for m in l["completion"] if m["role"] == "assistant"]
-        got = answer(reply["content"])
-        correct = float(got is not None and got == int(l["answer"]))
-        tagged = float(got is not None)
+        assert [m["role"] for m in l["prompt"]] == ["system", "user", "assistant", "user"], l["prompt"]
+        [reply] = l["completion"]
+        numbers = re.findall(r"-?\d+", reply["content"])
+        correct = float(bool(numbers) and int(numbers[-1]) == int(l["answer"]))
+        tagged = float(answer(reply["content"]) is not None)
         assert l["metrics"]["correct"] == correct and l["metrics"]["tagged"] == tagged, l
         assert abs(l["reward"] - (1.0 * correct + 0.5 * tagged)) < 1e-9, l
         assert l["stop_condition"] == "agent_completed", l["stop_condition"]

@@ -241,8 +241,10 @@ impl ExternalEnv {
                  (or TEMPER_VERIFIERS_PYTHON) to a Python with verifiers installed"
             ))
         })?;
-        Self::connect(conn, &Value::Object(args))
-            .map_err(|e| EnvError::External(format!("{id}: {e}")))
+        Self::connect(conn, &Value::Object(args)).map_err(|e| match e {
+            EnvError::External(m) => EnvError::External(format!("{id}: {m}")),
+            other => other,
+        })
     }
 
     /// Ask a started process for its info.
