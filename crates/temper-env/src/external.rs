@@ -63,8 +63,7 @@ impl Conn {
         if let Some(d) = dir.filter(|d| !d.as_os_str().is_empty()) {
             cmd.current_dir(d);
         }
-        Self::start(cmd)
-            .map_err(|e| EnvError::External(format!("cannot start `{command}`: {e}")))
+        Self::start(cmd).map_err(|e| EnvError::External(format!("cannot start `{command}`: {e}")))
     }
 
     /// Starts `cmd` with piped stdin and stdout (stderr passes through).
@@ -220,7 +219,7 @@ impl ExternalEnv {
         };
         if target.trim().is_empty() {
             return Err(bad(
-                "name the taskset: verifiers:MODULE or verifiers:PATH".into(),
+                "name the taskset: verifiers:MODULE or verifiers:PATH".into()
             ));
         }
         let mut args = match args {
@@ -332,7 +331,16 @@ fn played(v: Value, turns: &[crate::ModelTurn]) -> Result<Rollout, String> {
     let stop_condition = v["stop_condition"]
         .as_str()
         .map(str::to_string)
-        .or_else(|| Some(if error.is_some() { stop::ERROR } else { stop::COMPLETED }.into()));
+        .or_else(|| {
+            Some(
+                if error.is_some() {
+                    stop::ERROR
+                } else {
+                    stop::COMPLETED
+                }
+                .into(),
+            )
+        });
     let is_truncated = v["is_truncated"].as_bool().unwrap_or(false)
         || turns.last().is_some_and(|t| t.finish_reason == "length");
     Ok(Rollout {

@@ -313,11 +313,7 @@ mod tests {
         };
         let work = async move {
             let c = reqwest::Client::new();
-            let post = |body: Value| {
-                c.post(format!("{url}/chat/completions"))
-                    .json(&body)
-                    .send()
-            };
+            let post = |body: Value| c.post(format!("{url}/chat/completions")).json(&body).send();
             let user = json!([{"role": "user", "content": "1+?"}]);
             let plain: Value = post(json!({"model": "x", "messages": user, "max_tokens": 99}))
                 .await
@@ -325,7 +321,8 @@ mod tests {
                 .json()
                 .await
                 .expect("json");
-            let two = json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]);
+            let two =
+                json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]);
             let streamed = post(json!({"messages": two, "stream": true}))
                 .await
                 .expect("stream");
@@ -334,9 +331,13 @@ mod tests {
             let bad = post(json!({"nope": 1})).await.expect("bad").status();
             (plain, kind, text, bad)
         };
-        let ((plain, kind, text, bad), turns) = answer_calls(&Scripted, &sampling, calls, work).await;
+        let ((plain, kind, text, bad), turns) =
+            answer_calls(&Scripted, &sampling, calls, work).await;
         assert_eq!(plain["model"], MODEL_NAME);
-        assert_eq!(plain["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "add");
+        assert_eq!(
+            plain["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
+            "add"
+        );
         assert_eq!(plain["usage"]["total_tokens"], 5);
         assert_eq!(kind, "text/event-stream");
         let events: Vec<&str> = text

@@ -576,7 +576,11 @@ for line in sys.stdin:
         assert_eq!(texts, ["turn 1 at t=0.7", "again", "turn 3 at t=0.7"]);
         // The model turns are the calls, with the policy's tokens untouched.
         assert_eq!(ro.model_turns.len(), 2);
-        let traces: Vec<_> = ro.model_turns.iter().map(|t| t.trace.clone().unwrap()).collect();
+        let traces: Vec<_> = ro
+            .model_turns
+            .iter()
+            .map(|t| t.trace.clone().unwrap())
+            .collect();
         assert_eq!(traces[0].completion_ids, vec![101, 7]);
         assert_eq!(traces[1].completion_ids, vec![103, 7]);
         assert_eq!(traces[1].prompt_ids.len(), 30);
@@ -593,14 +597,21 @@ fn verifiers_specs_are_checked_before_any_python_runs() {
     for (spec, args, want) in [
         ("verifiers:", json!({}), "name the taskset"),
         ("verifiers:x", json!([1]), "args must be a table"),
-        ("verifiers:x", json!({"python": 3}), "`python` must be a path"),
+        (
+            "verifiers:x",
+            json!({"python": 3}),
+            "`python` must be a path",
+        ),
         (
             "verifiers:x",
             json!({"python": "/no/such/python"}),
             "cannot start `/no/such/python`",
         ),
     ] {
-        let e = load_environment(spec, &args).err().expect("refused").to_string();
+        let e = load_environment(spec, &args)
+            .err()
+            .expect("refused")
+            .to_string();
         assert!(e.contains(want), "{spec} {args}: {e}");
     }
 }

@@ -38,8 +38,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use temper_env::gate::{answer_calls, Gate, MODEL_NAME};
 use temper_env::{
-    stable_hash, stop, ChatModel, EnvError, Environment, EvalDefaults, Message, ModelTurn,
-    Rollout, Row, SamplingArgs, Score, Split, TokenUsage,
+    stable_hash, stop, ChatModel, EnvError, Environment, EvalDefaults, Message, ModelTurn, Rollout,
+    Row, SamplingArgs, Score, Split, TokenUsage,
 };
 
 use crate::agent::{Agent, Nop, Oracle};
