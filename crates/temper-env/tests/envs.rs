@@ -509,7 +509,7 @@ impl ChatModel for TokenPolicy {
             message: Message::assistant(format!("turn {n} at t={}", req.sampling.temperature)),
             finish_reason: "stop".into(),
             usage: Usage {
-                prompt_tokens: 10 * n as usize,
+                prompt_tokens: 10 * u64::from(n),
                 completion_tokens: 2,
             },
             trace: Some(temper_env::TokenTrace {
