@@ -10,9 +10,19 @@
 //! | `rows`, `{split, n, seed}` | `[{prompt \| question, answer?, info?}]` |
 //! | `env_response`, `{row, messages, state}` | `{messages, done, state}` |
 //! | `score`, `{row, rollouts}` | `[{reward, metrics}]` |
+//! | `rollout`, `{row, base_url, model, sampling}` | `{completion, stop_condition?, error?, is_truncated?, state?}` |
 //!
 //! A failure is `{"id": N, "error": "message"}`. The Python helper
 //! `python/temper_env.py` implements the process side.
+//!
+//! A process whose `info` says `"rollout": true` plays each rollout itself:
+//! temper sends `rollout` with the `/v1` base URL of an OpenAI-compatible
+//! endpoint that this rollout serves from its model ([`crate::gate`]), and
+//! the process's program calls the model there. The rollout's model turns
+//! are the calls that came through the gate, as the model answered them
+//! (a trained policy's token ids and logprobs included), so RL trains on
+//! exactly what was sampled. That is how verifiers environments run
+//! ([`ExternalEnv::verifiers`], the bridge `python/temper_verifiers.py`).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -20,16 +30,21 @@ use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use async_trait::async_trait;
 use futures::channel::oneshot;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::gate::{answer_calls, Gate, MODEL_NAME};
 use crate::{
-    ChatModel, EnvError, EnvResponder, EnvResponse, Environment, EvalDefaults, Harness, Message,
-    Rollout, Row, SamplingArgs, Score, Split,
+    stop, ChatModel, EnvError, EnvResponder, EnvResponse, Environment, EvalDefaults, Harness,
+    Message, Rollout, Row, SamplingArgs, Score, Split, TokenUsage,
 };
+
+/// The verifiers bridge, run by the environment's Python (`python -c`).
+const VERIFIERS_BRIDGE: &str = include_str!("../../../python/temper_verifiers.py");
 
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Value, String>>>>>;
 
@@ -44,25 +59,27 @@ pub(crate) struct Conn {
 impl Conn {
     pub(crate) fn spawn(command: &str, dir: Option<&Path>) -> Result<Arc<Self>, EnvError> {
         let mut cmd = Command::new("sh");
-        cmd.arg("-c")
-            .arg(command)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+        cmd.arg("-c").arg(command);
         if let Some(d) = dir.filter(|d| !d.as_os_str().is_empty()) {
             cmd.current_dir(d);
         }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| EnvError::External(format!("cannot start `{command}`: {e}")))?;
+        Self::start(cmd).map_err(|e| EnvError::External(format!("cannot start `{command}`: {e}")))
+    }
+
+    /// Starts `cmd` with piped stdin and stdout (stderr passes through).
+    fn start(mut cmd: Command) -> std::io::Result<Arc<Self>> {
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn()?;
         let stdin = child
             .stdin
             .take()
-            .ok_or_else(|| EnvError::External("no stdin".into()))?;
+            .ok_or_else(|| std::io::Error::other("no stdin"))?;
         let stdout = child
             .stdout
             .take()
-            .ok_or_else(|| EnvError::External("no stdout".into()))?;
+            .ok_or_else(|| std::io::Error::other("no stdout"))?;
         let pending: Pending = Arc::new(Mutex::new(HashMap::new()));
         let reader_pending = pending.clone();
         std::thread::spawn(move || {
@@ -149,6 +166,10 @@ struct Info {
     max_turns: usize,
     #[serde(default)]
     eval_defaults: Option<EvalDefaultsWire>,
+    /// The process plays each rollout itself, calling the model through
+    /// the gate (the `rollout` method).
+    #[serde(default)]
+    rollout: bool,
 }
 
 fn ten() -> usize {
@@ -175,12 +196,60 @@ pub struct ExternalEnv {
     conn: Arc<Conn>,
     harness: Harness,
     defaults: EvalDefaults,
+    /// Rollouts are played by the process (`info.rollout`).
+    plays: bool,
 }
 
 impl ExternalEnv {
     /// Start `command` (through `sh -c`, in `dir`) and ask for its info.
     pub fn spawn(command: &str, dir: Option<&Path>, args: &Value) -> Result<Self, EnvError> {
         let conn = Conn::spawn(command, dir)?;
+        Self::connect(conn, args)
+    }
+
+    /// A verifiers environment (`verifiers:TARGET`): the bridge shipped with
+    /// temper, run by `args.python` (else `$TEMPER_VERIFIERS_PYTHON`, else
+    /// `python3`), loads `TARGET` — a taskset id (an importable module or
+    /// package, as `vf-eval` takes it) or a path to one — with the rest of
+    /// `args` as its verifiers env config, and plays each rollout unchanged:
+    /// its harness calls the model through the gate, its rewards score.
+    pub fn verifiers(target: &str, args: &Value) -> Result<Self, EnvError> {
+        let id = format!("verifiers:{target}");
+        let bad = |message: String| EnvError::BadArgs {
+            env: id.clone(),
+            message,
+        };
+        if target.trim().is_empty() {
+            return Err(bad(
+                "name the taskset: verifiers:MODULE or verifiers:PATH".into()
+            ));
+        }
+        let mut args = match args {
+            Value::Null => serde_json::Map::new(),
+            Value::Object(m) => m.clone(),
+            other => return Err(bad(format!("args must be a table, got {other}"))),
+        };
+        let python = match args.remove("python") {
+            Some(Value::String(p)) => p,
+            Some(other) => return Err(bad(format!("`python` must be a path, got {other}"))),
+            None => std::env::var("TEMPER_VERIFIERS_PYTHON").unwrap_or_else(|_| "python3".into()),
+        };
+        let mut cmd = Command::new(&python);
+        cmd.arg("-u").arg("-c").arg(VERIFIERS_BRIDGE).arg(target);
+        let conn = Conn::start(cmd).map_err(|e| {
+            EnvError::External(format!(
+                "{id}: cannot start `{python}`: {e}; set `python` in the environment's args \
+                 (or TEMPER_VERIFIERS_PYTHON) to a Python with verifiers installed"
+            ))
+        })?;
+        Self::connect(conn, &Value::Object(args)).map_err(|e| match e {
+            EnvError::External(m) => EnvError::External(format!("{id}: {m}")),
+            other => other,
+        })
+    }
+
+    /// Ask a started process for its info.
+    fn connect(conn: Arc<Conn>, args: &Value) -> Result<Self, EnvError> {
         let info = conn
             .call_blocking("info", json!({"args": args}))
             .map_err(EnvError::External)?;
@@ -214,8 +283,78 @@ impl ExternalEnv {
             conn,
             harness,
             defaults,
+            plays: info.rollout,
         })
     }
+
+    /// One rollout played by the process, its model calls answered through
+    /// a gate.
+    async fn play(&self, model: &dyn ChatModel, row: &Row, sampling: &SamplingArgs) -> Rollout {
+        let started = Instant::now();
+        let failed = |e: String| Rollout {
+            error: Some(e),
+            stop_condition: Some(stop::ERROR.into()),
+            ..Rollout::default()
+        };
+        let (gate, calls) = Gate::new();
+        let base_url = match gate.base_url() {
+            Ok(u) => u,
+            Err(e) => return failed(e),
+        };
+        drop(gate);
+        let params = json!({
+            "row": row, "base_url": base_url, "model": MODEL_NAME, "sampling": sampling,
+        });
+        let (answer, turns) =
+            answer_calls(model, sampling, calls, self.conn.call("rollout", params)).await;
+        let mut rollout = match answer.and_then(|v| played(v, &turns)) {
+            Ok(r) => r,
+            Err(e) => failed(e),
+        };
+        rollout.token_usage = TokenUsage {
+            input_tokens: turns.iter().map(|t| t.usage.prompt_tokens).sum(),
+            output_tokens: turns.iter().map(|t| t.usage.completion_tokens).sum(),
+        };
+        rollout.model_turns = turns;
+        rollout.timing.generation_ms = started.elapsed().as_secs_f64() * 1e3;
+        rollout.timing.total_ms = rollout.timing.generation_ms;
+        rollout
+    }
+}
+
+/// A `rollout` answer as a [`Rollout`] (model turns and timing not yet set).
+fn played(v: Value, turns: &[crate::ModelTurn]) -> Result<Rollout, String> {
+    let completion: Vec<Message> = serde_json::from_value(v["completion"].clone())
+        .map_err(|e| format!("bad rollout completion: {e}"))?;
+    let error = match &v["error"] {
+        Value::Null => None,
+        Value::String(s) => Some(s.clone()),
+        other => Some(other.to_string()),
+    };
+    let stop_condition = v["stop_condition"]
+        .as_str()
+        .map(str::to_string)
+        .or_else(|| {
+            Some(
+                if error.is_some() {
+                    stop::ERROR
+                } else {
+                    stop::COMPLETED
+                }
+                .into(),
+            )
+        });
+    let is_truncated = v["is_truncated"].as_bool().unwrap_or(false)
+        || turns.last().is_some_and(|t| t.finish_reason == "length");
+    Ok(Rollout {
+        completion,
+        is_completed: error.is_none(),
+        is_truncated,
+        stop_condition,
+        error,
+        state: v.get("state").cloned().unwrap_or(json!({})),
+        ..Rollout::default()
+    })
 }
 
 struct ExternalResponder {
@@ -296,6 +435,9 @@ impl Environment for ExternalEnv {
     }
 
     async fn rollout(&self, model: &dyn ChatModel, row: &Row, sampling: &SamplingArgs) -> Rollout {
+        if self.plays {
+            return self.play(model, row, sampling).await;
+        }
         self.harness.run(model, row, sampling).await
     }
 

@@ -10,8 +10,11 @@
 //!   [`EnvResponder`], tool-use with [`Tool`]s) + [`Rubric`] (+ [`Parser`]).
 //!   Every built-in and every `env.toml` is one.
 //! - [`load_environment`]: a built-in name ([`BUILTIN_ENVS`]), a directory
-//!   with `env.toml` ([`manifest`]), or an external command speaking the
-//!   JSON-lines protocol ([`external`]).
+//!   with `env.toml` ([`manifest`]), an external command speaking the
+//!   JSON-lines protocol ([`external`]), or a verifiers environment
+//!   (`verifiers:MODULE_OR_PATH`, run by a bridge through the same protocol).
+//! - [`gate`]: a rollout's model as a loopback OpenAI endpoint, for
+//!   programs that call the model themselves.
 //! - [`openai::OpenAiChatModel`]: the [`ChatModel`] for OpenAI-compatible
 //!   endpoints (retries, timeouts), used by `temper eval` and the judge.
 //!
@@ -52,6 +55,7 @@ mod env;
 mod envs;
 mod error;
 pub mod external;
+pub mod gate;
 mod harness;
 pub mod manifest;
 pub mod math;
@@ -88,7 +92,9 @@ pub use types::{
 pub use envs::countdown_valid;
 
 /// Load an environment: a built-in name, a directory with `env.toml` (or
-/// the file), or an external command (`python3 my_env.py`). `args` are
+/// the file), a verifiers environment (`verifiers:MODULE_OR_PATH`, see
+/// [`external::ExternalEnv::verifiers`]), or an external command
+/// (`python3 my_env.py`). `args` are
 /// the environment's arguments (a JSON object; `null` for defaults).
 pub fn load_environment(
     spec: &str,
@@ -102,6 +108,9 @@ pub fn load_environment(
         || path.is_file() && path.extension().is_some_and(|e| e == "toml")
     {
         return manifest::load_manifest(path, args);
+    }
+    if let Some(target) = spec.strip_prefix("verifiers:") {
+        return Ok(Arc::new(external::ExternalEnv::verifiers(target, args)?));
     }
     if spec.contains(char::is_whitespace) || path.is_file() {
         return Ok(Arc::new(external::ExternalEnv::spawn(spec, None, args)?));

@@ -497,3 +497,121 @@ async fn support_json_example_scores_with_json_fields_and_a_python_reward() {
     assert_eq!(s[1].metrics["grounded"], 0.0);
     assert!((s[1].reward - 0.5 / 3.0).abs() < 1e-12, "{}", s[1].reward);
 }
+
+/// A policy: answers with the sum asked for, and the tokens it "sampled".
+struct TokenPolicy;
+
+#[async_trait]
+impl ChatModel for TokenPolicy {
+    async fn chat(&self, req: ChatRequest) -> Result<ModelTurn, ModelCallError> {
+        let n = req.messages.len() as u32;
+        Ok(ModelTurn {
+            message: Message::assistant(format!("turn {n} at t={}", req.sampling.temperature)),
+            finish_reason: "stop".into(),
+            usage: Usage {
+                prompt_tokens: 10 * u64::from(n),
+                completion_tokens: 2,
+            },
+            trace: Some(temper_env::TokenTrace {
+                prompt_ids: (0..10 * n).collect(),
+                completion_ids: vec![100 + n, 7],
+                logprobs: vec![-0.5, -0.25],
+                version: 3,
+                temperature: req.sampling.temperature,
+            }),
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_plays_rollouts_calls_the_model_through_the_gate() {
+    // The shape of the verifiers bridge, stdlib only: `info` says it plays
+    // rollouts; `rollout` calls the OpenAI endpoint it is given twice (once
+    // streamed) and returns the conversation and its own score.
+    let dir = tempfile::tempdir().unwrap();
+    let script = write(
+        dir.path(),
+        "plays.py",
+        r#"
+import json, sys, urllib.request
+def post(url, body):
+    req = urllib.request.Request(url + "/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.read().decode()
+for line in sys.stdin:
+    req = json.loads(line); p = req["params"]; m = req["method"]
+    if m == "info":
+        out = {"env_id": "plays", "rollout": True}
+    elif m == "rows":
+        out = [{"question": f"q{i}", "info": {"i": i}} for i in range(p["n"])]
+    elif m == "rollout":
+        msgs = list(p["row"]["prompt"])
+        first = json.loads(post(p["base_url"], {"model": p["model"], "messages": msgs, "temperature": 0.1}))
+        msgs.append(first["choices"][0]["message"]); msgs.append({"role": "user", "content": "again"})
+        events = post(p["base_url"], {"model": p["model"], "messages": msgs, "stream": True})
+        text = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or ""
+                       for e in events.split("\n\n") if e.startswith("data: {") and json.loads(e[6:])["choices"])
+        msgs.append({"role": "assistant", "content": text})
+        out = {"completion": msgs[1:], "stop_condition": "done", "state": {"score": len(msgs)}}
+    elif m == "score":
+        out = [{"reward": r["state"]["score"] / 10, "metrics": {}} for r in p["rollouts"]]
+    print(json.dumps({"id": req["id"], "result": out}), flush=True)
+"#,
+    );
+    let env = load_environment(&format!("python3 {}", script.display()), &json!({})).unwrap();
+    let rows = env.rows(Split::Eval, 2, 0).unwrap();
+    let sampling = temper_env::SamplingArgs {
+        temperature: 0.7,
+        ..Default::default()
+    };
+    let rollouts =
+        futures::future::join_all(rows.iter().map(|r| env.rollout(&TokenPolicy, r, &sampling)))
+            .await;
+    for (row, ro) in rows.iter().zip(&rollouts) {
+        assert_eq!(ro.error, None, "{ro:?}");
+        assert_eq!(ro.stop_condition.as_deref(), Some("done"));
+        // The program's own temperature is replaced by the rollout's.
+        let texts: Vec<String> = ro.completion.iter().map(Message::text).collect();
+        assert_eq!(texts, ["turn 1 at t=0.7", "again", "turn 3 at t=0.7"]);
+        // The model turns are the calls, with the policy's tokens untouched.
+        assert_eq!(ro.model_turns.len(), 2);
+        let traces: Vec<_> = ro
+            .model_turns
+            .iter()
+            .map(|t| t.trace.clone().unwrap())
+            .collect();
+        assert_eq!(traces[0].completion_ids, vec![101, 7]);
+        assert_eq!(traces[1].completion_ids, vec![103, 7]);
+        assert_eq!(traces[1].prompt_ids.len(), 30);
+        assert_eq!(traces[1].logprobs, vec![-0.5, -0.25]);
+        assert_eq!(ro.token_usage.input_tokens, 40);
+        assert_eq!(ro.token_usage.output_tokens, 4);
+        let s = env.score_group(row, std::slice::from_ref(ro)).await;
+        assert_eq!(s[0].reward, 0.4);
+    }
+}
+
+#[test]
+fn verifiers_specs_are_checked_before_any_python_runs() {
+    for (spec, args, want) in [
+        ("verifiers:", json!({}), "name the taskset"),
+        ("verifiers:x", json!([1]), "args must be a table"),
+        (
+            "verifiers:x",
+            json!({"python": 3}),
+            "`python` must be a path",
+        ),
+        (
+            "verifiers:x",
+            json!({"python": "/no/such/python"}),
+            "cannot start `/no/such/python`",
+        ),
+    ] {
+        let e = load_environment(spec, &args)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains(want), "{spec} {args}: {e}");
+    }
+}

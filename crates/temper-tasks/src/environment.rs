@@ -5,7 +5,7 @@
 //! session, agent, verifier) with the agent of the environment's arguments;
 //! the score is the verifier's `reward`. The agent reaches the model only
 //! through the rollout's [`ChatModel`] (the evaluated endpoint, or the
-//! policy being trained), by a gate:
+//! policy being trained), by a gate ([`temper_env::gate`]):
 //!
 //! - `terminal` calls it in-process ([`Terminal::with_model`]);
 //! - `command` gets `OPENAI_BASE_URL` pointing at a loopback
@@ -34,17 +34,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::routing::{get, post};
-use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
+use temper_env::gate::{answer_calls, Gate, MODEL_NAME};
 use temper_env::{
-    stable_hash, stop, ChatModel, ChatRequest, EnvError, Environment, EvalDefaults, Message,
-    ModelCallError, ModelTurn, Rollout, Row, SamplingArgs, Score, Split, TokenUsage,
+    stable_hash, stop, ChatModel, EnvError, Environment, EvalDefaults, Message, ModelTurn, Rollout,
+    Row, SamplingArgs, Score, Split, TokenUsage,
 };
-use tokio::sync::{mpsc, oneshot};
 
 use crate::agent::{Agent, Nop, Oracle};
 use crate::atif::Trajectory;
@@ -52,9 +48,6 @@ use crate::command::CommandAgent;
 use crate::task::{discover, is_task_dir, Task};
 use crate::terminal::{Terminal, TerminalConfig};
 use crate::trial::{run_trial, TrialOptions, TrialResult};
-
-/// The model name agents see (the ATIF `model_name`, `OPENAI_MODEL`).
-const MODEL_NAME: &str = "policy";
 
 /// The arguments of a tasks environment (`[[env]] args`,
 /// `temper eval --env-args`).
@@ -345,7 +338,7 @@ impl TasksEnv {
                 Err(e) => return failed(format!("temporary trial directory: {e}")),
             },
         };
-        let (gate, mut calls) = Gate::new();
+        let (gate, calls) = Gate::new();
         let agent = match self.agent(&gate, sampling) {
             Ok(a) => a,
             Err(e) => return failed(e),
@@ -359,29 +352,8 @@ impl TasksEnv {
         let dir = trial_dir.clone();
         let trial =
             tokio::task::spawn_blocking(move || run_trial(&task, agent.as_ref(), &dir, &options));
-        tokio::pin!(trial);
-        // Answer the agent's calls until the trial ends. A turn counts only
-        // once the agent has it (an agent past its deadline drops a call).
-        let mut turns: Vec<ModelTurn> = Vec::new();
-        let joined = loop {
-            tokio::select! {
-                Some(call) = calls.recv() => {
-                    let mut req = call.request;
-                    req.sampling = sampling.clone();
-                    match model.chat(req).await {
-                        Ok(turn) => {
-                            if call.reply.send(Ok(turn.clone())).is_ok() {
-                                turns.push(turn);
-                            }
-                        }
-                        Err(e) => {
-                            let _ = call.reply.send(Err(e));
-                        }
-                    }
-                }
-                joined = &mut trial => break joined,
-            }
-        };
+        // Answer the agent's calls until the trial ends.
+        let (joined, turns) = answer_calls(model, sampling, calls, trial).await;
         let result = match joined {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => return failed(format!("trial: {e}")),
@@ -497,136 +469,6 @@ fn completion_of(traj: &Trajectory) -> Vec<Message> {
         }
     }
     out
-}
-
-/// One model call of an agent, waiting for its answer.
-struct Call {
-    request: ChatRequest,
-    reply: oneshot::Sender<Result<ModelTurn, ModelCallError>>,
-}
-
-/// The agent's side of the gate: a [`ChatModel`] (for in-process agents)
-/// and, on demand, a loopback OpenAI endpoint (for agent programs), both
-/// forwarding to the rollout, which answers with its model.
-struct Gate {
-    tx: mpsc::UnboundedSender<Call>,
-}
-
-#[derive(Clone)]
-struct GateModel {
-    tx: mpsc::UnboundedSender<Call>,
-}
-
-#[async_trait]
-impl ChatModel for GateModel {
-    async fn chat(&self, request: ChatRequest) -> Result<ModelTurn, ModelCallError> {
-        let (reply, answer) = oneshot::channel();
-        let gone = || ModelCallError::Other("the rollout is over".into());
-        self.tx.send(Call { request, reply }).map_err(|_| gone())?;
-        answer.await.map_err(|_| gone())?
-    }
-}
-
-impl Gate {
-    fn new() -> (Self, mpsc::UnboundedReceiver<Call>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        (Self { tx }, rx)
-    }
-
-    fn model(&self) -> Arc<dyn ChatModel> {
-        Arc::new(GateModel {
-            tx: self.tx.clone(),
-        })
-    }
-
-    /// Starts the loopback endpoint (it stops when the last agent-side
-    /// sender is gone); its `/v1` base URL.
-    fn base_url(&self) -> Result<String, String> {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .map_err(|e| format!("gate endpoint: {e}"))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| format!("gate endpoint: {e}"))?;
-        let listener = tokio::net::TcpListener::from_std(listener)
-            .map_err(|e| format!("gate endpoint: {e}"))?;
-        let model = GateModel {
-            tx: self.tx.clone(),
-        };
-        let closed = self.tx.clone();
-        let app = Router::new()
-            .route("/v1/chat/completions", post(chat_completions))
-            .route("/v1/models", get(models))
-            .with_state(model);
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async move { closed.closed().await })
-                .await;
-        });
-        Ok(format!("http://{addr}/v1"))
-    }
-}
-
-async fn models() -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "temper"}]}),
-    )
-}
-
-#[derive(Deserialize)]
-struct ChatBody {
-    messages: Vec<Message>,
-    #[serde(default)]
-    tools: Option<Vec<Value>>,
-    #[serde(default)]
-    stream: bool,
-}
-
-async fn chat_completions(
-    State(model): State<GateModel>,
-    Json(body): Json<ChatBody>,
-) -> Result<Json<Value>, (StatusCode, Json<Value>)> {
-    let err = |status: StatusCode, message: String| {
-        (
-            status,
-            Json(json!({"error": {"message": message, "type": "invalid_request_error"}})),
-        )
-    };
-    if body.stream {
-        return Err(err(
-            StatusCode::BAD_REQUEST,
-            "streaming is not served to task agents; call without stream".into(),
-        ));
-    }
-    let request = ChatRequest {
-        messages: body.messages,
-        tools: body.tools,
-        // Replaced by the environment's sampling arguments.
-        sampling: SamplingArgs::default(),
-    };
-    let turn = model.chat(request).await.map_err(|e| {
-        let status = match e {
-            ModelCallError::PromptTooLong(_) => StatusCode::BAD_REQUEST,
-            _ => StatusCode::BAD_GATEWAY,
-        };
-        err(status, e.to_string())
-    })?;
-    let created = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    Ok(Json(json!({
-        "id": format!("chatcmpl-{}", crate::job::random_id(16)),
-        "object": "chat.completion",
-        "created": created,
-        "model": MODEL_NAME,
-        "choices": [{"index": 0, "message": turn.message, "finish_reason": turn.finish_reason}],
-        "usage": {
-            "prompt_tokens": turn.usage.prompt_tokens,
-            "completion_tokens": turn.usage.completion_tokens,
-            "total_tokens": turn.usage.prompt_tokens + turn.usage.completion_tokens,
-        },
-    })))
 }
 
 #[cfg(test)]
