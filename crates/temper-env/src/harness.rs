@@ -374,6 +374,7 @@ pub fn format_number(v: f64) -> String {
 /// stdout and stderr.
 pub struct PythonTool {
     client: temper_sandbox::Client,
+    requirements: Vec<String>,
 }
 
 impl PythonTool {
@@ -381,7 +382,16 @@ impl PythonTool {
     pub fn new(url: &str) -> Self {
         let client = temper_sandbox::Client::local(url, None)
             .unwrap_or_else(|_| temper_sandbox::Client::new(url, None));
-        PythonTool { client }
+        PythonTool {
+            client,
+            requirements: Vec::new(),
+        }
+    }
+
+    /// Run with these Python packages (`[sandbox] requirements`).
+    pub fn with_requirements(mut self, requirements: Vec<String>) -> Self {
+        self.requirements = requirements;
+        self
     }
 }
 
@@ -418,6 +428,7 @@ impl Tool for PythonTool {
             compile_timeout: None,
             memory_limit_mb: None,
             fetch_files: Vec::new(),
+            requirements: self.requirements.clone(),
         };
         let resp = self
             .client

@@ -58,6 +58,7 @@ mod model;
 pub mod openai;
 mod parser;
 pub mod rubric;
+pub mod suite;
 mod types;
 
 use std::path::Path;

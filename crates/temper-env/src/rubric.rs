@@ -92,6 +92,7 @@ enum Kind {
     Sync(RewardFn),
     Judge(Arc<Judge>),
     CodeTests(Arc<CodeTests>),
+    Suite(Arc<crate::suite::Suite>),
     Program(Arc<ProgramReward>),
 }
 
@@ -271,6 +272,45 @@ impl Reward {
         }
     }
 
+    /// A model's tests run against the row's code and its mutants in the
+    /// sandbox ([`crate::suite`]): `mutation_score` or `coverage`, by the
+    /// suite's mode.
+    pub fn suite(weight: f64, suite: crate::suite::Suite) -> Self {
+        Reward {
+            name: suite.name().into(),
+            weight,
+            kind: Kind::Suite(Arc::new(suite)),
+        }
+    }
+
+    /// Run sandboxed code with these Python packages (`[sandbox]
+    /// requirements` of `env.toml`); other rewards are unchanged. Call it
+    /// on a new reward (its runner not yet shared).
+    pub fn with_requirements(mut self, requirements: &[String]) -> Self {
+        let reqs = requirements.to_vec();
+        match &mut self.kind {
+            Kind::CodeTests(t) => {
+                if let Some(t) = Arc::get_mut(t) {
+                    t.requirements = reqs;
+                }
+            }
+            Kind::Suite(s) => {
+                if let Some(s) = Arc::get_mut(s) {
+                    s.set_requirements(reqs);
+                }
+            }
+            Kind::Program(p) => {
+                if let Some(Runner::Sandbox { requirements, .. }) =
+                    Arc::get_mut(p).map(|p| &mut p.runner)
+                {
+                    *requirements = reqs;
+                }
+            }
+            Kind::Sync(_) | Kind::Judge(_) => {}
+        }
+        self
+    }
+
     /// Rename (the metric key).
     pub fn named(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();
@@ -386,6 +426,11 @@ impl Reward {
                     serde_json::from_value(args.clone()).map_err(|e| e.to_string())?;
                 Reward::code_tests(w, CodeTests::new(cfg))
             }
+            "mutation_score" | "coverage" => {
+                let cfg: crate::suite::SuiteConfig = serde_json::from_value(args.clone())
+                    .map_err(|e| format!("{function}: {e}"))?;
+                Reward::suite(w, crate::suite::Suite::new(cfg, function == "coverage")?)
+            }
             "json_fields" => {
                 let cfg: JsonFieldsConfig =
                     serde_json::from_value(args.clone()).map_err(|e| format!("json_fields: {e}"))?;
@@ -409,13 +454,16 @@ impl Reward {
         })
     }
 
-    async fn score(&self, ctx: &RewardCtx<'_>) -> f64 {
+    /// The score, and metrics reported as `NAME/metric`.
+    async fn score(&self, ctx: &RewardCtx<'_>) -> (f64, BTreeMap<String, f64>) {
+        let plain = |v| (v, BTreeMap::new());
         match &self.kind {
-            Kind::Sync(f) => f(ctx),
-            Kind::Judge(j) => j.score(ctx).await,
-            Kind::CodeTests(t) => t.score(ctx).await,
+            Kind::Sync(f) => plain(f(ctx)),
+            Kind::Judge(j) => plain(j.score(ctx).await),
+            Kind::CodeTests(t) => plain(t.score(ctx).await),
+            Kind::Suite(s) => s.score(ctx).await,
             // Scored per group in `Rubric::score_group`.
-            Kind::Program(_) => 0.0,
+            Kind::Program(_) => plain(0.0),
         }
     }
 }
@@ -436,6 +484,8 @@ pub const BUILTIN_REWARDS: &[&str] = &[
     "length_penalty",
     "judge",
     "code_tests",
+    "mutation_score",
+    "coverage",
 ];
 
 /// A named, weighted group function.
@@ -544,9 +594,12 @@ impl Rubric {
                 continue;
             }
             let values = futures::future::join_all(ctxs.iter().map(|c| func.score(c))).await;
-            for (s, v) in scores.iter_mut().zip(values) {
+            for (s, (v, metrics)) in scores.iter_mut().zip(values) {
                 s.reward += func.weight * v;
                 s.metrics.insert(func.name.clone(), v);
+                for (k, m) in metrics {
+                    s.metrics.insert(format!("{}/{k}", func.name), m);
+                }
             }
         }
         for g in &self.group_funcs {
@@ -731,6 +784,7 @@ fn default_test_timeout() -> f64 {
 pub struct CodeTests {
     client: temper_sandbox::Client,
     timeout: Duration,
+    requirements: Vec<String>,
 }
 
 impl CodeTests {
@@ -745,6 +799,7 @@ impl CodeTests {
         CodeTests {
             client,
             timeout: Duration::from_secs_f64(cfg.timeout_s.max(0.1)),
+            requirements: Vec::new(),
         }
     }
 
@@ -763,6 +818,7 @@ impl CodeTests {
                 compile_timeout: None,
                 memory_limit_mb: None,
                 fetch_files: Vec::new(),
+                requirements: self.requirements.clone(),
             };
             async move { self.client.run_code(&req).await }
         });
@@ -845,6 +901,7 @@ pub(crate) fn build_rubric(
     specs: &[RewardSpec],
     path: &str,
     dir: Option<&std::path::Path>,
+    requirements: &[String],
 ) -> Result<Rubric, EnvError> {
     let mut rubric = Rubric::new(parser);
     for spec in specs {
@@ -852,7 +909,7 @@ pub(crate) fn build_rubric(
             path: path.to_string(),
             message,
         })?;
-        rubric = rubric.with(r);
+        rubric = rubric.with(r.with_requirements(requirements));
     }
     Ok(rubric)
 }
@@ -964,6 +1021,7 @@ impl ProgramReward {
                 client,
                 code,
                 files,
+                requirements: Vec::new(),
             },
             command: command.to_string(),
             function,
@@ -982,6 +1040,7 @@ impl ProgramReward {
                 client,
                 code,
                 files,
+                requirements,
             } => {
                 let line = serde_json::json!({"id": 1, "method": "score", "params": params});
                 let req = temper_sandbox::service::RunCodeRequest {
@@ -993,6 +1052,7 @@ impl ProgramReward {
                     compile_timeout: None,
                     memory_limit_mb: None,
                     fetch_files: Vec::new(),
+                    requirements: requirements.clone(),
                 };
                 let resp = client.run_code(&req).await.map_err(|e| e.to_string())?;
                 // No run result (a sandbox error) means no answer below.
@@ -1074,6 +1134,8 @@ enum Runner {
         client: temper_sandbox::Client,
         code: String,
         files: BTreeMap<String, String>,
+        /// `[sandbox] requirements`.
+        requirements: Vec<String>,
     },
 }
 
