@@ -384,3 +384,42 @@ async fn a_sandboxed_reward_imports_a_package_only_when_declared() {
         "{e}"
     );
 }
+
+/// `examples/test-writing` as committed: 48 held-out functions, and its
+/// rubric scores a good answer 1 and an answer whose assert is wrong 0,
+/// with coverage reported as a metric only (weight 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_test_writing_example_rewards_tests_that_kill_mutants() {
+    let Some(url) = sandbox_service(None).await else {
+        return;
+    };
+    // The committed example, pointed at the test's sandbox service (a
+    // user's run reads $TEMPER_SANDBOX_URL instead).
+    let example =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/test-writing");
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["train.jsonl", "eval.jsonl"] {
+        std::fs::copy(example.join(f), dir.path().join(f)).unwrap();
+    }
+    let manifest = std::fs::read_to_string(example.join("env.toml")).unwrap();
+    let pointed = manifest.replace(
+        "timeout_s = 2.0 }",
+        &format!("timeout_s = 2.0, sandbox_url = {url:?} }}"),
+    );
+    assert_eq!(pointed.matches("sandbox_url").count(), 2);
+    std::fs::write(dir.path().join("env.toml"), pointed).unwrap();
+    let env = temper_env::load_environment(dir.path().to_str().unwrap(), &Value::Null).unwrap();
+    let rows = env.rows(temper_env::Split::Eval, 1000, 0).unwrap();
+    assert_eq!(rows.len(), 48);
+    let row = rows
+        .into_iter()
+        .find(|r| r.info["code"] == "def add_k(x):\n    return x + 5\n")
+        .expect("the add_k(5) row");
+    let good = answer("assert add_k(0) == 5\nassert add_k(-3) == 2");
+    let wrong = answer("assert add_k(0) == 0");
+    let s = env.score_group(&row, &[good, wrong]).await;
+    assert_eq!(s[0].reward, 1.0, "{:?}", s[0].metrics);
+    assert_eq!(s[0].metrics["mutation_score/mutants"], 4.0);
+    assert_eq!(s[0].metrics["coverage"], 1.0);
+    assert_eq!(s[1].reward, 0.0);
+}

@@ -628,7 +628,8 @@ async fn requirements_are_checked_before_any_install() {
         "/abs/wheel.whl",
         "",
     ] {
-        let body = serde_json::json!({"code": "print(1)", "language": "python", "requirements": [bad]});
+        let body =
+            serde_json::json!({"code": "print(1)", "language": "python", "requirements": [bad]});
         let (code, text) = post(state.clone(), &body.to_string(), None).await;
         assert_eq!(code, StatusCode::BAD_REQUEST, "{bad:?}: {text}");
         assert!(text.contains("no paths, URLs or pip options"), "{text}");
