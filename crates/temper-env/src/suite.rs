@@ -98,8 +98,11 @@ pub struct Suite {
     requirements: Vec<String>,
     /// Per row (hash of code, samples, cap): the kept mutants and how many
     /// were dropped as equivalent.
-    mutants: Mutex<HashMap<u64, Arc<(Vec<String>, f64)>>>,
+    mutants: Mutex<HashMap<u64, Arc<RowMutants>>>,
 }
+
+/// A row's kept mutants and how many were dropped as equivalent.
+type RowMutants = (Vec<String>, f64);
 
 /// One rollout's score and the metrics behind it.
 pub type Scored = (f64, BTreeMap<String, f64>);

@@ -644,8 +644,7 @@ async fn requirements_are_checked_before_any_install() {
         build_timeout: std::time::Duration::from_secs(5),
     };
     let e = temper_sandbox::Venvs::new(config, temper_sandbox::SandboxConfig::default())
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(e.to_string().contains("lies under /tmp"), "{e}");
 }
 
