@@ -386,12 +386,22 @@ pub fn format_number(v: f64) -> String {
 /// stdout and stderr.
 pub struct PythonTool {
     sandbox: crate::SandboxService,
+    requirements: Vec<String>,
 }
 
 impl PythonTool {
     /// A tool on this sandbox service.
     pub fn new(sandbox: crate::SandboxService) -> Self {
-        PythonTool { sandbox }
+        PythonTool {
+            sandbox,
+            requirements: Vec::new(),
+        }
+    }
+
+    /// Run with these Python packages (`[sandbox] requirements`).
+    pub fn with_requirements(mut self, requirements: Vec<String>) -> Self {
+        self.requirements = requirements;
+        self
     }
 }
 
@@ -431,6 +441,7 @@ impl Tool for PythonTool {
             compile_timeout: None,
             memory_limit_mb: None,
             fetch_files: Vec::new(),
+            requirements: self.requirements.clone(),
         };
         let resp = self
             .sandbox

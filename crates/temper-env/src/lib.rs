@@ -64,6 +64,7 @@ pub mod openai;
 mod parser;
 pub mod rubric;
 pub mod service;
+pub mod suite;
 mod types;
 
 use std::path::Path;

@@ -29,6 +29,9 @@
 //! function = "exact_match"
 //! weight = 1.0
 //!
+//! [sandbox]              # optional: Python packages sandboxed code needs
+//! requirements = ["pytest==8.3.4"]
+//!
 //! [eval]
 //! num_examples = 10
 //! rollouts_per_example = 1
@@ -113,6 +116,9 @@ pub struct Manifest {
     /// Divide the reward (Σ weight · score) by Σ |weight|.
     #[serde(default)]
     pub normalize_reward: bool,
+    /// What code run in the sandbox service needs.
+    #[serde(default)]
+    pub sandbox: SandboxSpec,
     /// Eval defaults.
     #[serde(default)]
     pub eval: EvalSpec,
@@ -189,6 +195,18 @@ fn default_tool_timeout() -> f64 {
     10.0
 }
 
+/// `[sandbox]`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxSpec {
+    /// Python packages (pip requirement strings: a name, extras, version
+    /// specifiers, markers) for every sandboxed reward and the `python`
+    /// tool: the sandbox service builds a virtualenv with them once and
+    /// caches it.
+    #[serde(default)]
+    pub requirements: Vec<String>,
+}
+
 /// `[eval]`.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -257,6 +275,8 @@ pub fn load_manifest(path: &Path, args: &Value) -> Result<Arc<dyn Environment>, 
     };
     let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
     let m = read_manifest(&file)?;
+    temper_sandbox::check_requirements(&m.sandbox.requirements)
+        .map_err(|e| manifest_err(&file, format!("[sandbox] {e}")))?;
     if let Some(cmd) = &m.command {
         let env = crate::external::ExternalEnv::spawn(cmd, Some(&dir), args)?;
         return Ok(Arc::new(env));
@@ -310,7 +330,10 @@ pub fn load_manifest(path: &Path, args: &Value) -> Result<Arc<dyn Environment>, 
                     "python" => {
                         let sandbox = crate::SandboxService::new(m.harness.sandbox_url.clone())
                             .map_err(|e| manifest_err(&file, e))?;
-                        tools.push(Arc::new(PythonTool::new(sandbox)));
+                        tools.push(Arc::new(
+                            PythonTool::new(sandbox)
+                                .with_requirements(m.sandbox.requirements.clone()),
+                        ));
                     }
                     other => return Err(manifest_err(&file, format!("unknown tool `{other}` (calculator, python)"))),
                 }
@@ -339,6 +362,7 @@ pub fn load_manifest(path: &Path, args: &Value) -> Result<Arc<dyn Environment>, 
         &m.rubric,
         &file.display().to_string(),
         Some(&dir),
+        &m.sandbox.requirements,
     )?;
     rubric.normalize = m.normalize_reward;
     Ok(Arc::new(Env::new(

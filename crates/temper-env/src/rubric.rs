@@ -96,6 +96,7 @@ enum Kind {
     Sync(RewardFn),
     Judge(Arc<Judge>),
     CodeTests(Arc<CodeTests>),
+    Suite(Arc<crate::suite::Suite>),
     Program(Arc<ProgramReward>),
 }
 
@@ -281,6 +282,46 @@ impl Reward {
         }
     }
 
+    /// A model's tests run against the row's code and its mutants in the
+    /// sandbox ([`crate::suite`]): `mutation_score` or `coverage`, by the
+    /// suite's mode.
+    pub fn suite(weight: f64, suite: crate::suite::Suite) -> Self {
+        Reward {
+            name: suite.name().into(),
+            weight,
+            kind: Kind::Suite(Arc::new(suite)),
+            max_score: None,
+        }
+    }
+
+    /// Run sandboxed code with these Python packages (`[sandbox]
+    /// requirements` of `env.toml`); other rewards are unchanged. Call it
+    /// on a new reward (its runner not yet shared).
+    pub fn with_requirements(mut self, requirements: &[String]) -> Self {
+        let reqs = requirements.to_vec();
+        match &mut self.kind {
+            Kind::CodeTests(t) => {
+                if let Some(t) = Arc::get_mut(t) {
+                    t.requirements = reqs;
+                }
+            }
+            Kind::Suite(s) => {
+                if let Some(s) = Arc::get_mut(s) {
+                    s.set_requirements(reqs);
+                }
+            }
+            Kind::Program(p) => {
+                if let Some(Runner::Sandbox { requirements, .. }) =
+                    Arc::get_mut(p).map(|p| &mut p.runner)
+                {
+                    *requirements = reqs;
+                }
+            }
+            Kind::Sync(_) | Kind::Judge(_) => {}
+        }
+        self
+    }
+
     /// Rename (the metric key).
     pub fn named(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();
@@ -405,6 +446,11 @@ impl Reward {
                     serde_json::from_value(args.clone()).map_err(|e| e.to_string())?;
                 Reward::code_tests(w, CodeTests::new(cfg)?)
             }
+            "mutation_score" | "coverage" => {
+                let cfg: crate::suite::SuiteConfig = serde_json::from_value(args.clone())
+                    .map_err(|e| format!("{function}: {e}"))?;
+                Reward::suite(w, crate::suite::Suite::new(cfg, function == "coverage")?)
+            }
             "json_fields" => {
                 let cfg: JsonFieldsConfig =
                     serde_json::from_value(args.clone()).map_err(|e| format!("json_fields: {e}"))?;
@@ -452,6 +498,7 @@ impl Reward {
                 }) as Arc<dyn crate::Service>
             }),
             Kind::CodeTests(t) => Some(Arc::new(t.sandbox.clone())),
+            Kind::Suite(s) => Some(Arc::new(s.sandbox().clone())),
             Kind::Program(p) => match &p.runner {
                 Runner::Sandbox { sandbox, .. } => Some(Arc::new(sandbox.clone())),
                 Runner::Process(_) => None,
@@ -459,14 +506,17 @@ impl Reward {
         }
     }
 
-    /// One rollout's score, or why the function could not give one.
-    async fn score(&self, ctx: &RewardCtx<'_>) -> Result<f64, String> {
+    /// One rollout's score and metrics reported as `NAME/metric`, or why
+    /// the function could not give one.
+    async fn score(&self, ctx: &RewardCtx<'_>) -> Result<(f64, BTreeMap<String, f64>), String> {
+        let plain = |v| (v, BTreeMap::new());
         match &self.kind {
-            Kind::Sync(f) => Ok(f(ctx)),
-            Kind::Judge(j) => j.score(ctx).await,
-            Kind::CodeTests(t) => t.score(ctx).await,
+            Kind::Sync(f) => Ok(plain(f(ctx))),
+            Kind::Judge(j) => j.score(ctx).await.map(plain),
+            Kind::CodeTests(t) => t.score(ctx).await.map(plain),
+            Kind::Suite(s) => s.score(ctx).await,
             // Scored per group in `Rubric::score_group`.
-            Kind::Program(_) => Ok(0.0),
+            Kind::Program(_) => Ok(plain(0.0)),
         }
     }
 }
@@ -487,6 +537,8 @@ pub const BUILTIN_REWARDS: &[&str] = &[
     "length_penalty",
     "judge",
     "code_tests",
+    "mutation_score",
+    "coverage",
 ];
 
 /// A named, weighted group function.
@@ -640,9 +692,12 @@ impl Rubric {
             .await;
             for (s, (v, ms)) in scores.iter_mut().zip(values) {
                 match v {
-                    Ok(v) => {
+                    Ok((v, metrics)) => {
                         s.reward += func.weight * v;
                         s.metrics.insert(func.name.clone(), v);
+                        for (k, m) in metrics {
+                            s.metrics.insert(format!("{}/{k}", func.name), m);
+                        }
                     }
                     Err(e) => {
                         tracing::warn!("reward `{}`: {e}", func.name);
@@ -853,6 +908,7 @@ fn default_test_timeout() -> f64 {
 pub struct CodeTests {
     sandbox: crate::SandboxService,
     timeout: Duration,
+    requirements: Vec<String>,
 }
 
 impl CodeTests {
@@ -862,6 +918,7 @@ impl CodeTests {
         Ok(CodeTests {
             sandbox: crate::SandboxService::new(cfg.sandbox_url)?,
             timeout: Duration::from_secs_f64(cfg.timeout_s.max(0.1)),
+            requirements: Vec::new(),
         })
     }
 
@@ -880,6 +937,7 @@ impl CodeTests {
                 compile_timeout: None,
                 memory_limit_mb: None,
                 fetch_files: Vec::new(),
+                requirements: self.requirements.clone(),
             };
             async move { self.sandbox.client().run_code(&req).await }
         });
@@ -953,6 +1011,7 @@ pub(crate) fn build_rubric(
     specs: &[RewardSpec],
     path: &str,
     dir: Option<&std::path::Path>,
+    requirements: &[String],
 ) -> Result<Rubric, EnvError> {
     let mut rubric = Rubric::new(parser);
     for spec in specs {
@@ -960,7 +1019,7 @@ pub(crate) fn build_rubric(
             path: path.to_string(),
             message,
         })?;
-        rubric = rubric.with(r);
+        rubric = rubric.with(r.with_requirements(requirements));
     }
     Ok(rubric)
 }
@@ -1075,6 +1134,7 @@ impl ProgramReward {
                 sandbox,
                 code,
                 files,
+                requirements: Vec::new(),
             },
             command: command.to_string(),
             function,
@@ -1142,6 +1202,7 @@ impl ProgramReward {
                 sandbox,
                 code,
                 files,
+                requirements,
             } => {
                 let line = serde_json::json!({"id": 1, "method": "score", "params": params});
                 let req = temper_sandbox::service::RunCodeRequest {
@@ -1153,6 +1214,7 @@ impl ProgramReward {
                     compile_timeout: None,
                     memory_limit_mb: None,
                     fetch_files: Vec::new(),
+                    requirements: requirements.clone(),
                 };
                 let resp = sandbox
                     .client()
@@ -1274,6 +1336,8 @@ enum Runner {
         sandbox: crate::SandboxService,
         code: String,
         files: BTreeMap<String, String>,
+        /// `[sandbox] requirements`.
+        requirements: Vec<String>,
     },
 }
 

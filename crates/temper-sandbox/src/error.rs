@@ -24,6 +24,10 @@ pub enum SandboxError {
         /// The cap.
         max: usize,
     },
+    /// The Python packages a request declared could not be installed
+    /// (a requirement pip cannot resolve, or this service installs none).
+    #[error("requirements: {0}")]
+    Requirements(String),
     /// The seccomp filter could not be compiled for this architecture.
     #[error("seccomp filter: {0}")]
     Seccomp(String),

@@ -21,6 +21,7 @@
 //!   Python zygote, so a run costs a fork (~1.5 ms for `print(1)`).
 //! - [`service::app`]: the SandboxFusion-compatible `POST /run_code` router.
 //! - [`doctor`]: which layers this host gives us.
+//! - [`Venvs`]: cached virtualenvs for runs that declare Python packages.
 //!
 //! The code between `clone` and `execve` (`child.rs`) allocates nothing and
 //! calls no glibc wrapper that takes locks or signals other threads: the
@@ -49,6 +50,7 @@ pub mod service;
 mod session;
 mod testcases;
 mod types;
+mod venvs;
 
 pub use cgroup::{HostCgroup, RunLimits};
 pub use client::{Client, ClientError};
@@ -61,3 +63,4 @@ pub use secret::{scrub_from_process, API_KEY_ENV};
 pub use session::{Session, SessionConfig, Sessions};
 pub use testcases::{run_test_cases, CaseResult, TestCase, TestReport};
 pub use types::{ExecRequest, ExecResult, ExecStatus, Language, Limits, SandboxConfig};
+pub use venvs::{check_requirements, VenvConfig, Venvs, MAX_REQUIREMENTS, MAX_REQUIREMENT_LEN};

@@ -84,6 +84,9 @@ fn staged(path: &Path) -> Result<CString, SandboxError> {
 }
 
 fn find_python(config: &SandboxConfig) -> Result<Interpreter, String> {
+    if let Some(venv) = &config.venv {
+        return venv_python(venv);
+    }
     let candidate = config
         .python
         .clone()
@@ -118,6 +121,26 @@ fn find_python(config: &SandboxConfig) -> Result<Interpreter, String> {
         )),
         Err(e) => Err(format!("{}: {e}", candidate.display())),
     }
+}
+
+/// A virtualenv's interpreter: `VENV/bin/python3` itself (not the file
+/// its symlink names, or Python would not find `pyvenv.cfg` and the venv's
+/// packages), with the base install's prefix to bind.
+fn venv_python(venv: &Path) -> Result<Interpreter, String> {
+    let venv = std::fs::canonicalize(venv).map_err(|e| format!("{}: {e}", venv.display()))?;
+    let exe = venv.join("bin").join("python3");
+    let out = std::process::Command::new(&exe)
+        .args(["-c", "import sys; print(sys.base_prefix)"])
+        .output()
+        .map_err(|e| format!("{}: {e}", exe.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} exited with {}", exe.display(), out.status));
+    }
+    let prefix = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    Ok(Interpreter {
+        exe,
+        prefix: (!prefix.starts_with("/usr")).then_some(prefix),
+    })
 }
 
 fn find_bash(config: &SandboxConfig) -> Result<Interpreter, String> {
@@ -209,7 +232,7 @@ pub(crate) fn check_files<'a>(
 
 /// Paths a writable directory may not be, nor lie under: the read-only
 /// system directories and the sandbox's own mounts.
-const RESERVED: &[&str] = &["/proc", "/dev", "/work", "/tmp", "/code"];
+pub(crate) const RESERVED: &[&str] = &["/proc", "/dev", "/work", "/tmp", "/code"];
 
 /// Checks `SandboxConfig::writable_dirs`: absolute, no `..`, not `/`, not
 /// on or under a reserved or system path, none nested in another.
@@ -293,6 +316,9 @@ impl Sandbox {
             .into_iter()
             .filter_map(|i| i.as_ref().ok().and_then(|i| i.prefix.clone()));
         binds.extend(prefixes);
+        if let (Some(venv), Ok(_)) = (&config.venv, &python) {
+            binds.extend(std::fs::canonicalize(venv).ok());
+        }
         binds.extend(config.extra_ro_binds.iter().cloned());
         if binds.len() > MAX_BINDS {
             return Err(SandboxError::InvalidRequest(format!(

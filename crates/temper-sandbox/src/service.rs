@@ -144,6 +144,7 @@ pub struct AppState {
     waiting: Arc<AtomicUsize>,
     max_queue: usize,
     metrics: Arc<Metrics>,
+    venvs: Option<Arc<crate::Venvs>>,
 }
 
 impl AppState {
@@ -183,7 +184,15 @@ impl AppState {
             waiting: Arc::new(AtomicUsize::new(0)),
             max_queue: config.max_queue,
             metrics: Arc::new(Metrics::default()),
+            venvs: None,
         }
+    }
+
+    /// Serve runs that declare `requirements` from these virtualenvs
+    /// (without: such runs get 400).
+    pub fn with_venvs(mut self, venvs: Arc<crate::Venvs>) -> Self {
+        self.venvs = Some(venvs);
+        self
     }
 
     /// A run slot, and how long we waited for it; 429 when `max_queue`
@@ -251,6 +260,11 @@ pub struct RunCodeRequest {
     /// Files to return (relative paths), base64-encoded in `files`.
     #[serde(default)]
     pub fetch_files: Vec<String>,
+    /// Python packages the run needs (pip requirement strings; a temper
+    /// extension): the run uses a virtualenv with exactly these installed,
+    /// built once per distinct list and cached by the service.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requirements: Vec<String>,
 }
 
 impl RunCodeRequest {
@@ -318,6 +332,7 @@ impl From<SandboxError> for ApiError {
     fn from(e: SandboxError) -> Self {
         match e {
             SandboxError::InvalidRequest(m) => ApiError::BadRequest(m),
+            e @ SandboxError::Requirements(_) => ApiError::BadRequest(e.to_string()),
             e @ SandboxError::SessionLimit { .. } => ApiError::TooManySessions(e.to_string()),
             other => ApiError::Internal(other.to_string()),
         }
@@ -502,9 +517,27 @@ async fn run_code_inner(
         return Err(ApiError::Unauthorized);
     }
     let Json(body) = body?;
+    let requirements = body.requirements.clone();
     let req = to_exec_request(body)?;
+    // A run with requirements gets its virtualenv's own sandbox (built
+    // before taking a run slot: a first build takes a while).
+    let runner = if requirements.is_empty() {
+        state.runner.clone()
+    } else {
+        let venvs = state.venvs.clone().ok_or_else(|| {
+            ApiError::BadRequest(
+                "this sandbox service installs no Python packages (`requirements`); \
+                 start it without --no-requirements"
+                    .into(),
+            )
+        })?;
+        crate::check_requirements(&requirements)?;
+        let sandbox = tokio::task::spawn_blocking(move || venvs.sandbox(&requirements))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))??;
+        Runner::Cold(sandbox)
+    };
     let (_slot, queued) = state.slot().await?;
-    let runner = state.runner.clone();
     state.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
     let result = tokio::task::spawn_blocking(move || match runner {
         Runner::Pool(pool) => pool.run(&req),

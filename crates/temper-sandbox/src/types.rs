@@ -157,6 +157,10 @@ pub struct SandboxConfig {
     pub python: Option<PathBuf>,
     /// Bash; `None` = `/usr/bin/bash` or `/bin/bash`.
     pub bash: Option<PathBuf>,
+    /// A virtualenv whose packages programs see: its `bin/python3` is the
+    /// Python interpreter (overriding `python`), and the venv directory is
+    /// bound read-only at its own path (it is not relocatable).
+    pub venv: Option<PathBuf>,
     /// Extra host directories bound read-only at the same path inside.
     pub extra_ro_binds: Vec<PathBuf>,
     /// Host uid/gid the sandbox user maps to when we run as root (with
@@ -180,6 +184,7 @@ impl Default for SandboxConfig {
             limits: Limits::default(),
             python: None,
             bash: None,
+            venv: None,
             extra_ro_binds: Vec::new(),
             host_uid_when_root: 65534,
             writable_dirs: Vec::new(),

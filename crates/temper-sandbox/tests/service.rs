@@ -593,3 +593,70 @@ async fn queue_time_is_reported_apart_from_run_time() {
         .expect("number");
     assert!(queued > 0.8, "{metrics}");
 }
+
+/// Issue 38: `requirements` are refused (400, with what to do) by a service
+/// that installs no packages, and checked before anything reaches pip by
+/// one that does: no path, URL or pip option.
+#[tokio::test]
+async fn requirements_are_checked_before_any_install() {
+    let Some(plain) = state(None) else { return };
+    let body = r#"{"code": "print(1)", "language": "python", "requirements": ["pytest"]}"#;
+    let (code, text) = post(plain, body, None).await;
+    assert_eq!(code, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("installs no Python packages"), "{text}");
+
+    let Some(state) = state(None) else { return };
+    let home = std::env::var("HOME").unwrap_or_default();
+    if home.is_empty() || home.starts_with("/tmp") || home.starts_with("/work") {
+        eprintln!("SKIPPED: no venv cache directory outside /tmp and /work");
+        return;
+    }
+    let cache = tempfile_in(&home);
+    let config = temper_sandbox::VenvConfig {
+        root: cache.clone(),
+        pip_args: Vec::new(),
+        build_timeout: std::time::Duration::from_secs(5),
+    };
+    let venvs = temper_sandbox::Venvs::new(config, temper_sandbox::SandboxConfig::default())
+        .expect("venvs");
+    let state = state.with_venvs(Arc::new(venvs));
+    for bad in [
+        "--index-url=http://evil",
+        "-r /etc/passwd",
+        "pkg @ https://evil/pkg.whl",
+        "./local/dir",
+        "/abs/wheel.whl",
+        "",
+    ] {
+        let body =
+            serde_json::json!({"code": "print(1)", "language": "python", "requirements": [bad]});
+        let (code, text) = post(state.clone(), &body.to_string(), None).await;
+        assert_eq!(code, StatusCode::BAD_REQUEST, "{bad:?}: {text}");
+        assert!(text.contains("no paths, URLs or pip options"), "{text}");
+    }
+    // Nothing was built.
+    assert_eq!(std::fs::read_dir(&cache).expect("cache").count(), 0);
+    let _ = std::fs::remove_dir_all(&cache);
+    // A cache under a directory each sandbox mounts over is refused.
+    let config = temper_sandbox::VenvConfig {
+        root: "/tmp/temper-venvs-test".into(),
+        pip_args: Vec::new(),
+        build_timeout: std::time::Duration::from_secs(5),
+    };
+    let e = temper_sandbox::Venvs::new(config, temper_sandbox::SandboxConfig::default())
+        .expect_err("refused");
+    assert!(e.to_string().contains("lies under /tmp"), "{e}");
+}
+
+/// A fresh directory under `parent` (no tempfile dependency here).
+fn tempfile_in(parent: &str) -> std::path::PathBuf {
+    let dir = std::path::Path::new(parent).join(format!(
+        ".temper-venvs-test-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    std::fs::create_dir_all(&dir).expect("cache dir");
+    dir
+}

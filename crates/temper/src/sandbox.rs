@@ -80,6 +80,22 @@ pub struct ServeArgs {
     /// Per-run limit on processes and threads.
     #[arg(long, default_value_t = 64)]
     max_processes: u64,
+    /// Where virtualenvs for runs that declare Python `requirements` are
+    /// built and cached (default `$XDG_CACHE_HOME/temper/sandbox-venvs`, else
+    /// `~/.cache/temper/sandbox-venvs`).
+    #[arg(long)]
+    venv_dir: Option<PathBuf>,
+    /// An extra `pip install` argument for those builds, repeatable (e.g.
+    /// `--pip-arg=--no-index --pip-arg=--find-links=/srv/wheels` offline).
+    #[arg(long = "pip-arg", allow_hyphen_values = true)]
+    pip_args: Vec<String>,
+    /// Longest a virtualenv build may take, in seconds.
+    #[arg(long, default_value_t = 600)]
+    venv_build_timeout: u64,
+    /// Refuse runs that declare `requirements` (400) instead of installing
+    /// packages from the package index.
+    #[arg(long, conflicts_with_all = ["venv_dir", "pip_args"])]
+    no_requirements: bool,
     #[command(flatten)]
     conn: crate::conn::ConnArgs,
 }
@@ -317,6 +333,23 @@ fn serve(mut args: ServeArgs) -> Result<()> {
     let mut config = SandboxConfig::default();
     config.limits.memory_mb = args.memory_mb;
     config.limits.max_processes = args.max_processes;
+    let venvs = if args.no_requirements {
+        None
+    } else {
+        let root = match &args.venv_dir {
+            Some(dir) => dir.clone(),
+            None => dirs_cache()?.join("sandbox-venvs"),
+        };
+        let venv_config = temper_sandbox::VenvConfig {
+            root,
+            pip_args: args.pip_args.clone(),
+            build_timeout: Duration::from_secs(args.venv_build_timeout.max(1)),
+        };
+        Some(Arc::new(
+            temper_sandbox::Venvs::new(venv_config, config.clone())
+                .context("setting up virtualenvs for `requirements`")?,
+        ))
+    };
     let sandbox = Arc::new(Sandbox::new(config).context("building the sandbox")?);
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pool_size = args.pool_size.unwrap_or(cpus);
@@ -351,7 +384,10 @@ fn serve(mut args: ServeArgs) -> Result<()> {
             "not required"
         }
     );
-    let state = AppState::with_config(runner, service);
+    let mut state = AppState::with_config(runner, service);
+    if let Some(venvs) = venvs {
+        state = state.with_venvs(venvs);
+    }
     let addr = format!("{}:{}", args.host, args.port);
     crate::conn::runtime()?.block_on(async move {
         // Reclaim expired sessions even when nobody calls the API.
@@ -443,4 +479,13 @@ fn run_code(sandbox: Sandbox, args: RunArgs) -> Result<()> {
         }
     );
     Ok(())
+}
+
+/// `$XDG_CACHE_HOME/temper`, else `~/.cache/temper` (as the hub's cache).
+fn dirs_cache() -> Result<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .context("no cache directory: set --venv-dir, XDG_CACHE_HOME or HOME")?;
+    Ok(base.join("temper"))
 }
