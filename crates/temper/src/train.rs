@@ -134,11 +134,11 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                 return Ok(());
             }
             let c = plan.config();
-            let env = c
-                .eval
-                .env
-                .clone()
-                .or_else(|| c.env.first().map(|e| e.id.clone()));
+            let env = eval_env_cmd(
+                c.eval.env.as_ref(),
+                c.eval.args.as_ref(),
+                c.env.first().map(|e| (&e.id, &e.args)),
+            );
             let (base, lora) = (c.model.path.clone(), c.lora.enabled);
             let out = runtime()?.block_on(run_rl(
                 plan,
@@ -184,11 +184,11 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             }
             let dir = plan.log.dir.clone();
             let c = plan.config();
-            let env = c
-                .eval
-                .env
-                .clone()
-                .or_else(|| c.data.env.as_ref().map(|e| e.id.clone()));
+            let env = eval_env_cmd(
+                c.eval.env.as_ref(),
+                c.eval.args.as_ref(),
+                c.data.env.as_ref().map(|e| (&e.id, &e.args)),
+            );
             let (base, lora) = (c.model.path.clone(), c.lora.enabled);
             let out = runtime()?.block_on(run_sft(
                 plan,
@@ -226,6 +226,29 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// `ENV [-a 'ARGS']` of `temper eval` for the run's held-out environment:
+/// `[eval] env` (its `args`, else the training env's when it is the same
+/// one), else the training environment with its arguments.
+fn eval_env_cmd(
+    eval_env: Option<&String>,
+    eval_args: Option<&serde_json::Value>,
+    train: Option<(&String, &serde_json::Value)>,
+) -> Option<String> {
+    let (id, args) = match (eval_env, train) {
+        (Some(e), Some((t, a))) if e == t => (e, eval_args.unwrap_or(a)),
+        (Some(e), _) => (e, eval_args.unwrap_or(&serde_json::Value::Null)),
+        (None, Some((t, a))) => (t, eval_args.unwrap_or(a)),
+        (None, None) => return None,
+    };
+    let empty = args.is_null() || args.as_object().is_some_and(|m| m.is_empty());
+    Some(if empty {
+        id.clone()
+    } else {
+        // Single quotes for the shell; a quote inside is closed and escaped.
+        format!("{id} -a '{}'", args.to_string().replace('\'', "'\\''"))
+    })
 }
 
 /// What a finished run prints last: the commands that serve, evaluate and
@@ -388,4 +411,40 @@ pub fn generate_sft(args: GenerateSftArgs) -> Result<()> {
         args.output.display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod next_tests {
+    use super::eval_env_cmd;
+    use serde_json::json;
+
+    /// The printed `temper eval` names the held-out environment with the
+    /// arguments the run used, quoted for the shell.
+    #[test]
+    fn eval_env_cmd_carries_the_runs_env_args() {
+        let id = "verifiers:x".to_string();
+        let args = json!({"agent": {"harness": {"id": "null"}}});
+        assert_eq!(
+            eval_env_cmd(None, None, Some((&id, &args))).unwrap(),
+            r#"verifiers:x -a '{"agent":{"harness":{"id":"null"}}}'"#
+        );
+        let none = json!(null);
+        assert_eq!(eval_env_cmd(None, None, Some((&id, &none))).unwrap(), id);
+        let other = "arithmetic".to_string();
+        let eargs = json!({"digits": 2});
+        assert_eq!(
+            eval_env_cmd(Some(&other), Some(&eargs), Some((&id, &args))).unwrap(),
+            r#"arithmetic -a '{"digits":2}'"#
+        );
+        assert_eq!(
+            eval_env_cmd(Some(&other), None, Some((&id, &args))).unwrap(),
+            other
+        );
+        let quote = json!({"q": "it's"});
+        assert_eq!(
+            eval_env_cmd(None, None, Some((&id, &quote))).unwrap(),
+            r#"verifiers:x -a '{"q":"it'\''s"}'"#
+        );
+        assert_eq!(eval_env_cmd(None, None, None), None);
+    }
 }
