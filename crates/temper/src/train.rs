@@ -264,6 +264,19 @@ fn next_commands(
 ) -> String {
     use std::fmt::Write as _;
     let mut t = String::from("\nnext:\n");
+    if !output.exists() {
+        // A remote trainer's weights stay on the service (a `tinker://`
+        // path): nothing local to serve or export.
+        let _ = writeln!(
+            t,
+            "  the weights are on the training service: {} (fetch them with its client to serve or export them here)",
+            output.display()
+        );
+        if let Some(dir) = last_eval {
+            let _ = writeln!(t, "  temper view {}", dir.display());
+        }
+        return t;
+    }
     let serve = match (lora, base) {
         (true, Some(b)) => Some(format!(
             "temper serve --model {} --lora policy={}",
@@ -415,7 +428,31 @@ pub fn generate_sft(args: GenerateSftArgs) -> Result<()> {
 
 #[cfg(test)]
 mod next_tests {
-    use super::eval_env_cmd;
+    use super::{eval_env_cmd, next_commands};
+    use std::path::Path;
+
+    /// A remote trainer's weights are a `tinker://` path on the service:
+    /// no serve or export command that could not work is printed.
+    #[test]
+    fn remote_weights_get_no_local_commands() {
+        let t = next_commands(
+            Some(Path::new("model")),
+            true,
+            Path::new("tinker://sess-1:train:0/weights/step-000002"),
+            Path::new("runs/rl"),
+            Some("arithmetic"),
+            None,
+        );
+        assert!(
+            t.contains("on the training service: tinker://sess-1"),
+            "{t}"
+        );
+        assert!(
+            !t.contains("temper serve") && !t.contains("temper export"),
+            "{t}"
+        );
+    }
+
     use serde_json::json;
 
     /// The printed `temper eval` names the held-out environment with the
