@@ -113,6 +113,9 @@ pub struct Evaluator {
     seed: u64,
     pass_threshold: temper_env::PassThreshold,
     last_step: u64,
+    /// Show `temper eval`'s progress bar (done/total, rate, ETA) while an
+    /// evaluation runs (on a terminal; hidden otherwise).
+    progress: bool,
     services: Vec<String>,
 }
 
@@ -137,6 +140,7 @@ impl Evaluator {
             cfg.trainer.max_steps,
         )
         .await
+        .map(|ev| ev.map(|e| e.with_progress(cfg.log.progress)))
     }
 
     /// The evaluator of an SFT run: `[eval]`, defaulting to `[data] env`;
@@ -156,7 +160,14 @@ impl Evaluator {
                 .map(|e| e.args.clone())
                 .unwrap_or(Value::Null)
         });
-        Self::load(spec, args, &cfg.eval, None, cfg.seed, max_steps).await
+        Self::load(spec, args, &cfg.eval, None, cfg.seed, max_steps)
+            .await
+            .map(|ev| ev.map(|e| e.with_progress(cfg.log.progress)))
+    }
+
+    fn with_progress(mut self, progress: bool) -> Self {
+        self.progress = progress;
+        self
     }
 
     async fn load(
@@ -193,6 +204,7 @@ impl Evaluator {
             seed,
             pass_threshold,
             last_step,
+            progress: false,
             services,
         }))
     }
@@ -257,7 +269,7 @@ impl Evaluator {
             retry: Default::default(),
             pass_threshold: self.pass_threshold.value,
             resume: false,
-            progress: false,
+            progress: self.progress,
         };
         let out = temper_eval::run_eval_with(self.env.clone(), model, &ecfg)
             .await
