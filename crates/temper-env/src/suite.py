@@ -246,32 +246,31 @@ def run_tests(mod, tests, module, workdir, runner):
     return True
 
 
-def executable_lines(code_obj, path):
-    """Lines with bytecode in the functions (and classes) of the module."""
-    lines = set()
+def module_functions(code_obj, path):
+    """The code objects of the functions (and classes) defined in `path`."""
     stack = [c for c in code_obj.co_consts if isinstance(c, types.CodeType)]
     while stack:
         co = stack.pop()
         if co.co_filename == path:
-            lines.update(l for _, _, l in co.co_lines() if l is not None)
+            yield co
         stack.extend(c for c in co.co_consts if isinstance(c, types.CodeType))
-    return lines
+
+
+def executable_lines(code_obj, path):
+    """Lines with bytecode in the functions (and classes) of the module."""
+    return {l for co in module_functions(code_obj, path) for _, _, l in co.co_lines() if l is not None}
 
 
 def branch_points(code_obj, path):
     """(code, offset) of every conditional jump in the module's functions."""
     import dis
 
-    points = set()
-    stack = [c for c in code_obj.co_consts if isinstance(c, types.CodeType)]
-    while stack:
-        co = stack.pop()
-        if co.co_filename == path:
-            for ins in dis.get_instructions(co):
-                if ins.opname.startswith("POP_JUMP") or ins.opname == "FOR_ITER":
-                    points.add((co, ins.offset))
-        stack.extend(c for c in co.co_consts if isinstance(c, types.CodeType))
-    return points
+    return {
+        (co, ins.offset)
+        for co in module_functions(code_obj, path)
+        for ins in dis.get_instructions(co)
+        if ins.opname.startswith("POP_JUMP") or ins.opname == "FOR_ITER"
+    }
 
 
 def measured(src, tests, module, workdir, runner):

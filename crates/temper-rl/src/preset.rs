@@ -59,6 +59,21 @@ impl Default for TinyPreset {
     }
 }
 
+impl TinyPreset {
+    /// The smallest model the tests train (one layer, hidden size 32,
+    /// 256 positions): a step takes milliseconds.
+    pub fn smallest() -> Self {
+        Self {
+            hidden_size: 32,
+            num_layers: 1,
+            num_heads: 2,
+            num_kv_heads: 1,
+            intermediate_size: 64,
+            max_position_embeddings: 256,
+        }
+    }
+}
+
 /// The character vocabulary after the special tokens: `\n` and printable ASCII.
 pub fn vocabulary() -> Vec<String> {
     let mut v: Vec<String> = SPECIAL_TOKENS.iter().map(|s| s.to_string()).collect();

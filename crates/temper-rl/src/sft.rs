@@ -528,16 +528,7 @@ mod tests {
 
     fn tiny() -> (tempfile::TempDir, Pretrained) {
         let dir = tempfile::tempdir().unwrap();
-        TinyPreset {
-            hidden_size: 32,
-            num_layers: 1,
-            num_heads: 2,
-            num_kv_heads: 1,
-            intermediate_size: 64,
-            max_position_embeddings: 256,
-        }
-        .write(dir.path(), 0)
-        .unwrap();
+        TinyPreset::smallest().write(dir.path(), 0).unwrap();
         let p = Pretrained::load(dir.path(), &LoadOptions::default()).unwrap();
         (dir, p)
     }

@@ -68,16 +68,9 @@ fn sft_config(model: &Path, data: &Path, run: &Path, extra: &str) -> SftConfig {
 fn sft_on_a_remote_training_api_gives_the_local_losses() {
     let d = tempfile::tempdir().unwrap();
     let model = d.path().join("model");
-    temper_rl::preset::TinyPreset {
-        hidden_size: 32,
-        num_layers: 1,
-        num_heads: 2,
-        num_kv_heads: 1,
-        intermediate_size: 64,
-        max_position_embeddings: 256,
-    }
-    .write(&model, 1)
-    .unwrap();
+    temper_rl::preset::TinyPreset::smallest()
+        .write(&model, 1)
+        .unwrap();
     let data = d.path().join("chat.jsonl");
     let rows: String = ["red", "blue", "green", "black"]
         .iter()

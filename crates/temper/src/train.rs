@@ -134,12 +134,7 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                 return Ok(());
             }
             let c = plan.config();
-            let env = eval_env_cmd(
-                c.eval.env.as_ref(),
-                c.eval.args.as_ref(),
-                c.env.first().map(|e| (&e.id, &e.args)),
-            );
-            let (base, lora) = (c.model.path.clone(), c.lora.enabled);
+            let finish = Finish::of(&c.model, &c.lora, &c.eval, c.env.first());
             let out = runtime()?.block_on(run_rl(
                 plan,
                 RunOptions {
@@ -153,23 +148,7 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                 pass_at_1(&out.eval_before),
                 pass_at_1(&out.eval_after)
             );
-            println!("  weights:  {}", out.output.display());
-            println!(
-                "  metrics:  {}",
-                out.run_dir.join("metrics.jsonl").display()
-            );
-            println!("  plots:    {}", out.run_dir.join("plots.html").display());
-            print!(
-                "{}",
-                next_commands(
-                    base.as_deref(),
-                    lora,
-                    &out.output,
-                    &out.run_dir,
-                    env.as_deref(),
-                    out.eval_after.as_ref().map(|e| e.dir.as_path())
-                )
-            );
+            finish.print(&out.output, &out.run_dir, out.eval_after.as_ref());
             Ok(())
         }
         TrainCommand::Sft(args) => {
@@ -184,12 +163,7 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             }
             let dir = plan.log.dir.clone();
             let c = plan.config();
-            let env = eval_env_cmd(
-                c.eval.env.as_ref(),
-                c.eval.args.as_ref(),
-                c.data.env.as_ref().map(|e| (&e.id, &e.args)),
-            );
-            let (base, lora) = (c.model.path.clone(), c.lora.enabled);
+            let finish = Finish::of(&c.model, &c.lora, &c.eval, c.data.env.as_ref());
             let out = runtime()?.block_on(run_sft(
                 plan,
                 RunOptions {
@@ -209,22 +183,60 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
                 "done: {} steps; last loss {:.4}{eval}",
                 out.steps, out.final_loss
             );
-            println!("  weights:  {}", out.output.display());
-            println!("  metrics:  {}", dir.join("metrics.jsonl").display());
-            println!("  plots:    {}", dir.join("plots.html").display());
-            print!(
-                "{}",
-                next_commands(
-                    base.as_deref(),
-                    lora,
-                    &out.output,
-                    &dir,
-                    env.as_deref(),
-                    out.eval_after.as_ref().map(|e| e.dir.as_path())
-                )
-            );
+            finish.print(&out.output, &dir, out.eval_after.as_ref());
             Ok(())
         }
+    }
+}
+
+/// What a finished run (RL or SFT) prints after its `done:` line, taken
+/// from the plan before the run consumes it.
+struct Finish {
+    base: Option<PathBuf>,
+    lora: bool,
+    /// `temper eval`'s environment argument(s) for the held-out env.
+    env: Option<String>,
+}
+
+impl Finish {
+    fn of(
+        model: &config::ModelSection,
+        lora: &config::LoraSection,
+        eval: &config::EvalSection,
+        train_env: Option<&config::EnvSection>,
+    ) -> Self {
+        Finish {
+            base: model.path.clone(),
+            lora: lora.enabled,
+            env: eval_env_cmd(
+                eval.env.as_ref(),
+                eval.args.as_ref(),
+                train_env.map(|e| (&e.id, &e.args)),
+            ),
+        }
+    }
+
+    /// Where the run's outputs are, then the commands that use them.
+    fn print(
+        &self,
+        output: &Path,
+        run_dir: &Path,
+        last_eval: Option<&temper_rl::eval::EvalResult>,
+    ) {
+        println!("  weights:  {}", output.display());
+        println!("  metrics:  {}", run_dir.join("metrics.jsonl").display());
+        println!("  plots:    {}", run_dir.join("plots.html").display());
+        print!(
+            "{}",
+            next_commands(
+                self.base.as_deref(),
+                self.lora,
+                output,
+                run_dir,
+                self.env.as_deref(),
+                last_eval.map(|e| e.dir.as_path()),
+            )
+        );
     }
 }
 

@@ -187,16 +187,9 @@ fn a_sandbox_started_with_an_api_key_file_serves_rewards_once_the_key_is_given()
 fn rl_config(dir: &Path, env: &Path, name: &str) -> (PathBuf, PathBuf) {
     let model = dir.join("model");
     if !model.exists() {
-        temper_rl::preset::TinyPreset {
-            hidden_size: 32,
-            num_layers: 1,
-            num_heads: 2,
-            num_kv_heads: 1,
-            intermediate_size: 64,
-            max_position_embeddings: 256,
-        }
-        .write(&model, 3)
-        .unwrap();
+        temper_rl::preset::TinyPreset::smallest()
+            .write(&model, 3)
+            .unwrap();
     }
     let run = dir.join(format!("run-{name}"));
     let cfg = dir.join(format!("{name}.toml"));

@@ -18,16 +18,9 @@ fn temper() -> Command {
 /// raw completion), so every step trains.
 fn setup(dir: &Path) -> (PathBuf, PathBuf) {
     let model = dir.join("model");
-    temper_rl::preset::TinyPreset {
-        hidden_size: 32,
-        num_layers: 1,
-        num_heads: 2,
-        num_kv_heads: 1,
-        intermediate_size: 64,
-        max_position_embeddings: 256,
-    }
-    .write(&model, 3)
-    .unwrap();
+    temper_rl::preset::TinyPreset::smallest()
+        .write(&model, 3)
+        .unwrap();
     let env = dir.join("env");
     std::fs::create_dir_all(&env).unwrap();
     let rows: String = (0..40)
