@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -165,6 +166,29 @@ def live_processes() -> list[tuple[int, int, bytes]]:
             continue
         out.append((int(entry.name), int(pgrp), environ))
     return out
+
+
+PORT_PATTERNS = (re.compile(r"--port[ =](\d{2,5})\b"), re.compile(r"--addr[ =][\d.]+:(\d{2,5})\b"),
+                 re.compile(r"(?:127\.0\.0\.1|localhost|0\.0\.0\.0):(\d{2,5})\b"))
+
+
+def busy_ports(page: Page) -> list[int]:
+    """Ports the page's blocks name that another process already listens on.
+
+    The pages use fixed ports; a stranger's server there would make a wait
+    loop succeed against the wrong server, so say so instead of running."""
+    ports = {int(m.group(1)) for b in page.runnable for line in b.lines
+             for pat in PORT_PATTERNS for m in pat.finditer(line)}
+    busy = []
+    for port in sorted(ports):
+        with socket.socket() as sock:
+            # As the servers do: a port in TIME_WAIT from an earlier page is free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                busy.append(port)
+    return busy
 
 
 def kill_page(pgid: int, marker: str) -> None:
@@ -357,6 +381,12 @@ def main() -> int:
             continue
         if not page.runnable:
             print(f"-- {name} (no runnable blocks)", flush=True)
+            continue
+        busy = busy_ports(page)
+        if busy:
+            print(f"FAIL {name}: port {', '.join(map(str, busy))} already in use by another process; "
+                  f"the page's servers need it", flush=True)
+            failed.append(name)
             continue
         if not run_page(page, name, temper_bin, smollm2, args.timeout, args.keep, args.verbose,
                         args.scratch):
