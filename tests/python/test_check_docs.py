@@ -71,6 +71,7 @@ echo never
 ```
 """)
     marker = page(tmp, "marker.md", "```bash run\ntrue\n```\n")
+    markers = page(tmp, "markers.md", "```sh title=run.sh\nexit 1\n```\n```sh run-slow\ntrue\n```\n")
     slow = page(tmp, "slow.md", "```sh run\necho started\nuntil false; do sleep 0.2; done\n```\n")
 
     r = run(tmp, good)
@@ -93,6 +94,11 @@ echo never
     r = run(tmp, marker)
     check("an unknown run marker fails its page",
           r.returncode == 1 and "unknown run marker `bash run`" in r.stdout, r.stdout)
+
+    r = run(tmp, markers)
+    check("any marker-like variant fails (`sh run-slow`), a word that merely contains run does not",
+          r.returncode == 1 and "markers.md line 4: unknown run marker `sh run-slow`" in r.stdout
+          and "line 1" not in r.stdout, r.stdout)
 
     t0 = time.monotonic()
     r = run(tmp, slow, timeout="2")
