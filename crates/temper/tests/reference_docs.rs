@@ -411,7 +411,9 @@ impl<'de> de::MapAccess<'de> for Fields<'_> {
 
 /// The dotted key paths `T` accepts. A field whose value the placeholders
 /// cannot build (a tagged enum, a free-form value) is left out on the next
-/// try: its key is recorded, its inside is documented by hand.
+/// try: its key is recorded, its inside is documented by hand. (A
+/// `#[serde(flatten)]` field would be read as a map, its keys unseen; no
+/// config type has one.)
 fn keys_of<T: DeserializeOwned>() -> BTreeSet<String> {
     let keys = RefCell::new(BTreeSet::new());
     let mut skip = BTreeSet::new();
@@ -424,7 +426,9 @@ fn keys_of<T: DeserializeOwned>() -> BTreeSet<String> {
         match T::deserialize(rec) {
             Ok(_) => break,
             Err(RecError { path: Some(p), .. }) if skip.insert(p.clone()) => {}
-            Err(_) => break,
+            // A required field the placeholders cannot fill would hide the
+            // keys after it: fail rather than under-report.
+            Err(e) => panic!("{}: cannot walk its keys: {e}", std::any::type_name::<T>()),
         }
     }
     keys.into_inner()
@@ -537,8 +541,9 @@ fn config_md_documents_every_key() {
         counts.push(format!("{title} {}", leaves.len()));
     };
 
-    // rl.toml and sft.toml: one table; the third column says which reads it,
-    // the default column is checked against the code's defaults.
+    // rl.toml and sft.toml: one table per section; the *in* column must say
+    // which file accepts the key, the default column must be each file's
+    // default.
     let rl = keys_of::<RlConfig>();
     let sft = keys_of::<SftConfig>();
     let both: BTreeSet<String> = rl.union(&sft).cloned().collect();
@@ -568,11 +573,12 @@ fn config_md_documents_every_key() {
                 ));
             }
             let cell = cells.get(2).map(String::as_str).unwrap_or_default();
-            let (file, d) = defaults
-                .iter()
-                .find(|(n, _)| truth.contains(n))
-                .expect("a key of rl or sft");
-            if !k.starts_with("env.") && !k.starts_with("data.env.") {
+            // Inside a list or an optional table there is no default to
+            // serialize (`[[env]]`, `[data] env`).
+            if k.starts_with("env.") || k.starts_with("data.env.") {
+                continue;
+            }
+            for (file, d) in defaults.iter().filter(|(n, _)| truth.contains(n)) {
                 check_default(&format!("{file} {k}"), cell, lookup(d, k), &mut missing);
             }
         }
