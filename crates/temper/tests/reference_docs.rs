@@ -590,6 +590,35 @@ fn config_md_documents_every_key() {
         &keys_of::<temper_env::manifest::Manifest>(),
         &mut missing,
     );
+    // `[parser]` is a tagged enum (one key, `parser`, for the walk): its
+    // row must name every `type`.
+    let e = toml::from_str::<temper_env::Parser>("type = \"__probe\"")
+        .expect_err("an unknown parser type")
+        .to_string();
+    let types: Vec<&str> = e
+        .split("unknown variant `__probe`, expected")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no variant list in {e}"))
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .collect();
+    assert!(types.len() > 1, "parser types from {e}");
+    let parser_row = chapter(&doc, "`env.toml`").and_then(|t| row_of(t, "`parser`"));
+    for t in &types {
+        if !parser_row
+            .as_ref()
+            .is_some_and(|r| r.iter().any(|c| names(c, &format!("\"{t}\""))))
+        {
+            missing.push(format!(
+                "`env.toml`: parser type \"{t}\" in the `parser` row"
+            ));
+        }
+    }
+
     let args_of = |title: &str, name: &str, args: Vec<String>, missing: &mut Vec<String>| {
         let Some(text) = chapter(&doc, title) else {
             missing.push(format!("a heading starting with {title}"));
