@@ -13,7 +13,7 @@ use temper_rl::{RlPlan, SftPlan};
 /// Training commands.
 #[derive(Subcommand)]
 pub enum TrainCommand {
-    /// Async RL on one or more environments (see the README for the config).
+    /// Async RL on one or more environments (config keys: docs/reference/config.md).
     Rl(TrainArgs),
     /// Supervised fine-tuning on chat data (loss on assistant tokens).
     Sft(TrainArgs),
