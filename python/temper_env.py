@@ -26,10 +26,14 @@ Methods (override what you need):
   score(row, rollouts) -> [{"reward": float, "metrics": {name: float}}]
       default: score_one per rollout. A rollout has completion, state,
       stop_condition, error, is_truncated.
-Stdout belongs to the protocol: print diagnostics to stderr.
+While `serve()` runs, the protocol has the original stdin and stdout to
+itself: file descriptors 0 and 1 (and `sys.stdin`, `sys.stdout`) read
+/dev/null and write to stderr, so whatever the environment, or a program it
+starts, prints or reads cannot corrupt an answer.
 """
 
 import json
+import os
 import sys
 import traceback
 
@@ -101,8 +105,27 @@ def _handle(env, req):
     raise ValueError(f"unknown method {method!r}")
 
 
+def _protocol_streams():
+    """The process's stdin and stdout, kept for the protocol; fd 0 then
+    reads /dev/null and fd 1 writes to stderr, for everything else.
+    (temper_reward.py has the same function: each helper is one
+    self-contained file a user can copy.)"""
+    sys.stdout.flush()
+    proto_in = os.fdopen(os.dup(0), "r", encoding="utf-8")
+    proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    sys.stdin = open(os.devnull)
+    sys.stdout = sys.stderr
+    return proto_in, proto_out
+
+
 def serve(env, stdin=None, stdout=None):
     """Answer requests until stdin closes."""
+    if stdin is None and stdout is None:
+        stdin, stdout = _protocol_streams()
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     for line in stdin:

@@ -57,6 +57,39 @@ def test_helper_protocol():
     assert temper_env.parse_tag("no tags", "guess") is None
 
 
+NOISY_ENV = """
+import os, sys
+sys.path.insert(0, {python!r})
+import temper_env
+
+class Noisy(temper_env.Environment):
+    env_id = "noisy"
+    def rows(self, split, n, seed):
+        print("a print from rows()")
+        os.system("echo a child process writing to fd 1")
+        sys.stdout.write(sys.stdin.read() or "stdin reads nothing\\n")
+        return [{{"question": "q", "answer": "a"}}]
+
+temper_env.serve(Noisy())
+"""
+
+
+def test_prints_cannot_corrupt_the_protocol():
+    """What an environment (or a program it starts) prints goes to stderr;
+    stdout carries the protocol's answers only."""
+    script = NOISY_ENV.format(python=os.path.join(ROOT, "python"))
+    reqs = [{"id": 1, "method": "info", "params": {}},
+            {"id": 2, "method": "rows", "params": {"split": "eval", "n": 1, "seed": 0}}]
+    p = subprocess.run([sys.executable, "-c", script], input="".join(json.dumps(r) + "\n" for r in reqs),
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    answers = [json.loads(l) for l in p.stdout.splitlines()]
+    assert [a["id"] for a in answers] == [1, 2], p.stdout
+    assert answers[1]["result"] == [{"question": "q", "answer": "a"}], answers[1]
+    for noise in ("a print from rows()", "a child process writing to fd 1", "stdin reads nothing"):
+        assert noise in p.stderr, (noise, p.stderr)
+
+
 def test_eval_through_temper(temper):
     mock = subprocess.Popen([temper, "mock-openai", "--addr", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
     try:
@@ -92,5 +125,6 @@ if __name__ == "__main__":
     p.add_argument("--temper", default=os.path.join(ROOT, "target", "debug", "temper"))
     a = p.parse_args()
     test_helper_protocol()
+    test_prints_cannot_corrupt_the_protocol()
     test_eval_through_temper(os.path.abspath(a.temper))
     print("external environment: ok")

@@ -82,7 +82,7 @@ pub use harness::{
 pub use model::ChatModel;
 pub use parser::{last_boxed, last_number, FieldSpec, Parser};
 pub use rubric::{GroupReward, Reward, RewardCtx, Rubric};
-pub use service::{check_services, SandboxService, Service};
+pub use service::{check_services, SandboxService, Service, SANDBOX_KEY_FILE_ENV};
 pub use types::{
     greedy_group_warning, last_assistant_text, stop, ChatRequest, Content, EvalDefaults,
     FunctionCall, Message, ModelTurn, Rollout, Row, SamplingArgs, Score, Split, Timing, TokenTrace,

@@ -50,6 +50,23 @@ async fn read_capped(
     Ok(out)
 }
 
+/// A hub that stops answering must not hang `temper env install` forever:
+/// connecting gets [`CONNECT_TIMEOUT`], and each read of an answer (not the
+/// whole download, which may be large and slow) [`READ_TIMEOUT`].
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// See [`CONNECT_TIMEOUT`].
+pub const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+fn http_client(connect: std::time::Duration, read: std::time::Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .connect_timeout(connect)
+        .read_timeout(read)
+        .build()
+        // Building fails only where the TLS backend cannot start, and then
+        // so does the plain constructor; keep its behaviour there.
+        .unwrap_or_else(|_| reqwest::Client::new())
+}
+
 impl HubClient {
     /// A client of the hub at `base` (`http://host:port`), downloading at
     /// most the hub's default package limit per archive.
@@ -57,7 +74,7 @@ impl HubClient {
         HubClient {
             base: base.trim_end_matches('/').to_string(),
             token,
-            http: reqwest::Client::new(),
+            http: http_client(CONNECT_TIMEOUT, READ_TIMEOUT),
             max_download: (crate::server::DEFAULT_MAX_PACKAGE_MB as u64) << 20,
         }
     }
@@ -66,6 +83,16 @@ impl HubClient {
     /// says).
     pub fn with_max_download(mut self, bytes: u64) -> Self {
         self.max_download = bytes;
+        self
+    }
+
+    /// Other limits than [`CONNECT_TIMEOUT`] and [`READ_TIMEOUT`].
+    pub fn with_timeouts(
+        mut self,
+        connect: std::time::Duration,
+        read: std::time::Duration,
+    ) -> Self {
+        self.http = http_client(connect, read);
         self
     }
 

@@ -83,8 +83,24 @@ pub enum HubError {
     #[error("internal: {0}")]
     Internal(String),
     /// The hub could not be reached.
-    #[error("hub request failed: {0}")]
+    #[error("hub request failed: {}", describe(.0))]
     Http(#[from] reqwest::Error),
+}
+
+/// reqwest's message with its causes ("error sending request" alone does
+/// not say that the hub timed out or refused the connection).
+fn describe(e: &reqwest::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    if e.is_timeout() {
+        out.push_str(" (the hub did not answer in time)");
+    }
+    out
 }
 
 impl HubError {

@@ -1094,3 +1094,38 @@ async fn issue31_uninstallable_packages_are_refused_at_publish() {
         .await
         .expect("a good package still publishes");
 }
+
+/// A hub that accepts the connection and then says nothing fails the call
+/// after the read timeout instead of hanging it.
+#[tokio::test]
+async fn a_silent_hub_times_out_instead_of_hanging() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    // Accept and hold connections open without ever answering.
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((sock, _)) = listener.accept().await {
+            held.push(sock);
+        }
+    });
+    let client = HubClient::new(&url, None).with_timeouts(
+        std::time::Duration::from_secs(2),
+        std::time::Duration::from_millis(500),
+    );
+    let started = std::time::Instant::now();
+    let r = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        client.search(None, None),
+    )
+    .await
+    .expect("the client hung past its read timeout");
+    let err = r.expect_err("a silent hub cannot answer").to_string();
+    assert!(
+        err.to_lowercase().contains("timed out") || err.contains("timeout"),
+        "{err}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    silent.abort();
+}

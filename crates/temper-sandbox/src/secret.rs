@@ -18,9 +18,11 @@ use std::os::unix::fs::FileExt;
 /// Environment variable `temper sandbox serve` reads the API key from.
 pub const API_KEY_ENV: &str = "TEMPER_SANDBOX_API_KEY";
 
-/// Compares two secrets in time that depends on their lengths only.
+/// Compares two secrets in time that depends on their lengths only
+/// (`subtle`'s comparison, which the optimizer cannot turn into an early exit).
 pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    use subtle::ConstantTimeEq;
+    a.ct_eq(b).into()
 }
 
 /// The `[arg_start, arg_end)` and `[env_start, env_end)` ranges of this

@@ -96,7 +96,11 @@ async fn exec_handler(
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if auth != Some(st.token.as_str()) {
+    let ok = auth.is_some_and(|a| {
+        use subtle::ConstantTimeEq;
+        bool::from(a.as_bytes().ct_eq(st.token.as_bytes()))
+    });
+    if !ok {
         return Err((StatusCode::UNAUTHORIZED, "bad TEMPER_EXEC_TOKEN".into()));
     }
     let (reply, rx) = tokio::sync::oneshot::channel();

@@ -57,7 +57,8 @@ pub struct ServeArgs {
     /// scrubs it: prefer --api-key-file or $TEMPER_SANDBOX_API_KEY.
     #[arg(long, conflicts_with = "api_key_file")]
     api_key: Option<String>,
-    /// Read the API key from this file (first line, trimmed).
+    /// Read the API key from this file (first line, trimmed); default:
+    /// the file $TEMPER_SANDBOX_API_KEY_FILE names (what clients read too).
     #[arg(long)]
     api_key_file: Option<PathBuf>,
     /// Warm workers (0 = a fresh sandbox per run); default: one per CPU.
@@ -100,7 +101,8 @@ pub struct ServeArgs {
     conn: crate::conn::ConnArgs,
 }
 
-/// The API key from --api-key, --api-key-file or $TEMPER_SANDBOX_API_KEY,
+/// The API key from --api-key, --api-key-file, $TEMPER_SANDBOX_API_KEY or
+/// the file $TEMPER_SANDBOX_API_KEY_FILE names,
 /// scrubbed from this process's argument and environment blocks so neither
 /// `ps` nor a sandbox (whose init is a clone of this process) can read it.
 fn api_key(args: &mut ServeArgs) -> Result<Option<String>> {
@@ -122,8 +124,16 @@ fn api_key(args: &mut ServeArgs) -> Result<Option<String>> {
             temper_sandbox::API_KEY_ENV
         );
         Some(key.clone())
-    } else if let Some(path) = &args.api_key_file {
-        let text = std::fs::read_to_string(path)
+    } else if let Some(path) = args.api_key_file.clone().or_else(|| {
+        // The file the clients' $TEMPER_SANDBOX_API_KEY_FILE names, with the
+        // clients' precedence: the key itself wins when both are set.
+        env.is_none()
+            .then(|| std::env::var_os(temper_env::SANDBOX_KEY_FILE_ENV))
+            .flatten()
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+    }) {
+        let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading the API key from {}", path.display()))?;
         let key = text.lines().next().map(str::trim).unwrap_or("");
         if key.is_empty() {

@@ -97,6 +97,27 @@ fn sandboxed_code_never_sees_the_api_key_from_flag_file_or_env() {
             vec![],
         ),
         (env_key, vec![], vec![("TEMPER_SANDBOX_API_KEY", env_key)]),
+        // The file clients read too ($TEMPER_SANDBOX_API_KEY_FILE).
+        (
+            file_key,
+            vec![],
+            vec![(
+                "TEMPER_SANDBOX_API_KEY_FILE",
+                file.to_str().expect("utf-8 path"),
+            )],
+        ),
+        // Both set: the key itself wins, as in the clients.
+        (
+            env_key,
+            vec![],
+            vec![
+                ("TEMPER_SANDBOX_API_KEY", env_key),
+                (
+                    "TEMPER_SANDBOX_API_KEY_FILE",
+                    file.to_str().expect("utf-8 path"),
+                ),
+            ],
+        ),
     ];
     for (key, args, env) in cases {
         let Some((server, url)) = serve(&args, &env) else {

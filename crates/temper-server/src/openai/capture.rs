@@ -65,12 +65,9 @@ fn presented(headers: &HeaderMap) -> impl Iterator<Item = &str> {
 }
 
 /// Equal, in time independent of where they differ.
-fn same_secret(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
+pub(crate) fn same_secret(a: &str, b: &str) -> bool {
+    use subtle::ConstantTimeEq;
+    a.as_bytes().ct_eq(b.as_bytes()).into()
 }
 
 /// A fresh random string of `n` characters of `[a-z0-9]` (ids and tokens;

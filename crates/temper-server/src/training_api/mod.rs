@@ -94,7 +94,7 @@ async fn check_api_key(State(s): State<ApiState>, req: Request, next: Next) -> R
             .get("x-api-key")
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default();
-        if given != key {
+        if !crate::openai::capture::same_secret(given, key) {
             return ApiError::Unauthorized("missing or wrong X-API-Key".into()).into_response();
         }
     }
