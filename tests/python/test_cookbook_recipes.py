@@ -181,6 +181,8 @@ class Recipe:
                                      stderr=subprocess.STDOUT)
 
     def wait(self, timeout):
+        if self.proc.returncode is not None and self.out.closed:
+            return self.rc
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -295,6 +297,7 @@ def main():
         results.append(ok)
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
 
+    running = {}
     try:
         probe = subprocess.run(
             [args.python, "-c", "import importlib.util as u; import tinker_cookbook; "
@@ -304,7 +307,6 @@ def main():
         report("tml-renderers is not installed (nothing below imports it)", absent,
                f"tinker-cookbook {probe.stdout.split()[-1:]}, find_spec('tml_renderers') is None: "
                f"{absent}{probe.stderr[-500:]}")
-        running = {}
         for i, (name, (module, rargs)) in enumerate(specs.items()):
             running[name] = Recipe(f"r{i}", module, rargs, args.python, work, env, runs)
         # The distillation's teacher is sl_loop's fine-tuned SmolLM2, so it waits for it.
@@ -331,13 +333,17 @@ def main():
             r.wait(args.timeout)
             try:
                 detail = CHECKS[name](r)
-                report(name, True, f"{detail} ({r.secs:.0f}s)")
+                report(name, True, f"{detail} (done by {r.secs:.0f}s)")
             except Exception as e:
-                report(name, False, f"{e!r} (exit {r.rc}, {r.secs:.0f}s)")
+                report(name, False, f"{e!r} (exit {r.rc}, done by {r.secs:.0f}s)")
                 traceback.print_exc()
                 print("     last output:\n" + "\n".join(
                     "     | " + line for line in r.output().splitlines()[-25:]))
     finally:
+        for r in running.values():
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
         server.terminate()
         server.wait()
         if not args.keep:
