@@ -1003,12 +1003,7 @@ fn issue39_view_reports_latency_and_wall_time_per_rollout_apart() {
             .find(|l| l.starts_with(line))
             .unwrap_or_else(|| panic!("no `{line}` line: {stdout}"));
         let at = l.find(unit).unwrap();
-        l[..at]
-            .rsplit(|c: char| c == ' ' || c == ':')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
+        l[..at].rsplit([' ', ':']).next().unwrap().parse().unwrap()
     };
     let wall_each = number_before("time ", " ms per rollout");
     let latency = number_before("latency ", " ms mean per rollout");
