@@ -202,7 +202,8 @@ temper train rl rl.toml{model_flag}     # 5. RL from the base model: runs/rl/
 `temper train rl rl.toml --model.adapter runs/sft/adapter` starts RL from
 the SFT adapter instead. Add `--dry-run` to a train command to check its
 config without running it. Other environment shapes (multi-turn, tools,
-JSON, code): `temper env new NAME --dir envs --template T`.
+JSON, code, a reward written in Python: python-reward):
+`temper env new NAME --dir envs --template T`.
 "#
     );
     vec![
