@@ -188,12 +188,28 @@ pub fn summary_table(meta: &Metadata, s: &Summary) -> String {
         "tokens     {} in / {} out",
         s.usage.input_tokens, s.usage.output_tokens
     );
+    let _ = writeln!(
+        t,
+        "time       {:.1}s wall: {:.0} ms per rollout ({} rollouts, up to {} at once)",
+        meta.time,
+        wall_per_rollout_ms(meta.time, s.num_rollouts),
+        s.num_rollouts,
+        meta.max_concurrent
+    );
+    // Each rollout's own wall time runs from its first request to its last
+    // answer; concurrent requests share the server's batches, so it is close
+    // to a batch's time, not what the rollout cost alone.
     let _ = write!(
         t,
-        "time       {:.1}s   mean generation {:.0} ms",
-        meta.time, s.avg_generation_ms
+        "latency    {:.0} ms mean per rollout, request to answer (rollouts run concurrently: not a rollout's cost)",
+        s.avg_generation_ms
     );
     t
+}
+
+/// The run's wall time spread over its rollouts: what one rollout cost.
+fn wall_per_rollout_ms(wall_s: f64, rollouts: usize) -> f64 {
+    wall_s * 1e3 / rollouts.max(1) as f64
 }
 
 /// `s` cut to `n` characters (an error can carry a whole HTML page).
@@ -417,14 +433,16 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}pre{{white-space:p
     h.push_str("</table>");
     let mut slow: Vec<&ResultLine> = lines.iter().collect();
     slow.sort_by(|a, b| b.timing.total_ms.total_cmp(&a.timing.total_ms));
-    h.push_str("<h2>Slowest rollouts</h2><table><tr><th>example</th><th>total ms</th><th>scoring ms</th><th>reward</th><th>stop</th></tr>");
+    h.push_str("<h2>Slowest rollouts</h2><p>Latency: each rollout's wall time, request to answer (generation, then scoring); rollouts run concurrently, so it includes waiting on the others.</p><table><tr><th>example</th><th>latency ms</th><th>generation ms</th><th>scoring ms</th><th>output tokens</th><th>reward</th><th>stop</th></tr>");
     for l in slow.iter().take(10) {
         let _ = write!(
             h,
-            "<tr><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.3}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{}</td><td>{:.3}</td><td>{}</td></tr>",
             l.example_id,
             l.timing.total_ms,
+            l.timing.generation_ms,
             l.timing.scoring_ms,
+            l.token_usage.output_tokens,
             l.reward,
             esc(l.stop_condition.as_deref().unwrap_or(""))
         );

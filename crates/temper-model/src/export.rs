@@ -438,6 +438,23 @@ fn tokenizer_metadata(base: &Pretrained, vocab_size: usize) -> Result<Vec<(Strin
     Ok(meta)
 }
 
+/// A model's name: a GGUF's `general.name`, else the file or directory name
+/// (what `temper serve` calls it, so an exported model keeps its base's name).
+pub fn model_name(path: &Path) -> String {
+    if crate::gguf::is_gguf(path) {
+        if let Some(n) = crate::gguf::GgufFile::open(path)
+            .ok()
+            .and_then(|g| g.general_name().map(str::to_string))
+        {
+            return n;
+        }
+    }
+    path.canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into())
+}
+
 /// Save `model` (e.g. `base.model` with an adapter merged) as a GGUF file
 /// with `base`'s tokenizer and chat template, weights in `quant`.
 pub fn save_gguf(base: &Pretrained, model: &Model, path: &Path, quant: GgufQuant) -> Result<()> {
@@ -446,10 +463,7 @@ pub fn save_gguf(base: &Pretrained, model: &Model, path: &Path, quant: GgufQuant
     let k = |s: &str| format!("{arch}.{s}");
     let mut meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
-        (
-            "general.name".into(),
-            Value::String(format!("temper export of {}", base.dir.display())),
-        ),
+        ("general.name".into(), Value::String(model_name(&base.dir))),
         ("general.file_type".into(), Value::U32(quant.file_type())),
         ("general.quantization_version".into(), Value::U32(2)),
         (

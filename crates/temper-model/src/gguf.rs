@@ -297,6 +297,15 @@ impl GgufFile {
         &self.arch
     }
 
+    /// `general.name`: the model's name as its converter wrote it (`None`
+    /// when absent or blank).
+    pub fn general_name(&self) -> Option<&str> {
+        match self.metadata("general.name") {
+            Some(Value::String(s)) if !s.trim().is_empty() => Some(s.trim()),
+            _ => None,
+        }
+    }
+
     /// A metadata value.
     pub fn metadata(&self, key: &str) -> Option<&Value> {
         self.content.metadata.get(key)

@@ -328,7 +328,7 @@ pub fn run(cmd: EnvCommand) -> Result<()> {
                 bail!("{} already exists", root.display());
             }
             std::fs::create_dir_all(&root).with_context(|| format!("create {}", root.display()))?;
-            for (file, text) in scaffold(&name, template) {
+            for (file, text) in scaffold(&name, template, &name) {
                 std::fs::write(root.join(file), text).with_context(|| format!("write {file}"))?;
             }
             println!("created {}", root.display());
@@ -366,25 +366,61 @@ pub enum Template {
     Json,
     /// Python code run against unit tests in the sandbox.
     Code,
+    /// Single-turn, scored by a Python function (reward.py).
+    PythonReward,
 }
 
-/// The files of a new environment of shape `t`, named `name`.
-pub(crate) fn scaffold(name: &str, t: Template) -> Vec<(&'static str, String)> {
+/// How the python-reward template's reward gets its libraries.
+const PYTHON_REWARD_README: &str = r#"
+## The reward
+
+`reward.py`'s `correct` function scores each reply; `temper_reward.py`
+beside it is the helper that connects it to temper (leave it as it is).
+temper runs env.toml's `command` from this directory, so a reward that
+needs a library runs under the interpreter that has it. With a virtualenv:
+
+```sh
+python3 -m venv .venv                 # in this directory
+.venv/bin/pip install some-library
+```
+
+and in env.toml:
+
+```toml
+[[rubric]]
+command = ".venv/bin/python reward.py"   # relative to this directory; an absolute path works too
+function = "correct"
+```
+
+Test the reward without a model: `temper eval` fails before its first
+rollout if the command does not start or has no such function.
+"#;
+
+/// The files of a new environment of shape `t`, named `name`; its README's
+/// commands name it as `path` (relative to where they are run: `NAME` for
+/// `temper env new`, `envs/NAME` in a `temper init` lab).
+pub(crate) fn scaffold(name: &str, t: Template, path: &str) -> Vec<(&'static str, String)> {
     let fill = |text: &str| text.replace("{{name}}", name);
-    let readme = format!(
+    let mut readme = format!(
         "# {name}\n\nA temper environment ({kind} template). Replace the TODO rows and the\n\
-         description; the README section \"Writing an environment\" explains every\n\
-         setting of `env.toml` and how to write a reward in Python.\n\n\
-         ```sh\ntemper eval {name} -m MODEL -b http://127.0.0.1:8000/v1\n\
-         temper view outputs/evals/{name}--MODEL/<run_id>\n```\n",
+         description; docs/guide/environments.md explains every setting of\n\
+         `env.toml` and how to write a reward in Python.\n\n\
+         From the directory that holds `{path}`, with a model served on :8000\n\
+         (`temper serve --model MODEL`):\n\n\
+         ```sh\ntemper eval {path} -b http://127.0.0.1:8000/v1\n\
+         temper view outputs/evals/{name}--MODEL/RUN_ID   # the run directory it printed\n```\n",
         kind = match t {
             Template::SingleTurn => "single-turn",
             Template::MultiTurn => "multi-turn",
             Template::Tools => "tools",
             Template::Json => "json",
             Template::Code => "code",
+            Template::PythonReward => "python-reward",
         }
     );
+    if t == Template::PythonReward {
+        readme.push_str(PYTHON_REWARD_README);
+    }
     let data = |toml: &str, train: &str, eval: &str| {
         vec![
             ("env.toml", fill(toml)),
@@ -413,6 +449,23 @@ pub(crate) fn scaffold(name: &str, t: Template) -> Vec<(&'static str, String)> {
             include_str!("templates/code.train.jsonl"),
             include_str!("templates/code.eval.jsonl"),
         ),
+        Template::PythonReward => {
+            let mut files = data(
+                include_str!("templates/python-reward.toml"),
+                include_str!("templates/single-turn.train.jsonl"),
+                include_str!("templates/single-turn.eval.jsonl"),
+            );
+            files.push((
+                "reward.py",
+                fill(include_str!("templates/python-reward.py")),
+            ));
+            // The helper travels with the environment so it runs anywhere.
+            files.push((
+                "temper_reward.py",
+                include_str!("../../../python/temper_reward.py").to_string(),
+            ));
+            files
+        }
         Template::MultiTurn => vec![
             ("env.toml", fill(include_str!("templates/multi-turn.toml"))),
             ("env.py", fill(include_str!("templates/multi-turn.py"))),

@@ -49,7 +49,7 @@ pub fn run(a: InitArgs) -> Result<()> {
     }
     let env_dir = a.dir.join("envs").join(&a.env);
     std::fs::create_dir_all(&env_dir).with_context(|| format!("create {}", env_dir.display()))?;
-    for (file, text) in scaffold(&a.env, Template::SingleTurn) {
+    for (file, text) in scaffold(&a.env, Template::SingleTurn, &format!("envs/{}", a.env)) {
         write(&env_dir.join(file), &text)?;
     }
     for (file, text) in workspace_files(&a.env, &model, a.model.is_some()) {
@@ -118,19 +118,23 @@ temperature = 1.0
 max_tokens = 64
 group_size = 4              # rollouts per prompt: the advantage baseline
 
+# The defaults below are the ones measured on SmolLM2-135M on a laptop CPU
+# (examples/smollm2-rl/rl.toml).
 [trainer]
 loss = "importance_sampling"
 lr = 5e-4
 batch_size = 4              # prompts per optimizer step
-micro_batch = 2             # sequences per forward_backward (bounds memory)
+micro_batch = 0             # all batch_size x group_size sequences in one forward_backward, so each
+                            # prompt runs once (1.16 GB peak RSS on SmolLM2); N bounds memory on a big model
 max_steps = 20
 
 [async]
-max_off_policy_steps = 1    # sampling overlaps training, at most one step behind
+max_off_policy_steps = 0    # on-policy: each step samples with the weights it trains, so the
+                            # sampler/trainer mismatch (mismatch/max) is measured on every step
 
 [eval]
 interval = 0                # held-out pass@1 before and after training
-num_examples = 4
+num_examples = 40           # held-out questions (at most eval.jsonl's rows): fewer make pass@1 noise
 
 [ckpt]
 interval = 10
@@ -198,7 +202,8 @@ temper train rl rl.toml{model_flag}     # 5. RL from the base model: runs/rl/
 `temper train rl rl.toml --model.adapter runs/sft/adapter` starts RL from
 the SFT adapter instead. Add `--dry-run` to a train command to check its
 config without running it. Other environment shapes (multi-turn, tools,
-JSON, code): `temper env new NAME --dir envs --template T`.
+JSON, code, a reward written in Python: python-reward):
+`temper env new NAME --dir envs --template T`.
 "#
     );
     vec![

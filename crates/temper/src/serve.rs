@@ -15,7 +15,8 @@ pub struct ServeArgs {
     /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or GGUF file.
     #[arg(long)]
     model: PathBuf,
-    /// Name clients put in `model` for the base model (default: the
+    /// Name clients put in `model` for the base model (default: a GGUF's
+    /// `general.name`, also answering to the file name; else the
     /// directory's name).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -103,16 +104,30 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     let model = Pretrained::load(&args.model, &opts)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
-    let name = match &args.served_model_name {
-        Some(n) => n.clone(),
-        None => args
-            .model
-            .canonicalize()
-            .ok()
-            .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()))
-            .unwrap_or_else(|| "model".into()),
+    // The id clients send: --served-model-name, else a GGUF's general.name,
+    // else the file or directory name. A GGUF's file name stays accepted as
+    // an alias (it was the id before general.name was), but is not listed
+    // in /v1/models, so "the endpoint's only model" still means one.
+    let file_name = args
+        .model
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into());
+    let (name, aliases) = match &args.served_model_name {
+        Some(n) => (n.clone(), Vec::new()),
+        None => {
+            let name = temper_model::model_name(&args.model);
+            let aliases = if name != file_name {
+                vec![file_name]
+            } else {
+                Vec::new()
+            };
+            (name, aliases)
+        }
     };
     let mut cfg = ServeConfig::defaults(name.clone(), &model);
+    cfg.model_aliases = aliases;
     cfg.api_key = args.api_key.clone();
     cfg.capture.max_bytes = args.capture_max_mib.saturating_mul(1 << 20);
     if args.grammar_compile_timeout_s == 0 || args.max_grammar_compiles == 0 {
@@ -171,6 +186,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     crate::conn::runtime()?.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
+        let alias = if cfg.model_aliases.is_empty() {
+            String::new()
+        } else {
+            format!(" (also answers to {})", cfg.model_aliases.join(", "))
+        };
         let key = if args.api_key.is_some() {
             ", API key required"
         } else {
@@ -178,7 +198,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         };
         crate::conn::serve(app(state), &addr, &args.conn, |local| {
             format!(
-                "model {name}: max_model_len {}, max_running {}, kv_budget_tokens {}{key}\n\
+                "model {name}{alias}: max_model_len {}, max_running {}, kv_budget_tokens {}{key}\n\
                  temper serve listening on http://{local}",
                 cfg.scheduler.max_model_len,
                 cfg.scheduler.max_running,

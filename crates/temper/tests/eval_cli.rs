@@ -336,7 +336,14 @@ fn tiny_server() -> (Server, String) {
 fn every_env_template_loads_and_evals_against_the_tiny_model() {
     let (_server, base) = tiny_server();
     let dir = tempfile::tempdir().unwrap();
-    for t in ["single-turn", "multi-turn", "tools", "json", "code"] {
+    for t in [
+        "single-turn",
+        "multi-turn",
+        "tools",
+        "json",
+        "code",
+        "python-reward",
+    ] {
         let name = format!("my-{t}");
         let out = temper()
             .args(["env", "new", &name, "--template", t, "--dir"])
@@ -479,6 +486,35 @@ fn init_then_eval_against_temper_serve_with_no_edits() {
         let v: serde_json::Value = serde_json::from_str(l).unwrap();
         assert!(v["error"].is_null(), "{v}");
     }
+    // Issue 39: the environment's README commands run from the lab's root
+    // as written (only the port differs).
+    let env_readme = std::fs::read_to_string(lab.join("envs/my-task/README.md")).unwrap();
+    let cmd = env_readme
+        .lines()
+        .find(|l| l.starts_with("temper eval "))
+        .unwrap_or_else(|| panic!("{env_readme}"));
+    assert_eq!(
+        cmd, "temper eval envs/my-task -b http://127.0.0.1:8000/v1",
+        "{env_readme}"
+    );
+    let out = temper()
+        .current_dir(&lab)
+        .args(["eval", "envs/my-task", "-b", &base, "--quiet", "-n", "1"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Issue 39: rl.toml takes the SmolLM2 recipe's measured defaults.
+    let rl: toml::Value = std::fs::read_to_string(lab.join("rl.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(rl["trainer"]["micro_batch"].as_integer(), Some(0));
+    assert_eq!(rl["async"]["max_off_policy_steps"].as_integer(), Some(0));
+    assert!(rl["eval"]["num_examples"].as_integer().unwrap() >= 40);
     // A second `init` into the same, now full, directory refuses.
     let out = temper().arg("init").arg(&lab).output().unwrap();
     assert!(!out.status.success());
@@ -919,4 +955,140 @@ fn issue39_unknown_env_names_the_path_and_suggests_envs() {
         stderr.contains("no units/env.toml in") && stderr.contains("did you mean `envs/units`?"),
         "{stderr}"
     );
+}
+
+/// Issue 39: `temper view` tells a rollout's latency (request to answer,
+/// shared with the rollouts running beside it) from what one rollout cost
+/// (the run's wall time over its rollouts). Against a mock that takes
+/// 200 ms per call, 8 rollouts at once: each waits ~200 ms, but the run
+/// costs ~25 ms per rollout, and the summary says both, labelled.
+#[test]
+fn issue39_view_reports_latency_and_wall_time_per_rollout_apart() {
+    let (base, _rt) = mock_server(Duration::from_millis(200));
+    let dir = tempfile::tempdir().unwrap();
+    let out = temper()
+        .args([
+            "eval",
+            "arithmetic",
+            "-n",
+            "8",
+            "-c",
+            "8",
+            "--quiet",
+            "-b",
+            &base,
+        ])
+        .arg("--save-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = run_dir_of(dir.path());
+    let results = std::fs::read_to_string(run.join("results.jsonl")).unwrap();
+    for l in results.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        let ms = v["timing"]["generation_ms"].as_f64().unwrap();
+        assert!(ms >= 200.0, "each rollout records its own latency: {v}");
+    }
+    let out = temper().arg("view").arg(&run).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let number_before = |line: &str, unit: &str| -> f64 {
+        let l = stdout
+            .lines()
+            .find(|l| l.starts_with(line))
+            .unwrap_or_else(|| panic!("no `{line}` line: {stdout}"));
+        let at = l.find(unit).unwrap();
+        l[..at].rsplit([' ', ':']).next().unwrap().parse().unwrap()
+    };
+    let wall_each = number_before("time ", " ms per rollout");
+    let latency = number_before("latency ", " ms mean per rollout");
+    assert!(
+        stdout.contains("ms per rollout (8 rollouts, up to 8 at once)"),
+        "{stdout}"
+    );
+    assert!(latency >= 200.0, "{stdout}");
+    assert!(
+        wall_each < latency / 2.0,
+        "8 concurrent rollouts cost less each than one's latency: {stdout}"
+    );
+    let html = std::fs::read_to_string(run.join("report.html")).unwrap();
+    assert!(html.contains("<th>latency ms</th><th>generation ms</th>"));
+}
+
+/// Issue 39: `temper env new --template python-reward` outside the
+/// repository writes an environment whose reward is a Python function with
+/// its helper beside it, and `temper eval` scores with it: the function's
+/// own metric (`answered`) is in every result, so it ran.
+#[test]
+fn python_reward_template_scores_with_its_python_function_outside_the_repo() {
+    let (_server, base) = tiny_server();
+    let dir = tempfile::tempdir().unwrap();
+    let out = temper()
+        .current_dir(dir.path())
+        .args(["env", "new", "py-task", "--template", "python-reward"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let env_dir = dir.path().join("py-task");
+    for f in [
+        "env.toml",
+        "reward.py",
+        "temper_reward.py",
+        "train.jsonl",
+        "eval.jsonl",
+    ] {
+        assert!(env_dir.join(f).is_file(), "{f}");
+    }
+    let readme = std::fs::read_to_string(env_dir.join("README.md")).unwrap();
+    assert!(
+        readme.contains("command = \".venv/bin/python reward.py\""),
+        "{readme}"
+    );
+    let run_eval = |save: &str| {
+        temper()
+            .current_dir(dir.path())
+            .args(["eval", "py-task", "-m", "tiny-qwen3", "-b", &base])
+            .args(["-n", "2", "-t", "8", "--quiet", "--save-dir", save])
+            .output()
+            .unwrap()
+    };
+    let out = run_eval("out");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let results =
+        std::fs::read_to_string(run_dir_of(&dir.path().join("out")).join("results.jsonl")).unwrap();
+    assert_eq!(results.lines().count(), 2);
+    for l in results.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(v["error"].is_null() && v["reward_error"].is_null(), "{v}");
+        assert!(v["metrics"]["correct/answered"].is_number(), "{v}");
+    }
+    // The Python function is what scores: make it give 0.25 to everything.
+    let reward_py = env_dir.join("reward.py");
+    let code = std::fs::read_to_string(&reward_py)
+        .unwrap()
+        .replace("return (1.0 if right else 0.0),", "return 0.25,");
+    std::fs::write(&reward_py, code).unwrap();
+    let out = run_eval("out2");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results =
+        std::fs::read_to_string(run_dir_of(&dir.path().join("out2")).join("results.jsonl"))
+            .unwrap();
+    for l in results.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert_eq!(v["reward"], 0.25, "{v}");
+    }
 }

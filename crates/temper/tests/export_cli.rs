@@ -291,3 +291,111 @@ fn smollm2_gguf_export_runs_in_llama_cpp_with_our_greedy_text() {
         assert_eq!(ours.trim_end(), theirs.trim_end(), "prompt {prompt:?}");
     }
 }
+
+/// `temper serve --model FILE` on port 0 with `extra` flags: the server
+/// (killed on drop) and its address.
+struct Served(std::process::Child);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve(model: &Path, extra: &[&str]) -> (Served, String) {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_temper"))
+        .args(["serve", "--port", "0", "--model"])
+        .arg(model)
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("serve starts");
+    let mut lines = std::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let addr = loop {
+        let line = lines.next().expect("the server exited").expect("line");
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            break rest.split_whitespace().next().expect("address").to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    (Served(child), addr)
+}
+
+/// One HTTP/1.1 request over std: (status, body).
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, serde_json::Value) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write");
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).expect("read");
+    let (head, body) = resp.split_once("\r\n\r\n").expect("head");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .expect("status")
+        .parse()
+        .expect("code");
+    (status, serde_json::from_str(body).expect("JSON body"))
+}
+
+fn model_ids(addr: &str) -> Vec<String> {
+    let (status, v) = http(addr, "GET", "/v1/models", "");
+    assert_eq!(status, 200, "{v}");
+    v["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .map(|m| m["id"].as_str().expect("id").to_string())
+        .collect()
+}
+
+fn chat_status(addr: &str, model: &str) -> u16 {
+    let body = serde_json::json!({
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+    });
+    http(addr, "POST", "/v1/chat/completions", &body.to_string()).0
+}
+
+/// Issue 39: `temper serve --model FILE.gguf` calls the model by the GGUF's
+/// `general.name` (an exported GGUF carries its base's name), lists only
+/// that in /v1/models, still answers to the file name clients sent before,
+/// and `--served-model-name` replaces both.
+#[test]
+fn serve_names_a_gguf_by_its_general_name_and_keeps_the_file_name_as_alias() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let gguf = tmp.path().join("exported.gguf");
+    let base = fixtures().join("models/tiny-qwen3");
+    run_ok(&[
+        "export",
+        base.to_str().expect("utf-8"),
+        "--format",
+        "gguf",
+        "--quant",
+        "f32",
+        "--out",
+        gguf.to_str().expect("utf-8"),
+    ]);
+    let g = temper_model::GgufFile::open(&gguf).expect("gguf opens");
+    assert_eq!(g.general_name(), Some("tiny-qwen3"));
+
+    let (_server, addr) = serve(&gguf, &[]);
+    assert_eq!(model_ids(&addr), ["tiny-qwen3"]);
+    assert_eq!(chat_status(&addr, "tiny-qwen3"), 200);
+    assert_eq!(chat_status(&addr, "exported.gguf"), 200, "the old id");
+    assert_eq!(chat_status(&addr, "exported"), 404);
+    drop(_server);
+
+    let (_server, addr) = serve(&gguf, &["--served-model-name", "mine"]);
+    assert_eq!(model_ids(&addr), ["mine"]);
+    assert_eq!(chat_status(&addr, "mine"), 200);
+    assert_eq!(chat_status(&addr, "tiny-qwen3"), 404);
+    assert_eq!(chat_status(&addr, "exported.gguf"), 404);
+}

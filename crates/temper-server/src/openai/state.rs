@@ -23,6 +23,9 @@ use crate::structured::{Constraint, Grammar, GrammarCompiler};
 pub struct ServeConfig {
     /// The name of the base model in `model` fields and `/v1/models`.
     pub model_name: String,
+    /// Other names the base model answers to in `model` fields (not listed
+    /// in `/v1/models`): `temper serve` keeps a GGUF's file name here.
+    pub model_aliases: Vec<String>,
     /// Required bearer token on `/v1/*`; `None` accepts any.
     pub api_key: Option<String>,
     /// Scheduler limits.
@@ -52,6 +55,7 @@ impl ServeConfig {
         let kv_budget_tokens = ((4usize << 30) / bytes_per_token.max(1)).max(max_model_len);
         Self {
             model_name: model_name.into(),
+            model_aliases: Vec::new(),
             api_key: None,
             lora_roots: Vec::new(),
             capture: CaptureLimits::default(),
@@ -172,7 +176,7 @@ impl OpenAiState {
                 "lora_name must not be empty",
             ));
         }
-        if name == self.inner.cfg.model_name {
+        if self.is_base(name) {
             return Err(OpenAiError::invalid(
                 "lora_name",
                 format!("lora_name {name:?} is the base model's name"),
@@ -212,8 +216,14 @@ impl OpenAiState {
         Ok(version)
     }
 
+    /// Whether `model` names the base model (its name or an alias).
+    fn is_base(&self, model: &str) -> bool {
+        let cfg = &self.inner.cfg;
+        model == cfg.model_name || cfg.model_aliases.iter().any(|a| a == model)
+    }
+
     pub(super) fn resolve(&self, model: &str) -> Result<Option<Arc<LoadedAdapter>>, OpenAiError> {
-        if model == self.inner.cfg.model_name {
+        if self.is_base(model) {
             return Ok(None);
         }
         let table = self
