@@ -41,7 +41,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Sample a completion from a Hugging Face model directory.
+    /// Sample a completion from a model: a Hugging Face directory or a GGUF file.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
     #[command(subcommand)]
