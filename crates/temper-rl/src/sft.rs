@@ -219,6 +219,19 @@ pub fn load_examples(cfg: &SftPlan, base: &Pretrained) -> Result<Vec<SftExample>
     Ok(out)
 }
 
+/// How many distinct prompts `examples` hold: the tokens before each one's
+/// first trained token (an environment row's prompt, whatever its answer).
+fn distinct_prompts(examples: &[SftExample]) -> usize {
+    examples
+        .iter()
+        .map(|e| {
+            let first = e.mask.iter().position(|&m| m).unwrap_or(e.tokens.len());
+            &e.tokens[..first]
+        })
+        .collect::<std::collections::HashSet<_>>()
+        .len()
+}
+
 /// With probability `noise`, a numeric `answer` replaced by the simulated
 /// teacher's systematic mistake (one more than the truth); otherwise (or
 /// for a non-numeric answer) unchanged.
@@ -336,6 +349,12 @@ where
     };
     let bs = cfg.optim.batch_size;
     let per_epoch = examples.len().div_ceil(bs) as u64;
+    // An environment's rows are drawn all at once, cycling through its
+    // training set, so a pass over its data is its distinct prompts.
+    let pass_len = match cfg.data {
+        DataSource::Env { .. } => Some(distinct_prompts(&examples)),
+        DataSource::File { .. } => None,
+    };
     let max_steps = match cfg.data {
         DataSource::File {
             epochs: Some(e), ..
@@ -414,7 +433,10 @@ where
         let tokens: usize = batch.iter().map(|e| e.tokens.len()).sum();
         let mut m = Map::new();
         m.insert("step".into(), json!(step));
-        m.insert("epoch".into(), json!(epoch));
+        m.insert(
+            "epoch".into(),
+            json!(pass_len.map_or(epoch, |n| (step - 1) * bs as u64 / n.max(1) as u64)),
+        );
         m.insert("loss".into(), json!(loss));
         m.insert("trained_tokens".into(), json!(n_tok));
         m.insert("grad_norm".into(), json!(stats.grad_norm));

@@ -288,3 +288,71 @@ fn sft_resumes_from_its_checkpoint_and_keeps_ckpt_keep_of_them() {
         .count();
     assert_eq!(kept, 2, "ckpt.keep = 2");
 }
+
+/// Issue 39: the `epoch` metric counts passes over an environment's
+/// training rows too (it stayed 0: the rows are drawn all at once). Three
+/// distinct questions, two per step: step k's first example is example
+/// 2(k−1), in pass ⌊2(k−1)/3⌋ — even with teacher noise changing answers.
+#[test]
+fn sft_from_an_environment_counts_epochs_over_its_distinct_rows() {
+    let d = tempfile::tempdir().unwrap();
+    let env = d.path().join("env");
+    std::fs::create_dir_all(&env).unwrap();
+    let rows: String = (1..=3)
+        .map(|i| {
+            json!({"question": format!("{i} + 1?"), "answer": format!("{}", i + 1)}).to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(env.join("train.jsonl"), rows).unwrap();
+    std::fs::write(
+        env.join("eval.jsonl"),
+        json!({"question": "9 + 1?", "answer": "10"}).to_string() + "\n",
+    )
+    .unwrap();
+    std::fs::write(
+        env.join("env.toml"),
+        "name = \"three\"\n[dataset]\ntrain = \"train.jsonl\"\neval = \"eval.jsonl\"\n\
+         [parser]\ntype = \"plain\"\n[[rubric]]\nfunction = \"exact_match\"\nweight = 1.0\n",
+    )
+    .unwrap();
+    let text = format!(
+        r#"
+        [model]
+        preset = "tiny"
+        [model.tiny]
+        hidden_size = 32
+        num_layers = 1
+        num_heads = 2
+        num_kv_heads = 1
+        intermediate_size = 64
+        [lora]
+        rank = 2
+        [data]
+        env = {{ id = "{}" }}
+        answer_format = "{{answer}}"
+        teacher_noise = 0.5
+        [trainer]
+        batch_size = 2
+        max_steps = 6
+        [eval]
+        num_examples = 0
+        [ckpt]
+        interval = 0
+        [log]
+        dir = "{}"
+        progress = false
+        "#,
+        env.display(),
+        d.path().join("run").display()
+    );
+    let cfg: SftConfig = config::resolve(&text, &[]).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let out = rt.block_on(run_sft(cfg, RunOptions::default())).unwrap();
+    let epochs: Vec<u64> = out
+        .metrics
+        .iter()
+        .map(|m| m["epoch"].as_u64().unwrap())
+        .collect();
+    assert_eq!(epochs, [0, 0, 1, 2, 2, 3]);
+}

@@ -1,4 +1,5 @@
-//! `temper generate`: sample from a model directory and print the text.
+//! `temper generate`: sample from a model (a Hugging Face directory or a
+//! GGUF file) and print the text.
 
 use std::io::Write;
 use std::path::PathBuf;

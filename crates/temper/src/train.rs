@@ -316,6 +316,19 @@ fn next_commands(
         run_dir.display(),
         run_dir.join("model.gguf").display()
     );
+    if let (true, Some(b)) = (lora, base.filter(|b| temper_model::is_gguf(b))) {
+        // The adapter names its GGUF base by path, which PEFT cannot load:
+        // give PEFT a Hugging Face copy of the base and an adapter naming it.
+        let hf = run_dir.join("base-hf");
+        let _ = writeln!(
+            t,
+            "  temper export {} --format hf --out {} && temper export {} --format peft --base {1} --out {}    # for PEFT / transformers (they cannot load a GGUF base)",
+            b.display(),
+            hf.display(),
+            run_dir.display(),
+            run_dir.join("adapter-hf").display()
+        );
+    }
     if let Some(dir) = last_eval {
         let _ = writeln!(
             t,
@@ -463,6 +476,52 @@ mod next_tests {
             !t.contains("temper serve") && !t.contains("temper export"),
             "{t}"
         );
+    }
+
+    /// An adapter trained on a GGUF base names the `.gguf` file, which
+    /// PEFT cannot load: the next commands include the two exports that
+    /// give PEFT a Hugging Face base and an adapter naming it; a Hugging
+    /// Face base or a full-weight run gets no such line.
+    #[test]
+    fn gguf_base_gets_the_peft_route() {
+        let d = tempfile::tempdir().unwrap();
+        let gguf = d.path().join("base.gguf");
+        std::fs::write(&gguf, b"GGUF\x03\0\0\0").unwrap();
+        let adapter = d.path().join("adapter");
+        std::fs::create_dir(&adapter).unwrap();
+        let t = next_commands(
+            Some(&gguf),
+            true,
+            &adapter,
+            Path::new("runs/sft"),
+            None,
+            None,
+        );
+        assert!(
+            t.contains(&format!(
+                "temper export {} --format hf --out runs/sft/base-hf && temper export runs/sft --format peft --base runs/sft/base-hf --out runs/sft/adapter-hf",
+                gguf.display()
+            )),
+            "{t}"
+        );
+        let t = next_commands(
+            Some(&gguf),
+            false,
+            &adapter,
+            Path::new("runs/sft"),
+            None,
+            None,
+        );
+        assert!(!t.contains("--format peft"), "{t}");
+        let t = next_commands(
+            Some(d.path()),
+            true,
+            &adapter,
+            Path::new("runs/sft"),
+            None,
+            None,
+        );
+        assert!(!t.contains("--format peft"), "{t}");
     }
 
     use serde_json::json;
