@@ -191,12 +191,7 @@ impl TrainTurns {
         Self::build(groups_g, advantages_g, true, false)
     }
 
-    fn build(
-        groups_g: &[Group],
-        advantages_g: &[Vec<f64>],
-        merge: bool,
-        skip_equal: bool,
-    ) -> Self {
+    fn build(groups_g: &[Group], advantages_g: &[Vec<f64>], merge: bool, skip_equal: bool) -> Self {
         let mut out = TrainTurns::default();
         for (g, advantages_r) in groups_g.iter().zip(advantages_g) {
             if advantages_r.iter().all(|a| *a == 0.0) {

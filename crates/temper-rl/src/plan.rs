@@ -344,7 +344,9 @@ fn distill_plan(d: &DistillSection) -> Result<Option<DistillPlan>> {
                 );
             }
             let Some(model) = &t.model else {
-                return bad("distill.teacher: an endpoint teacher needs `model` (its name on the server)");
+                return bad(
+                    "distill.teacher: an endpoint teacher needs `model` (its name on the server)",
+                );
             };
             TeacherSource::Endpoint {
                 url: url.trim_end_matches('/').to_string(),
@@ -593,13 +595,22 @@ mod tests {
         }
         let teacher = ("distill.teacher.path", "\"t\"");
         let cases: &[(&[(&str, &str)], &str)] = &[
-            (&[teacher, ("distill.kl_coef", "0.0")], "kl_coef must be > 0"),
+            (
+                &[teacher, ("distill.kl_coef", "0.0")],
+                "kl_coef must be > 0",
+            ),
             (&[teacher, ("distill.reward_coef", "-1.0")], "reward_coef"),
             (&[teacher, ("distill.teacher.url", "\"http://x\"")], "both"),
             (&[("distill.teacher.adapter", "\"a\"")], "needs `path`"),
             (&[("distill.teacher.url", "\"http://x\"")], "needs `model`"),
-            (&[teacher, ("distill.teacher.model", "\"m\"")], "go with `url`"),
-            (&[teacher, ("distill.teacher.dtype", "\"fp8\"")], "distill.teacher"),
+            (
+                &[teacher, ("distill.teacher.model", "\"m\"")],
+                "go with `url`",
+            ),
+            (
+                &[teacher, ("distill.teacher.dtype", "\"fp8\"")],
+                "distill.teacher",
+            ),
         ];
         for (ov, want) in cases {
             let e = rl(ov).expect_err(want).to_string();
@@ -609,7 +620,13 @@ mod tests {
             .unwrap()
             .distill
             .unwrap();
-        assert!(matches!(d.teacher, TeacherSource::Local { adapter: Some(_), .. }));
+        assert!(matches!(
+            d.teacher,
+            TeacherSource::Local {
+                adapter: Some(_),
+                ..
+            }
+        ));
         assert_eq!((d.kl_coef, d.reward_coef), (1.0, 0.0));
         assert!(rl(&[]).unwrap().distill.is_none());
         let no_env = RlPlan::try_from(resolve::<RlConfig>("[model]\npath = \"m\"\n", &[]).unwrap());

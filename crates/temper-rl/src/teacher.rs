@@ -130,7 +130,9 @@ impl Teacher {
     /// temperature the sequence was sampled at (so both sides of the KL are
     /// the same tempered distributions).
     pub async fn score(&self, seqs_d: &[TrainSeq]) -> Result<Vec<Vec<f32>>> {
-        let each = seqs_d.iter().map(|s| self.logprobs(s.tokens(), s.temperature()));
+        let each = seqs_d
+            .iter()
+            .map(|s| self.logprobs(s.tokens(), s.temperature()));
         futures::future::try_join_all(each).await
     }
 
@@ -311,10 +313,11 @@ fn same_vocabulary(student: &Tokenizer, teacher: &Tokenizer, teacher_dir: &Path)
     differ.sort();
     if let Some((token, id)) = differ.first() {
         return Err(mismatch(format!(
-            "{} of {} tokens differ, e.g. {token:?} is {id} for the student and {:?} in {dir}",
+            "{} of {} tokens differ, e.g. {token:?} is {id} for the student and {} in {dir}",
             differ.len(),
             s.len(),
             t.get(*token)
+                .map_or("absent".to_string(), |i| i.to_string())
         )));
     }
     if (student.bos_token(), student.eos_token()) != (teacher.bos_token(), teacher.eos_token()) {

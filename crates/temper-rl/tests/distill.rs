@@ -112,9 +112,7 @@ fn advantages_are_the_teachers_minus_the_students_logprob_of_each_sampled_token(
     let (student, trainer) =
         temper_rl::rl::local_trainer(&model, &Default::default(), 0, d.path()).unwrap();
     let prompt = student.tokenizer.encode("echo 7", true).unwrap();
-    let sampler = rt
-        .block_on(trainer.save_weights_for_sampler("s"))
-        .unwrap();
+    let sampler = rt.block_on(trainer.save_weights_for_sampler("s")).unwrap();
     let params = SamplingParams {
         max_tokens: 10,
         temperature: 1.0,
@@ -278,9 +276,11 @@ fn a_teacher_with_another_tokenizer_is_refused() {
             && e.contains("tiny-llama"),
         "{e}"
     );
-    assert!(!d.path().join("run/metrics.jsonl").exists() || {
-        std::fs::read_to_string(d.path().join("run/metrics.jsonl"))
-            .unwrap()
-            .is_empty()
-    });
+    assert!(
+        !d.path().join("run/metrics.jsonl").exists() || {
+            std::fs::read_to_string(d.path().join("run/metrics.jsonl"))
+                .unwrap()
+                .is_empty()
+        }
+    );
 }

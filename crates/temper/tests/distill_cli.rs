@@ -33,7 +33,14 @@ impl Drop for Server {
 /// `temper serve --model DIR` on a free port; its URL.
 fn serve(model: &Path) -> (Server, String) {
     let mut child = temper()
-        .args(["serve", "--port", "0", "--served-model-name", "teacher", "--model"])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--served-model-name",
+            "teacher",
+            "--model",
+        ])
         .arg(model)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -110,7 +117,13 @@ fn metrics(run: &Path) -> Vec<serde_json::Map<String, Value>> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap().as_object().cloned().unwrap())
+        .map(|l| {
+            serde_json::from_str::<Value>(l)
+                .unwrap()
+                .as_object()
+                .cloned()
+                .unwrap()
+        })
         .collect()
 }
 
@@ -130,7 +143,11 @@ fn an_endpoint_teacher_scores_like_the_same_teacher_in_process() {
     );
     for cfg in [&local_cfg, &http_cfg] {
         let out = train(cfg);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let (a, b) = (metrics(&local_run), metrics(&http_run));
     assert_eq!(a.len(), 3);
@@ -141,7 +158,10 @@ fn an_endpoint_teacher_scores_like_the_same_teacher_in_process() {
         assert!(x["distill/tokens"].as_u64().unwrap() > 0);
         for k in ["distill/reverse_kl", "distill/teacher_logprob", "loss"] {
             let (p, q) = (x[k].as_f64().unwrap(), y[k].as_f64().unwrap());
-            assert!((p - q).abs() < 1e-4 * (1.0 + p.abs()), "{k}: in process {p}, endpoint {q}");
+            assert!(
+                (p - q).abs() < 1e-4 * (1.0 + p.abs()),
+                "{k}: in process {p}, endpoint {q}"
+            );
         }
     }
 }
