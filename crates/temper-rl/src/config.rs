@@ -358,6 +358,59 @@ pub struct SamplerSection {
     pub api_key_env: Option<String>,
 }
 
+/// On-policy distillation (`[distill]`): with a `teacher`, `temper train rl`
+/// scores every sampled token by the teacher, and its advantage is
+/// `kl_coef · (logp_teacher − logp_student) + reward_coef · reward advantage`
+/// (the per-token reverse KL to the teacher, optionally mixed with the
+/// environment's group-relative reward).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistillSection {
+    /// The teacher; unset: plain RL.
+    pub teacher: Option<TeacherSection>,
+    /// Weight of the reverse-KL term (> 0).
+    pub kl_coef: f64,
+    /// Weight of the environment's reward advantage (0 = pure distillation).
+    pub reward_coef: f64,
+}
+
+impl Default for DistillSection {
+    fn default() -> Self {
+        Self {
+            teacher: None,
+            kl_coef: 1.0,
+            reward_coef: 0.0,
+        }
+    }
+}
+
+impl DistillSection {
+    /// No teacher: the run is plain RL (and its saved config has no section).
+    pub fn is_off(&self) -> bool {
+        self.teacher.is_none()
+    }
+}
+
+/// The teacher of `[distill]`: a local model (`path`, optional `adapter`)
+/// run in process, or an endpoint (`url`) that returns prompt logprobs for
+/// token ids (`/v1/completions` with `echo`, e.g. `temper serve` or vLLM).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct TeacherSection {
+    /// A Hugging Face model directory or a GGUF file.
+    pub path: Option<PathBuf>,
+    /// A PEFT LoRA adapter applied to `path`.
+    pub adapter: Option<PathBuf>,
+    /// Precision of the teacher's matmul weights (as `[model] dtype`).
+    pub dtype: Option<String>,
+    /// Or the base URL of an OpenAI-compatible server.
+    pub url: Option<String>,
+    /// The model (or adapter) name on that server.
+    pub model: Option<String>,
+    /// Environment variable holding that server's API key.
+    pub api_key_env: Option<String>,
+}
+
 /// A remote training API (tinker protocol, e.g. `temper api serve`) in
 /// place of the in-process engine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -434,6 +487,9 @@ pub struct RlConfig {
     pub sampler: SamplerSection,
     /// Remote trainer.
     pub remote_trainer: RemoteTrainerSection,
+    /// On-policy distillation from a teacher (off without `teacher`).
+    #[serde(skip_serializing_if = "DistillSection::is_off")]
+    pub distill: DistillSection,
 }
 
 /// `temper train sft` config.

@@ -122,16 +122,22 @@ impl TrainSeq {
         self.spans.iter().map(|s| s.logprobs.len()).sum()
     }
 
+    /// The temperature its tokens were sampled (and are scored) at.
+    pub fn temperature(&self) -> f64 {
+        self.temperature
+    }
+
     /// The datum: inputs are every token but the last, targets every token
     /// but the first; the model's targets carry the sampler's logprob and
-    /// the advantage `scale`, the others zeros (no loss).
-    fn datum(&self, scale: f32) -> Datum {
+    /// the advantage `advantage(target, sampler logprob)`, the others zeros
+    /// (no loss).
+    fn datum(&self, advantage: impl Fn(usize, f32) -> f32) -> Datum {
         let n = self.tokens.len();
         let mut advantages_t = vec![0.0f32; n - 1];
         let mut logprobs_t = vec![0.0f32; n - 1];
         for span in &self.spans {
             for (i, &q) in span.targets().zip(&span.logprobs) {
-                advantages_t[i] = scale;
+                advantages_t[i] = advantage(i, q);
                 logprobs_t[i] = q;
             }
         }
@@ -170,20 +176,28 @@ impl TrainTurns {
     /// one per episode where the turns extend each other, else one per
     /// turn. Rollouts that ended in an error are not trained on.
     pub fn of(groups_g: &[Group], advantages_g: &[Vec<f64>]) -> Self {
-        Self::build(groups_g, advantages_g, true)
+        Self::build(groups_g, advantages_g, true, true)
     }
 
     /// Like [`of`](Self::of), but always one sequence per turn (the form a
     /// merged episode must train identically to).
     pub fn per_turn(groups_g: &[Group], advantages_g: &[Vec<f64>]) -> Self {
-        Self::build(groups_g, advantages_g, false)
+        Self::build(groups_g, advantages_g, false, true)
     }
 
-    fn build(groups_g: &[Group], advantages_g: &[Vec<f64>], merge: bool) -> Self {
+    /// Like [`of`](Self::of), but groups with all-equal rewards are kept:
+    /// in distillation every sampled token has a teacher to learn from.
+    pub fn of_all(groups_g: &[Group], advantages_g: &[Vec<f64>]) -> Self {
+        Self::build(groups_g, advantages_g, true, false)
+    }
+
+    fn build(groups_g: &[Group], advantages_g: &[Vec<f64>], merge: bool, skip_equal: bool) -> Self {
         let mut out = TrainTurns::default();
         for (g, advantages_r) in groups_g.iter().zip(advantages_g) {
             if advantages_r.iter().all(|a| *a == 0.0) {
                 out.zero_advantage_groups += 1;
+            }
+            if skip_equal && advantages_r.iter().all(|a| *a == 0.0) {
                 continue;
             }
             for (r, &advantage) in g.rollouts.iter().zip(advantages_r) {
@@ -243,9 +257,74 @@ impl TrainTurns {
         let n_tokens = self.tokens().max(1) as f64;
         self.seqs_d
             .iter()
-            .map(|s| s.datum((s.advantage / n_tokens) as f32))
+            .map(|s| {
+                let scale = (s.advantage / n_tokens) as f32;
+                s.datum(|_, _| scale)
+            })
             .collect()
     }
+
+    /// The datums of on-policy distillation. `teacher_d[d]` holds the
+    /// teacher's logprobs of `seqs_d()[d].tokens()[1..]` (what
+    /// [`Teacher::score`](crate::teacher::Teacher::score) returns); each
+    /// sampled token's advantage is `kl_coef · (logp_teacher −
+    /// logp_student) + reward_coef · (its rollout's reward advantage)`,
+    /// with `logp_student` the sampler's logprob, normalised over the
+    /// batch's tokens as in [`datums`](Self::datums). Also returns the
+    /// per-token reverse KL it measured.
+    pub fn distill_datums(
+        &self,
+        teacher_d: &[Vec<f32>],
+        kl_coef: f64,
+        reward_coef: f64,
+    ) -> Result<(Vec<Datum>, ReverseKl), String> {
+        if teacher_d.len() != self.seqs_d.len() {
+            return Err(format!(
+                "the teacher scored {} sequences of {}",
+                teacher_d.len(),
+                self.seqs_d.len()
+            ));
+        }
+        let n_tokens = self.tokens().max(1) as f64;
+        let mut kl = ReverseKl::default();
+        let mut datums_d = Vec::with_capacity(self.seqs_d.len());
+        for (s, teacher_t) in self.seqs_d.iter().zip(teacher_d) {
+            if teacher_t.len() + 1 != s.tokens.len() {
+                return Err(format!(
+                    "the teacher returned {} logprobs for a sequence of {} tokens",
+                    teacher_t.len(),
+                    s.tokens.len()
+                ));
+            }
+            for span in &s.spans {
+                for (i, &q) in span.targets().zip(&span.logprobs) {
+                    let t = f64::from(teacher_t[i]);
+                    kl.sum += f64::from(q) - t;
+                    kl.teacher_sum += t;
+                    kl.tokens += 1;
+                }
+            }
+            let reward = reward_coef * s.advantage;
+            datums_d.push(s.datum(|i, q| {
+                let a = kl_coef * (f64::from(teacher_t[i]) - f64::from(q)) + reward;
+                (a / n_tokens) as f32
+            }));
+        }
+        Ok((datums_d, kl))
+    }
+}
+
+/// The reverse KL to the teacher measured on a batch's sampled tokens: per
+/// token, `logp_student − logp_teacher` (its expectation under the student
+/// is KL(student ‖ teacher)).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReverseKl {
+    /// Sum over the tokens of `logp_student − logp_teacher`.
+    pub sum: f64,
+    /// Sum of the teacher's logprobs of the tokens.
+    pub teacher_sum: f64,
+    /// Tokens measured.
+    pub tokens: usize,
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 //! | sample | [`rollout`] | roll out each step's groups against the published policy (inline, or a producer running ahead by at most `max_off_policy_steps`) |
 //! | score | [`advantage`] | group-relative advantages; all-equal groups teach nothing |
 //! | batch | [`datum`] | model turns' [`TokenTrace`](temper_env::TokenTrace)s → training [`Datum`](temper_engine::Datum)s (a multi-turn episode as one sequence when its turns extend each other) |
+//! | distill | [`teacher`] | (with `[distill]`) the teacher's logprobs of the sampled tokens; each token's advantage becomes `logp_teacher − logp_student` |
 //! | train | [`step`] | `forward_backward` over micro-batches, then `optim_step` |
 //! | publish | [`publish`] | the new weights to the sampler, announced to the producer |
 //! | log | [`metrics`] | the step's typed [`StepMetrics`] → a `metrics.jsonl` line |
@@ -105,6 +106,7 @@ pub mod runlog;
 pub mod samples;
 pub mod sft;
 pub mod step;
+pub mod teacher;
 pub mod trainer;
 
 pub use error::{Result, RlError};

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{Map, Value};
 
-use crate::datum::TrainTurns;
+use crate::datum::{ReverseKl, TrainTurns};
 use crate::error::{Result, RlError};
 use crate::eval::EvalResult;
 use crate::rollout::Group;
@@ -32,6 +32,9 @@ pub struct StepMetrics {
     /// What the train step reported.
     #[serde(flatten)]
     pub train: TrainMetrics,
+    /// On-policy distillation: the reverse KL to the teacher.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub distill: Option<DistillMetrics>,
     /// Wall-clock times.
     #[serde(flatten)]
     pub time: TimeMetrics,
@@ -152,6 +155,39 @@ pub struct TrainMetrics {
     /// Seconds in forward_backward + optim_step.
     #[serde(rename = "time/train")]
     pub train_s: f64,
+}
+
+/// On-policy distillation's measure of the step: how far the student's
+/// samples are from the teacher.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct DistillMetrics {
+    /// Mean over the sampled tokens of `logp_student − logp_teacher`: the
+    /// per-token reverse KL(student ‖ teacher), estimated on the student's
+    /// own samples.
+    #[serde(rename = "distill/reverse_kl")]
+    pub reverse_kl: f64,
+    /// Mean teacher logprob of the sampled tokens.
+    #[serde(rename = "distill/teacher_logprob")]
+    pub teacher_logprob: f64,
+    /// Tokens the teacher scored.
+    #[serde(rename = "distill/tokens")]
+    pub tokens: usize,
+    /// Seconds the teacher took to score them.
+    #[serde(rename = "time/teacher")]
+    pub teacher_s: f64,
+}
+
+impl DistillMetrics {
+    /// From the reverse KL a batch's datums measured and the teacher's time.
+    pub fn of(kl: &ReverseKl, teacher_s: f64) -> Self {
+        let n = kl.tokens.max(1) as f64;
+        Self {
+            reverse_kl: kl.sum / n,
+            teacher_logprob: kl.teacher_sum / n,
+            tokens: kl.tokens,
+            teacher_s,
+        }
+    }
 }
 
 /// Wall-clock times (and the held-out evaluation when one ran), in the
@@ -369,6 +405,15 @@ impl TryFrom<&Map<String, Value>> for StepMetrics {
                 lr: f("lr")?,
                 train_s: f("time/train")?,
             },
+            distill: match get("distill/reverse_kl") {
+                None => None,
+                Some(_) => Some(DistillMetrics {
+                    reverse_kl: f("distill/reverse_kl")?,
+                    teacher_logprob: f("distill/teacher_logprob")?,
+                    tokens: n("distill/tokens")?,
+                    teacher_s: f("time/teacher")?,
+                }),
+            },
             time: TimeMetrics {
                 generate_s: f("time/generate")?,
                 reward_s: get("time/reward").and_then(Value::as_f64).unwrap_or(0.0),
@@ -422,8 +467,13 @@ impl StepMetrics {
         } else {
             String::new()
         };
+        let kl = self
+            .distill
+            .as_ref()
+            .map(|d| format!("  kl {:.4} (teacher {:.1}s)", d.reverse_kl, d.teacher_s))
+            .unwrap_or_default();
         format!(
-            "step {:>4}/{max_steps}  reward {:.3}{reward_errors}  pass@1 {:>5.1}%  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, reward {:.1}s, train {:.1}s, wait {:.1}s{eval}){idle}",
+            "step {:>4}/{max_steps}  reward {:.3}{reward_errors}  pass@1 {:>5.1}%{kl}  len {:>5.1}  lag {:.2}  dropped {}  zero-adv {}  mismatch {mismatch}  ent {:.3}  |g| {:.3}  {:.1}s (gen {:.1}s, reward {:.1}s, train {:.1}s, wait {:.1}s{eval}){idle}",
             self.step,
             r.reward_mean,
             100.0 * r.pass_rate,
@@ -449,6 +499,7 @@ pub const PLOTTED: &[&str] = &[
     "reward/mean",
     "pass@1",
     "eval/pass@1",
+    "distill/reverse_kl",
     "seq_len/mean",
     "entropy",
     "grad_norm",

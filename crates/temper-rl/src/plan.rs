@@ -16,8 +16,8 @@ use temper_engine::Loss;
 use temper_model::{LoraConfig, Precision, Target};
 
 use crate::config::{
-    DataSection, EnvSection, LoraSection, ModelSection, RemoteTrainerSection, RlConfig,
-    RlTrainerSection, SftConfig, SftTrainerSection,
+    DataSection, DistillSection, EnvSection, LoraSection, ModelSection, RemoteTrainerSection,
+    RlConfig, RlTrainerSection, SftConfig, SftTrainerSection,
 };
 use crate::error::{Result, RlError};
 use crate::preset::TinyPreset;
@@ -79,6 +79,57 @@ impl Optim {
     }
 }
 
+/// Where the teacher of on-policy distillation runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TeacherSource {
+    /// In process, by the same engine: a model directory or GGUF file, with
+    /// an optional PEFT adapter.
+    Local {
+        /// The model.
+        path: PathBuf,
+        /// The adapter applied to it.
+        adapter: Option<PathBuf>,
+        /// Its matmul weights' precision.
+        precision: Precision,
+    },
+    /// A server that returns prompt logprobs for token ids.
+    Endpoint {
+        /// Base URL.
+        url: String,
+        /// The model name on it.
+        model: String,
+        /// Environment variable holding its API key.
+        api_key_env: Option<String>,
+    },
+}
+
+impl std::fmt::Display for TeacherSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TeacherSource::Local { path, adapter, .. } => {
+                write!(f, "{}", path.display())?;
+                match adapter {
+                    Some(a) => write!(f, " + adapter {}", a.display()),
+                    None => Ok(()),
+                }
+            }
+            TeacherSource::Endpoint { url, model, .. } => write!(f, "{model} at {url}"),
+        }
+    }
+}
+
+/// `[distill]`, checked: the teacher and how its reverse KL mixes with the
+/// environment's reward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DistillPlan {
+    /// The teacher.
+    pub teacher: TeacherSource,
+    /// Weight of `logp_teacher − logp_student` in each token's advantage.
+    pub kl_coef: f64,
+    /// Weight of the group-relative reward advantage.
+    pub reward_coef: f64,
+}
+
 /// A checked `temper train rl` run.
 #[derive(Debug, Clone)]
 pub struct RlPlan {
@@ -91,6 +142,8 @@ pub struct RlPlan {
     pub loss: Loss,
     /// `[remote_trainer]` when it has a `url`.
     pub remote: Option<RemoteTrainerSection>,
+    /// `[distill]` when it names a teacher: on-policy distillation.
+    pub distill: Option<DistillPlan>,
 }
 
 /// Where SFT's conversations come from.
@@ -183,6 +236,7 @@ impl TryFrom<RlConfig> for RlPlan {
             );
         }
         let loss = rl_loss(&cfg.trainer)?;
+        let distill = distill_plan(&cfg.distill)?;
         let t = &cfg.trainer;
         let optim = Optim {
             lr: t.lr,
@@ -198,6 +252,7 @@ impl TryFrom<RlConfig> for RlPlan {
             optim,
             loss,
             remote,
+            distill,
             cfg,
         })
     }
@@ -245,6 +300,70 @@ pub(crate) fn check_env_weights(weights: &[f64]) -> Result<()> {
         return bad("env weights must be > 0");
     }
     Ok(())
+}
+
+/// `[distill]` with a teacher, checked; `None` without one.
+fn distill_plan(d: &DistillSection) -> Result<Option<DistillPlan>> {
+    let Some(t) = &d.teacher else {
+        return Ok(None);
+    };
+    if !(d.kl_coef.is_finite() && d.kl_coef > 0.0) {
+        return bad(format!(
+            "distill.kl_coef must be > 0, got {} (without the KL term this is plain RL: remove [distill])",
+            d.kl_coef
+        ));
+    }
+    if !(d.reward_coef.is_finite() && d.reward_coef >= 0.0) {
+        return bad(format!(
+            "distill.reward_coef must be >= 0, got {}",
+            d.reward_coef
+        ));
+    }
+    let teacher = match (&t.path, &t.url) {
+        (Some(path), None) => {
+            if t.model.is_some() || t.api_key_env.is_some() {
+                return bad("distill.teacher: `model` and `api_key_env` go with `url`, not `path`");
+            }
+            let precision = match &t.dtype {
+                Some(d) => d
+                    .parse::<Precision>()
+                    .map_err(|e| RlError::Config(format!("distill.teacher: {e}")))?,
+                None => temper_model::default_precision(),
+            };
+            TeacherSource::Local {
+                path: path.clone(),
+                adapter: t.adapter.clone(),
+                precision,
+            }
+        }
+        (None, Some(url)) => {
+            if t.adapter.is_some() || t.dtype.is_some() {
+                return bad(
+                    "distill.teacher: `adapter` and `dtype` go with a local `path`; an endpoint \
+                     serves its adapter under a model name (`model`)",
+                );
+            }
+            let Some(model) = &t.model else {
+                return bad(
+                    "distill.teacher: an endpoint teacher needs `model` (its name on the server)",
+                );
+            };
+            TeacherSource::Endpoint {
+                url: url.trim_end_matches('/').to_string(),
+                model: model.clone(),
+                api_key_env: t.api_key_env.clone(),
+            }
+        }
+        (Some(_), Some(_)) => return bad("distill.teacher has both `path` and `url`; pick one"),
+        (None, None) => {
+            return bad("distill.teacher needs `path` (a local model) or `url` (an endpoint)")
+        }
+    };
+    Ok(Some(DistillPlan {
+        teacher,
+        kl_coef: d.kl_coef,
+        reward_coef: d.reward_coef,
+    }))
 }
 
 /// `[trainer] loss` as a [`Loss`]: the policy-gradient losses only (the
@@ -474,6 +593,42 @@ mod tests {
             let e = rl(ov).expect_err(want).to_string();
             assert!(e.contains(want), "{ov:?}: {e}");
         }
+        let teacher = ("distill.teacher.path", "\"t\"");
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (
+                &[teacher, ("distill.kl_coef", "0.0")],
+                "kl_coef must be > 0",
+            ),
+            (&[teacher, ("distill.reward_coef", "-1.0")], "reward_coef"),
+            (&[teacher, ("distill.teacher.url", "\"http://x\"")], "both"),
+            (&[("distill.teacher.adapter", "\"a\"")], "needs `path`"),
+            (&[("distill.teacher.url", "\"http://x\"")], "needs `model`"),
+            (
+                &[teacher, ("distill.teacher.model", "\"m\"")],
+                "go with `url`",
+            ),
+            (
+                &[teacher, ("distill.teacher.dtype", "\"fp8\"")],
+                "distill.teacher",
+            ),
+        ];
+        for (ov, want) in cases {
+            let e = rl(ov).expect_err(want).to_string();
+            assert!(e.contains(want), "{ov:?}: {e}");
+        }
+        let d = rl(&[teacher, ("distill.teacher.adapter", "\"a\"")])
+            .unwrap()
+            .distill
+            .unwrap();
+        assert!(matches!(
+            d.teacher,
+            TeacherSource::Local {
+                adapter: Some(_),
+                ..
+            }
+        ));
+        assert_eq!((d.kl_coef, d.reward_coef), (1.0, 0.0));
+        assert!(rl(&[]).unwrap().distill.is_none());
         let no_env = RlPlan::try_from(resolve::<RlConfig>("[model]\npath = \"m\"\n", &[]).unwrap());
         assert!(no_env.unwrap_err().to_string().contains("[[env]]"));
 

@@ -196,6 +196,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
         },
         sampler: Default::default(),
         remote_trainer: Default::default(),
+        distill: Default::default(),
     }
 }
 

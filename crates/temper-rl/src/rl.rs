@@ -28,13 +28,16 @@ use crate::config::RlConfig;
 use crate::datum::TrainTurns;
 use crate::error::{Result, RlError};
 use crate::eval::Evaluator;
-use crate::metrics::{DataMetrics, RolloutMetrics, StepMetrics, TimeMetrics, TrainMetrics};
+use crate::metrics::{
+    DataMetrics, DistillMetrics, RolloutMetrics, StepMetrics, TimeMetrics, TrainMetrics,
+};
 use crate::plan::RlPlan;
 use crate::publish::Publisher;
 use crate::rollout::{RolloutPlan, Rollouts};
 use crate::runlog::{write_atomic, MetricsLog};
 use crate::samples::{LoggedSample, SamplesLog};
 use crate::step::train_step;
+use crate::teacher::Teacher;
 
 pub use crate::advantage::group_advantages;
 pub use crate::eval::EvalResult;
@@ -119,6 +122,15 @@ pub async fn run_rl_with(
         progress(&cfg, &format!("note: {n}"));
     }
     let thresholds: Vec<f64> = thresholds.iter().map(|t| t.value).collect();
+    // Checked against the student's tokenizer before anything runs.
+    let teacher = match &cfg.distill {
+        Some(d) => {
+            let teacher = Teacher::load(&d.teacher, &base.tokenizer).await?;
+            progress(&cfg, &format!("distilling from the teacher {}", d.teacher));
+            Some((d, teacher))
+        }
+        None => None,
+    };
     let mut state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
     let start = state.step;
     let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
@@ -162,8 +174,23 @@ pub async fn run_rl_with(
         let (groups_g, dropped) = batch.drop_stale(step, cfg.async_.max_off_policy_steps);
         state.dropped_stale += dropped;
         let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
-        let turns = TrainTurns::of(&groups_g, &advantages_g);
-        let datums_d = turns.datums();
+        let (turns, datums_d, distill) = match &teacher {
+            None => {
+                let turns = TrainTurns::of(&groups_g, &advantages_g);
+                let datums_d = turns.datums();
+                (turns, datums_d, None)
+            }
+            Some((d, teacher)) => {
+                let t_teacher = Instant::now();
+                let turns = TrainTurns::of_all(&groups_g, &advantages_g);
+                let teacher_d = teacher.score(turns.seqs_d()).await?;
+                let (datums_d, kl) = turns
+                    .distill_datums(&teacher_d, d.kl_coef, d.reward_coef)
+                    .map_err(RlError::Data)?;
+                let m = DistillMetrics::of(&kl, t_teacher.elapsed().as_secs_f64());
+                (turns, datums_d, Some(m))
+            }
+        };
         let trained = train_step(
             &*trainer,
             &cfg.optim,
@@ -198,6 +225,7 @@ pub async fn run_rl_with(
             rollouts: RolloutMetrics::of(&groups_g, step, &env_ids, &thresholds),
             data: DataMetrics::of(&turns, dropped, state.dropped_stale),
             train: TrainMetrics::of(&trained),
+            distill,
             time: TimeMetrics {
                 generate_s,
                 reward_s,
