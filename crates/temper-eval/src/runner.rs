@@ -237,6 +237,9 @@ pub async fn run_eval_with(
     let rows = tokio::task::spawn_blocking(move || rows_env.rows(split, n, seed))
         .await
         .map_err(|e| EvalError::Results(e.to_string()))??;
+    // What was evaluated: an environment with fewer rows than asked for
+    // gives them all, and the run says so.
+    let evaluated = rows.len();
     let todo: Vec<Row> = rows
         .into_iter()
         .filter(|r| !done.contains(&r.example_id))
@@ -251,7 +254,7 @@ pub async fn run_eval_with(
         env_id: env.id().to_string(),
         model: cfg.model.clone(),
         base_url: cfg.base_url.clone(),
-        num_examples: cfg.num_examples,
+        num_examples: evaluated,
         split: cfg.split,
         rollouts_per_example: r,
         sampling_args: cfg.sampling.clone(),

@@ -86,10 +86,11 @@ env = {env_id}                     # a directory with env.toml, a built-in, or "
 base_url = "http://127.0.0.1:8000/v1"      # any OpenAI-compatible endpoint (temper serve, vLLM, ...)
 # model = "NAME"                           # default: the endpoint's only model
 # api_key_var = "OPENAI_API_KEY"           # the variable that holds the key, if the endpoint needs one
-num_examples = 4                           # held-out rows (the environment's eval.jsonl)
-rollouts_per_example = 1                   # for pass@k raise it AND temperature
-temperature = 0.0
-max_tokens = 256
+# The environment's env.toml [eval] sets num_examples, rollouts_per_example,
+# max_tokens and temperature (one place); set one here, or as a flag, to
+# override it for this lab:
+# num_examples = 40
+# rollouts_per_example = 4                 # for pass@k raise it AND temperature
 max_concurrent = 32
 save_dir = "outputs/evals"                 # runs land in outputs/evals/ENV--MODEL/RUN_ID
 # sampling_args = {{ top_p = 0.95 }}

@@ -486,6 +486,31 @@ fn init_then_eval_against_temper_serve_with_no_edits() {
         let v: serde_json::Value = serde_json::from_str(l).unwrap();
         assert!(v["error"].is_null(), "{v}");
     }
+    // Issue 39: eval defaults have one place, the environment's [eval]: the
+    // generated eval.toml does not shadow it.
+    let env_toml = lab.join("envs/my-task/env.toml");
+    let text = std::fs::read_to_string(&env_toml).unwrap();
+    assert!(text.contains("num_examples = 8"), "{text}");
+    std::fs::write(
+        &env_toml,
+        text.replace("num_examples = 8", "num_examples = 2"),
+    )
+    .unwrap();
+    let save = lab.join("outputs/one-place");
+    let out = temper()
+        .current_dir(&lab)
+        .args(["eval", "--config", "eval.toml", "--quiet", "-b", &base])
+        .arg("--save-dir")
+        .arg(&save)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results = std::fs::read_to_string(run_dir_of(&save).join("results.jsonl")).unwrap();
+    assert_eq!(results.lines().count(), 2, "env.toml's [eval] num_examples");
     // Issue 39: the environment's README commands run from the lab's root
     // as written (only the port differs).
     let env_readme = std::fs::read_to_string(lab.join("envs/my-task/README.md")).unwrap();
