@@ -449,6 +449,12 @@ pub fn model_name(path: &Path) -> String {
             return n;
         }
     }
+    path_name(path)
+}
+
+/// The file or directory name of `path` (resolved, so `.` has one), else
+/// `model`.
+pub fn path_name(path: &Path) -> String {
     path.canonicalize()
         .ok()
         .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()))

@@ -64,7 +64,7 @@ pub use chat::ChatTemplate;
 pub use config::{Family, HfConfig, ModelConfig, RopeScaling};
 pub use decode::{FinishReason, SamplingParams};
 pub use error::{ModelError, Result};
-pub use export::{hf_config_json, model_name, save_gguf, save_hf, GgufQuant};
+pub use export::{hf_config_json, model_name, path_name, save_gguf, save_hf, GgufQuant};
 pub use gguf::{gguf_tensor_name, is_gguf, GgufFile};
 pub use lora::{LoraAdapter, LoraConfig, LoraPair, Target};
 pub use model::{KvCache, Model, Segment};

@@ -194,10 +194,9 @@ impl TrainTurns {
     fn build(groups_g: &[Group], advantages_g: &[Vec<f64>], merge: bool, skip_equal: bool) -> Self {
         let mut out = TrainTurns::default();
         for (g, advantages_r) in groups_g.iter().zip(advantages_g) {
-            if advantages_r.iter().all(|a| *a == 0.0) {
-                out.zero_advantage_groups += 1;
-            }
-            if skip_equal && advantages_r.iter().all(|a| *a == 0.0) {
+            let all_zero = advantages_r.iter().all(|a| *a == 0.0);
+            out.zero_advantage_groups += u64::from(all_zero);
+            if skip_equal && all_zero {
                 continue;
             }
             for (r, &advantage) in g.rollouts.iter().zip(advantages_r) {

@@ -302,6 +302,17 @@ pub(crate) fn check_env_weights(weights: &[f64]) -> Result<()> {
     Ok(())
 }
 
+/// A `dtype` key as a [`Precision`] (unset: the process's default); errors
+/// name the section `what`.
+fn precision_of(dtype: Option<&str>, what: &str) -> Result<Precision> {
+    match dtype {
+        Some(d) => d
+            .parse::<Precision>()
+            .map_err(|e| RlError::Config(format!("{what} {e}"))),
+        None => Ok(temper_model::default_precision()),
+    }
+}
+
 /// `[distill]` with a teacher, checked; `None` without one.
 fn distill_plan(d: &DistillSection) -> Result<Option<DistillPlan>> {
     let Some(t) = &d.teacher else {
@@ -324,12 +335,7 @@ fn distill_plan(d: &DistillSection) -> Result<Option<DistillPlan>> {
             if t.model.is_some() || t.api_key_env.is_some() {
                 return bad("distill.teacher: `model` and `api_key_env` go with `url`, not `path`");
             }
-            let precision = match &t.dtype {
-                Some(d) => d
-                    .parse::<Precision>()
-                    .map_err(|e| RlError::Config(format!("distill.teacher: {e}")))?,
-                None => temper_model::default_precision(),
-            };
+            let precision = precision_of(t.dtype.as_deref(), "distill.teacher:")?;
             TeacherSource::Local {
                 path: path.clone(),
                 adapter: t.adapter.clone(),
@@ -411,12 +417,7 @@ fn model_plan(m: &ModelSection, l: &LoraSection) -> Result<ModelPlan> {
     if m.adapter.is_some() && !l.enabled {
         return bad("[model] adapter needs [lora] enabled = true (it continues a LoRA run)");
     }
-    let precision = match &m.dtype {
-        Some(d) => d
-            .parse::<Precision>()
-            .map_err(|e| RlError::Config(format!("[model] {e}")))?,
-        None => temper_model::default_precision(),
-    };
+    let precision = precision_of(m.dtype.as_deref(), "[model]")?;
     if precision != Precision::F32 && !l.enabled {
         return bad(format!(
             "{} weights (from [model] dtype or --dtype) need [lora] enabled = true: full-parameter training keeps f32 weights; set [model] dtype = \"f32\"",

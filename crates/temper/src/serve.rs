@@ -108,12 +108,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // else the file or directory name. A GGUF's file name stays accepted as
     // an alias (it was the id before general.name was), but is not listed
     // in /v1/models, so "the endpoint's only model" still means one.
-    let file_name = args
-        .model
-        .canonicalize()
-        .ok()
-        .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| "model".into());
+    let file_name = temper_model::path_name(&args.model);
     let (name, aliases) = match &args.served_model_name {
         Some(n) => (n.clone(), Vec::new()),
         None => {
