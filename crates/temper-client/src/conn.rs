@@ -5,7 +5,7 @@
 //! like the SDK's operation layer, futures polled like its
 //! `retrieve_future` loop, and the session heartbeat.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rand::Rng;
@@ -178,7 +178,7 @@ impl Conn {
 
     fn credential(&self) -> String {
         match &self.jwt {
-            Some(t) => t.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            Some(t) => t.lock().unwrap_or_else(PoisonError::into_inner).clone(),
             None => self.api_key.clone(),
         }
     }
@@ -230,7 +230,7 @@ impl Conn {
             return Ok(resp);
         }
         let fresh = self.exchange().await.map_err(|e| e.to_string())?;
-        *jwt.lock().unwrap_or_else(|p| p.into_inner()) = fresh.clone();
+        *jwt.lock().unwrap_or_else(PoisonError::into_inner) = fresh.clone();
         self.build(route, body, headers, timeout, &fresh)
             .send()
             .await

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use prost::Message;
 use serde_json::{json, Value};
@@ -130,7 +130,7 @@ impl RemoteTrainer {
         let prev = self
             .chain
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .unwrap_or_else(PoisonError::into_inner)
             .replace(rx);
         (prev, tx)
     }

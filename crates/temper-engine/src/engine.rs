@@ -9,7 +9,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 
 use temper_model::{Completion, GenerationRequest, LoraConfig, Pretrained, SamplingParams};
@@ -52,7 +52,7 @@ fn pending<T>() -> (Promise<T>, Pending<T>) {
 impl<T> Promise<T> {
     fn fulfil(self, v: Result<T>) {
         let (lock, cv) = &*self.shared;
-        let mut slot = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = lock.lock().unwrap_or_else(PoisonError::into_inner);
         slot.value = Some(v);
         if let Some(w) = slot.waker.take() {
             w.wake();
@@ -65,19 +65,22 @@ impl<T> Pending<T> {
     /// Block until the call has run.
     pub fn wait(self) -> Result<T> {
         let (lock, cv) = &*self.shared;
-        let mut slot = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = lock.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
             if let Some(v) = slot.value.take() {
                 return v;
             }
-            slot = cv.wait(slot).unwrap_or_else(|p| p.into_inner());
+            slot = cv.wait(slot).unwrap_or_else(PoisonError::into_inner);
         }
     }
 
     /// Whether the result is ready.
     pub fn is_ready(&self) -> bool {
         let (lock, _) = &*self.shared;
-        lock.lock().map(|s| s.value.is_some()).unwrap_or(true)
+        lock.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .value
+            .is_some()
     }
 }
 
@@ -85,7 +88,7 @@ impl<T> Future for Pending<T> {
     type Output = Result<T>;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
         let (lock, _) = &*self.shared;
-        let mut slot = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = lock.lock().unwrap_or_else(PoisonError::into_inner);
         match slot.value.take() {
             Some(v) => Poll::Ready(v),
             None => {

@@ -29,7 +29,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use async_trait::async_trait;
@@ -96,12 +96,19 @@ impl Conn {
                     }
                     _ => Ok(v.get("result").cloned().unwrap_or(Value::Null)),
                 };
-                if let Some(tx) = reader_pending.lock().ok().and_then(|mut p| p.remove(&id)) {
+                if let Some(tx) = reader_pending
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&id)
+                {
                     let _ = tx.send(reply);
                 }
             }
             // The process is gone: fail whatever still waits.
-            if let Ok(mut p) = reader_pending.lock() {
+            {
+                let mut p = reader_pending
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
                 for (_, tx) in p.drain() {
                     let _ = tx.send(Err("the environment process exited".into()));
                 }
@@ -118,17 +125,22 @@ impl Conn {
     fn send(&self, method: &str, params: Value) -> oneshot::Receiver<Result<Value, String>> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        if let Ok(mut p) = self.pending.lock() {
-            p.insert(id, tx);
-        }
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id, tx);
         let line = json!({"id": id, "method": method, "params": params}).to_string();
-        let written = self.stdin.lock().map_err(|_| ()).and_then(|mut w| {
-            writeln!(w, "{line}")
-                .and_then(|_| w.flush())
-                .map_err(|_| ())
-        });
+        let written = {
+            let mut w = self.stdin.lock().unwrap_or_else(PoisonError::into_inner);
+            writeln!(w, "{line}").and_then(|_| w.flush())
+        };
         if written.is_err() {
-            if let Some(tx) = self.pending.lock().ok().and_then(|mut p| p.remove(&id)) {
+            if let Some(tx) = self
+                .pending
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&id)
+            {
                 let _ = tx.send(Err("cannot write to the environment process".into()));
             }
         }
@@ -150,10 +162,9 @@ impl Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        if let Ok(mut c) = self.child.lock() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        let mut c = self.child.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = c.kill();
+        let _ = c.wait();
     }
 }
 

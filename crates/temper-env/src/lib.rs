@@ -62,6 +62,7 @@ pub mod math;
 mod model;
 pub mod openai;
 mod parser;
+pub mod relative_judge;
 pub mod rubric;
 pub mod service;
 pub mod suite;

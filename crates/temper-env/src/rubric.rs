@@ -8,12 +8,13 @@
 //! a function a metric only.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::relative_judge::{RelativeJudge, RelativeJudgeConfig};
 use crate::{
     math, ChatModel, ChatRequest, EnvError, Message, Parser, Rollout, Row, SamplingArgs, Score,
 };
@@ -98,6 +99,7 @@ enum Kind {
     CodeTests(Arc<CodeTests>),
     Suite(Arc<crate::suite::Suite>),
     Program(Arc<ProgramReward>),
+    RelativeJudge(Arc<RelativeJudge>),
 }
 
 /// A named, weighted reward function.
@@ -272,6 +274,17 @@ impl Reward {
         }
     }
 
+    /// A relative LLM judge: one call scores the whole group
+    /// ([`RelativeJudge`]).
+    pub fn relative_judge(weight: f64, judge: RelativeJudge) -> Self {
+        Reward {
+            name: "relative_judge".into(),
+            weight,
+            kind: Kind::RelativeJudge(Arc::new(judge)),
+            max_score: None,
+        }
+    }
+
     /// Unit tests in the sandbox service.
     pub fn code_tests(weight: f64, tests: CodeTests) -> Self {
         Reward {
@@ -317,7 +330,7 @@ impl Reward {
                     *requirements = reqs;
                 }
             }
-            Kind::Sync(_) | Kind::Judge(_) => {}
+            Kind::Sync(_) | Kind::Judge(_) | Kind::RelativeJudge(_) => {}
         }
         self
     }
@@ -441,6 +454,11 @@ impl Reward {
                     serde_json::from_value(args.clone()).map_err(|e| e.to_string())?;
                 Reward::judge(w, Judge::from_config(cfg)?)
             }
+            "relative_judge" => {
+                let cfg: RelativeJudgeConfig = serde_json::from_value(args.clone())
+                    .map_err(|e| format!("relative_judge: {e}"))?;
+                Reward::relative_judge(w, RelativeJudge::from_config(cfg)?)
+            }
             "code_tests" => {
                 let cfg: CodeTestsConfig =
                     serde_json::from_value(args.clone()).map_err(|e| e.to_string())?;
@@ -497,6 +515,12 @@ impl Reward {
                     what: "judge",
                 }) as Arc<dyn crate::Service>
             }),
+            Kind::RelativeJudge(j) => j.endpoint.clone().map(|model| {
+                Arc::new(crate::service::EndpointService {
+                    model,
+                    what: "judge",
+                }) as Arc<dyn crate::Service>
+            }),
             Kind::CodeTests(t) => Some(Arc::new(t.sandbox.clone())),
             Kind::Suite(s) => Some(Arc::new(s.sandbox().clone())),
             Kind::Program(p) => match &p.runner {
@@ -516,7 +540,7 @@ impl Reward {
             Kind::CodeTests(t) => t.score(ctx).await.map(plain),
             Kind::Suite(s) => s.score(ctx).await,
             // Scored per group in `Rubric::score_group`.
-            Kind::Program(_) => Ok(plain(0.0)),
+            Kind::Program(_) | Kind::RelativeJudge(_) => Ok(plain(0.0)),
         }
     }
 }
@@ -536,6 +560,7 @@ pub const BUILTIN_REWARDS: &[&str] = &[
     "format",
     "length_penalty",
     "judge",
+    "relative_judge",
     "code_tests",
     "mutation_score",
     "coverage",
@@ -659,9 +684,18 @@ impl Rubric {
             rollouts.len()
         ];
         for func in &self.funcs {
-            if let Kind::Program(p) = &func.kind {
-                let t = Instant::now();
-                let result = p.score_group(&ctxs).await;
+            // Functions of the whole group: one call for all its rollouts.
+            let t = Instant::now();
+            let group = match &func.kind {
+                Kind::Program(p) => Some(p.score_group(&ctxs).await),
+                Kind::RelativeJudge(j) => Some(
+                    j.score_group(&ctxs)
+                        .await
+                        .map(|v| v.into_iter().map(|x| (x, BTreeMap::new())).collect()),
+                ),
+                _ => None,
+            };
+            if let Some(result) = group {
                 let share_ms = t.elapsed().as_secs_f64() * 1e3 / n;
                 match result {
                     Ok(values) => {
@@ -675,7 +709,12 @@ impl Rubric {
                         }
                     }
                     Err(e) => {
-                        tracing::warn!("reward program `{}`: {e}", p.command);
+                        match &func.kind {
+                            Kind::Program(p) => {
+                                tracing::warn!("reward program `{}`: {e}", p.command)
+                            }
+                            _ => tracing::warn!("reward `{}`: {e}", func.name),
+                        }
                         for s in &mut scores {
                             failed(s, &func.name, &e);
                             add_ms(s, share_ms);
@@ -825,14 +864,7 @@ impl Judge {
 
     /// A judge on an OpenAI-compatible endpoint.
     pub fn from_config(cfg: JudgeConfig) -> Result<Self, String> {
-        let key = match &cfg.api_key_env {
-            Some(var) => Some(std::env::var(var).map_err(|_| format!("judge: ${var} is not set"))?),
-            None => None,
-        };
-        let model = Arc::new(
-            crate::openai::OpenAiChatModel::new(&cfg.base_url, &cfg.model, key)
-                .map_err(|e| e.to_string())?,
-        );
+        let model = judge_endpoint(&cfg.base_url, &cfg.model, cfg.api_key_env.as_deref())?;
         let mut j = Judge::new(model.clone(), cfg.prompt);
         j.endpoint = Some(model);
         j.max_tokens = cfg.max_tokens;
@@ -855,7 +887,13 @@ impl Judge {
             .replace("{question}", &question)
             .replace("{answer}", c.answer.unwrap_or(""))
             .replace("{response}", &response);
-        if let Some(v) = self.cache.lock().ok().and_then(|m| m.get(&prompt).copied()) {
+        if let Some(v) = self
+            .cache
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&prompt)
+            .copied()
+        {
             return Ok(v);
         }
         let req = ChatRequest {
@@ -871,14 +909,31 @@ impl Judge {
             Ok(turn) => {
                 let verdict = turn.message.text().trim().to_lowercase();
                 let v = f64::from(u8::from(verdict.starts_with("yes")));
-                if let Ok(mut m) = self.cache.lock() {
-                    m.insert(prompt, v);
-                }
+                self.cache
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(prompt, v);
                 Ok(v)
             }
             Err(e) => Err(format!("judge call failed: {e}")),
         }
     }
+}
+
+/// The client of a judge's OpenAI-compatible endpoint (`judge` and
+/// `relative_judge`), its key read from `$api_key_env`.
+pub(crate) fn judge_endpoint(
+    base_url: &str,
+    model: &str,
+    api_key_env: Option<&str>,
+) -> Result<Arc<crate::openai::OpenAiChatModel>, String> {
+    let key = match api_key_env {
+        Some(var) => Some(std::env::var(var).map_err(|_| format!("judge: ${var} is not set"))?),
+        None => None,
+    };
+    crate::openai::OpenAiChatModel::new(base_url, model, key)
+        .map(Arc::new)
+        .map_err(|e| e.to_string())
 }
 
 /// `code_tests` arguments.

@@ -14,7 +14,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use base64::Engine as _;
 use serde::Deserialize;
@@ -214,7 +214,12 @@ impl Suite {
             (code, &samples, self.cfg.max_mutants, &self.cfg.module).hash(&mut h);
             h.finish()
         };
-        let cached = self.mutants.lock().ok().and_then(|m| m.get(&key).cloned());
+        let cached = self
+            .mutants
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key)
+            .cloned();
         let given = strings("mutants")?;
         let generated = given.is_none();
         let (mutants, equivalent) = match (given, &cached) {
@@ -306,9 +311,11 @@ impl Suite {
                                         .collect()
                                 })
                                 .unwrap_or_default();
-                            if let Ok(mut m) = self.mutants.lock() {
-                                m.entry(key).or_insert_with(|| Arc::new((sources, eq)));
-                            }
+                            self.mutants
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .entry(key)
+                                .or_insert_with(|| Arc::new((sources, eq)));
                             eq
                         }
                     };

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -147,20 +147,17 @@ impl ResultsWriter {
             buf.push_str(&serde_json::to_string(l).map_err(std::io::Error::other)?);
             buf.push('\n');
         }
-        let mut f = self
-            .file
-            .lock()
-            .map_err(|_| std::io::Error::other("results writer poisoned"))?;
+        let mut f = self.file.lock().unwrap_or_else(PoisonError::into_inner);
         f.write_all(buf.as_bytes())?;
         f.flush()
     }
 
     /// fsync.
     pub fn sync(&self) -> std::io::Result<()> {
-        match self.file.lock() {
-            Ok(f) => f.sync_data(),
-            Err(_) => Ok(()),
-        }
+        self.file
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .sync_data()
     }
 }
 

@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -323,13 +323,15 @@ pub async fn run_eval_with(
                 })
                 .collect();
             if let Err(e) = writer.append(&lines) {
-                if let Ok(mut w) = write_error.lock() {
-                    w.get_or_insert(e);
-                }
+                write_error
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get_or_insert(e);
                 return;
             }
             written.fetch_add(lines.len(), Ordering::Relaxed);
-            if let Ok(mut s) = reward_sum.lock() {
+            {
+                let mut s = reward_sum.lock().unwrap_or_else(PoisonError::into_inner);
                 s.0 += lines.iter().map(|l| l.reward).sum::<f64>();
                 s.1 += lines.len();
                 bar.set_message(format!("avg reward {:.3}", s.0 / s.1 as f64));
@@ -340,7 +342,11 @@ pub async fn run_eval_with(
     .buffer_unordered(cfg.max_concurrent.max(1));
     groups.collect::<Vec<()>>().await;
     bar.finish_and_clear();
-    if let Some(e) = write_error.lock().ok().and_then(|mut w| w.take()) {
+    if let Some(e) = write_error
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take()
+    {
         return Err(EvalError::io(&results_path, e));
     }
     writer.sync().map_err(|e| EvalError::io(&results_path, e))?;

@@ -24,7 +24,7 @@
 //! `Content-Security-Policy`, `nosniff` and `Referrer-Policy`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query as QueryParams, State};
@@ -625,7 +625,10 @@ async fn publish(
                 size,
                 readme: sink.readme.and_then(|r| String::from_utf8(r).ok()),
             };
-            let _guard = state.write_lock.lock().unwrap_or_else(|p| p.into_inner());
+            let _guard = state
+                .write_lock
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             // Blob first, row second: a crash between them leaves an
             // unreferenced blob (never served), never a version without bytes.
             state.blobs.put_file(&digest, file)?;
@@ -779,7 +782,10 @@ async fn delete_version(
     let state = s.clone();
     let (n, m, v) = (ns.clone(), name.clone(), version.clone());
     blocking(move || {
-        let _guard = state.write_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _guard = state
+            .write_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let digest = state.meta.delete_version(&n, &m, &v)?;
         if !state.meta.digest_live(&digest)? {
             state.blobs.delete(&digest)?;

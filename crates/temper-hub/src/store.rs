@@ -4,7 +4,7 @@
 //! S3-compatible `BlobStore` slot in behind the same traits.
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
@@ -238,7 +238,7 @@ impl SqliteMeta {
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
         // A panic while holding the lock leaves SQLite consistent (each
         // statement is atomic), so a poisoned lock is still usable.
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+        self.conn.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 

@@ -14,7 +14,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{DType, Device, Tensor};
@@ -436,10 +436,7 @@ impl GgufFile {
     /// Read and dequantise the tensor called `name` in the file (f32, CPU).
     fn raw_tensor(&self, name: &str) -> Result<Tensor> {
         let q = {
-            let mut f = self
-                .file
-                .lock()
-                .map_err(|_| ModelError::bad(&self.path, "file lock poisoned"))?;
+            let mut f = self.file.lock().unwrap_or_else(PoisonError::into_inner);
             self.content
                 .tensor(&mut *f, name, &Device::Cpu)
                 .map_err(|e| ModelError::bad(&self.path, format!("tensor {name}: {e}")))?

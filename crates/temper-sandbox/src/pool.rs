@@ -11,7 +11,7 @@
 
 use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
@@ -181,7 +181,7 @@ impl Pool {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Takes an idle worker, starts one if below `size`, else waits.
@@ -201,7 +201,10 @@ impl Pool {
                 }
                 return worker;
             }
-            state = self.freed.wait(state).unwrap_or_else(|e| e.into_inner());
+            state = self
+                .freed
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
         }
     }
 

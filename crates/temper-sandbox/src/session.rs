@@ -14,7 +14,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::pool::{encode, exec, start_worker, Worker};
@@ -96,15 +96,21 @@ impl Session {
 
     /// True once past the lifetime or the idle timeout.
     pub fn expired(&self, now: Instant) -> bool {
-        let idle = *self.last_used.lock().unwrap_or_else(|e| e.into_inner());
+        let idle = *self
+            .last_used
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         now.duration_since(self.created) > self.config.timeout
             || now.duration_since(idle) > self.config.idle_timeout
     }
 
     fn call(&self, req: &ExecRequest) -> Result<ExecResult, SandboxError> {
-        *self.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        *self
+            .last_used
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
         let (frame, fetch) = encode(self.sandbox.config(), req, false)?;
-        let mut slot = self.worker.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.worker.lock().unwrap_or_else(PoisonError::into_inner);
         let worker = slot.as_mut().ok_or_else(|| {
             SandboxError::InvalidRequest("the session's sandbox has died; create a new one".into())
         })?;
@@ -191,9 +197,12 @@ impl Session {
     /// Reads `path` (relative to `/work`); `None` when it is missing, not a
     /// regular file, or a symlink.
     pub fn download(&self, path: &str) -> Result<Option<Vec<u8>>, SandboxError> {
-        *self.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        *self
+            .last_used
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
         let rel: PathBuf = relative_path(path)?;
-        let slot = self.worker.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = self.worker.lock().unwrap_or_else(PoisonError::into_inner);
         let worker = slot.as_ref().ok_or_else(|| {
             SandboxError::InvalidRequest("the session's sandbox has died; create a new one".into())
         })?;
@@ -305,7 +314,7 @@ impl Sessions {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
-        self.by_id.lock().unwrap_or_else(|e| e.into_inner())
+        self.by_id.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The live session `id`, whoever owns it (library use).

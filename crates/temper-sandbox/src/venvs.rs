@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -154,10 +154,10 @@ impl Venvs {
         let reqs = check_requirements(requirements)?;
         let key = self.key(&reqs);
         let entry = {
-            let mut map = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            let mut map = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
             map.entry(key.clone()).or_default().clone()
         };
-        let mut slot = entry.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = entry.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.is_none() {
             let dir = self.config.root.join(&key);
             let built = self

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 /// A cumulative histogram with fixed upper bounds.
 #[derive(Debug)]
@@ -33,9 +33,7 @@ impl Histogram {
             }
         }
         self.count.fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut s) = self.sum.lock() {
-            *s += v;
-        }
+        *self.sum.lock().unwrap_or_else(PoisonError::into_inner) += v;
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
@@ -49,7 +47,7 @@ impl Histogram {
         }
         let count = self.count.load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let sum = self.sum.lock().map(|s| *s).unwrap_or(0.0);
+        let sum = *self.sum.lock().unwrap_or_else(PoisonError::into_inner);
         let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
     }
 }
@@ -128,9 +126,12 @@ impl Default for Metrics {
 impl Metrics {
     /// Count one answered request on `route` with HTTP `status`.
     pub fn count_request(&self, route: &'static str, status: u16) {
-        if let Ok(mut m) = self.requests.lock() {
-            *m.entry((route, status)).or_insert(0) += 1;
-        }
+        *self
+            .requests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry((route, status))
+            .or_insert(0) += 1;
     }
 
     /// The Prometheus text exposition.
@@ -140,13 +141,16 @@ impl Metrics {
             out,
             "# HELP temper_requests_total HTTP requests answered, by route and status.\n# TYPE temper_requests_total counter"
         );
-        if let Ok(m) = self.requests.lock() {
-            for ((route, status), n) in m.iter() {
-                let _ = writeln!(
-                    out,
-                    "temper_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}"
-                );
-            }
+        for ((route, status), n) in self
+            .requests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+        {
+            let _ = writeln!(
+                out,
+                "temper_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}"
+            );
         }
         let counter = |out: &mut String, name: &str, help: &str, v: &AtomicU64| {
             let _ = writeln!(

@@ -35,10 +35,20 @@
 //! callers score finished sequences with
 //! [`temper_model::Model::score_with_top`], the trainer's own forward. Either
 //! way reported logprobs match training bit for bit.
+//!
+//! A panic in one batch's work (a kernel `assert!` tripped by a request, a
+//! tokenizer or grammar bug) is caught around that work: the requests of
+//! that batch fail with a 500 naming the panic and the loop goes on, since
+//! the state it drops (their caches, their sequences) is all the failed
+//! work touched. A panic anywhere else in the loop leaves state that cannot
+//! be trusted: the engine is marked dead with the reason, every request it
+//! holds fails, and `/health` answers 503 with that reason
+//! ([`Scheduler::dead`]).
 
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, OnceLock};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -297,8 +307,8 @@ pub enum SubmitError {
         budget: usize,
     },
     /// The engine thread is gone.
-    #[error("the inference engine stopped")]
-    Stopped,
+    #[error("the inference engine stopped: {0}")]
+    Stopped(String),
 }
 
 /// Handle to the engine thread; dropping every handle stops it.
@@ -307,6 +317,63 @@ pub struct Scheduler {
     waiting: Arc<AtomicUsize>,
     cfg: SchedulerConfig,
     metrics: Arc<Metrics>,
+    /// Why the engine thread is gone, once it is (set once, read lock-free).
+    dead: Arc<OnceLock<String>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The message of a caught panic's payload (`panic!` gives a `&str` or a
+/// `String`).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// Run `work`, turning a panic into an error that names it (`what` says
+/// which work).
+fn unwinding<T, E: std::fmt::Display>(
+    what: &str,
+    work: impl FnOnce() -> Result<T, E>,
+) -> Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(work)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("{what} failed: {e}")),
+        Err(p) => Err(format!("{what} panicked: {}", panic_message(&*p))),
+    }
+}
+
+/// Test hooks that make the engine panic as a kernel `assert!` would
+/// (feature `fault-hooks`, enabled only by this crate's tests).
+#[cfg(feature = "fault-hooks")]
+pub mod fault {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+    static PANIC_ON_TOKEN: AtomicU32 = AtomicU32::new(u32::MAX);
+    static PANIC_IN_LOOP: AtomicBool = AtomicBool::new(false);
+
+    /// Every prefill forward over a prompt holding token `id` panics.
+    pub fn panic_on_token(id: u32) {
+        PANIC_ON_TOKEN.store(id, Ordering::SeqCst);
+    }
+
+    /// The loop's next step panics outside any batch's work (once).
+    pub fn panic_in_loop() {
+        PANIC_IN_LOOP.store(true, Ordering::SeqCst);
+    }
+
+    pub(super) fn check_prefill(ids: &[u32]) {
+        let id = PANIC_ON_TOKEN.load(Ordering::SeqCst);
+        assert!(!ids.contains(&id), "fault hook: token {id} in a prefill");
+    }
+
+    pub(super) fn check_loop() {
+        if PANIC_IN_LOOP.swap(false, Ordering::SeqCst) {
+            panic!("fault hook: the batch loop's own state");
+        }
+    }
 }
 
 impl Scheduler {
@@ -323,7 +390,9 @@ impl Scheduler {
         metrics
             .kv_budget
             .store(cfg.kv_budget_tokens as u64, Ordering::Relaxed);
+        let dead = Arc::new(OnceLock::new());
         let batch_loop = BatchLoop {
+            dead: dead.clone(),
             model,
             cfg: cfg.clone(),
             rx,
@@ -339,16 +408,38 @@ impl Scheduler {
         let spawned = std::thread::Builder::new()
             .name("temper-engine".into())
             .spawn(move || batch_loop.run());
-        if let Err(e) = spawned {
-            // The sender's receiver is gone with the closure: submits fail
-            // with `Stopped` instead of hanging.
-            tracing::error!("cannot start the engine thread: {e}");
-        }
+        let thread = match spawned {
+            Ok(h) => Some(h),
+            Err(e) => {
+                // The sender's receiver is gone with the closure: submits
+                // fail with `Stopped` instead of hanging.
+                tracing::error!("cannot start the engine thread: {e}");
+                let _ = dead.set(format!("the engine thread could not start: {e}"));
+                None
+            }
+        };
         Self {
             tx,
             waiting,
             cfg,
             metrics,
+            dead,
+            thread,
+        }
+    }
+
+    /// Why the engine thread is gone, or `None` while it runs (`/health`
+    /// answers 503 with this reason).
+    pub fn dead(&self) -> Option<String> {
+        if let Some(why) = self.dead.get() {
+            return Some(why.clone());
+        }
+        // The thread only returns on its own when every handle is dropped,
+        // so while this one lives a finished thread is a dead engine.
+        match &self.thread {
+            Some(h) if h.is_finished() => Some("the engine thread exited".into()),
+            Some(_) => None,
+            None => Some("the engine thread could not start".into()),
         }
     }
 
@@ -364,6 +455,9 @@ impl Scheduler {
 
     /// Queue a job, or refuse it at once.
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        if let Some(why) = self.dead() {
+            return Err(SubmitError::Stopped(why));
+        }
         let need = self.reservation(job.prompt.len(), job.params.max_tokens, job.n);
         if need > self.cfg.kv_budget_tokens {
             return Err(SubmitError::TooLarge {
@@ -388,7 +482,10 @@ impl Scheduler {
             .store((waiting + 1) as u64, Ordering::Relaxed);
         self.tx.send(job).map_err(|_| {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
-            SubmitError::Stopped
+            SubmitError::Stopped(
+                self.dead()
+                    .unwrap_or_else(|| "the engine thread is gone".into()),
+            )
         })
     }
 }
@@ -496,6 +593,8 @@ enum StepError {
     Grammar(#[from] crate::structured::StructuredError),
     #[error("the grammar allows no token of the model's vocabulary")]
     EmptyMask,
+    #[error("sampling panicked: {0}")]
+    Panicked(String),
 }
 
 /// The loop on the engine thread: it owns the model and the waiting, running,
@@ -517,6 +616,8 @@ struct BatchLoop {
     /// taken from them.
     exact_scores: bool,
     prefix_cache: PrefixCache,
+    /// Set with the reason when the loop dies.
+    dead: Arc<OnceLock<String>>,
 }
 
 /// What a finished prefill turns into.
@@ -568,7 +669,35 @@ struct Prefill {
 }
 
 impl BatchLoop {
+    /// Step until every handle is dropped. A panic that escapes a batch's
+    /// own work (see the module's doc) ends the engine: its state cannot be
+    /// trusted, so it records why, fails every request it holds, and stops
+    /// taking new ones.
     fn run(mut self) {
+        let Err(payload) = catch_unwind(AssertUnwindSafe(|| self.steps())) else {
+            return;
+        };
+        let why = format!("the engine thread panicked: {}", panic_message(&*payload));
+        tracing::error!("{why}; the server cannot generate until it is restarted");
+        let _ = self.dead.set(why.clone());
+        self.fail_all(&why);
+    }
+
+    /// Fail every job the loop holds or that is queued for it.
+    fn fail_all(&mut self, why: &str) {
+        let fail = |events: &UnboundedSender<Event>| {
+            let _ = events.send(Event::Failed(why.to_string()));
+        };
+        while let Ok(j) = self.rx.try_recv() {
+            self.waiting.push_back(j);
+        }
+        self.waiting.iter().for_each(|j| fail(&j.events));
+        self.running.iter().for_each(|s| fail(&s.job.events));
+        self.preempted.iter().for_each(|s| fail(&s.job.events));
+        self.prefilling.iter().for_each(|p| fail(p.what.events()));
+    }
+
+    fn steps(&mut self) {
         loop {
             if self.running.is_empty()
                 && self.waiting.is_empty()
@@ -583,6 +712,8 @@ impl BatchLoop {
             while let Ok(j) = self.rx.try_recv() {
                 self.waiting.push_back(j);
             }
+            #[cfg(feature = "fault-hooks")]
+            fault::check_loop();
             self.drop_cancelled_waiting();
             self.admit();
             self.prefill_step();
@@ -748,15 +879,13 @@ impl BatchLoop {
                 .copied()
                 .filter(|&(i, _)| self.prefilling[i].what.adapter_key() == key)
                 .collect();
-            match self.prefill_chunks(&group) {
+            // A panic fails this group's prompts only: the forward wrote
+            // nothing but their caches, which are dropped with them.
+            match unwinding("prefill", || self.prefill_chunks(&group)) {
                 Ok(rows) => logits.extend(rows),
                 Err(e) => {
-                    tracing::error!("prefill failed: {e}");
-                    failed.extend(
-                        group
-                            .iter()
-                            .map(|&(i, _)| (i, format!("prefill failed: {e}"))),
-                    );
+                    tracing::error!("{e}");
+                    failed.extend(group.iter().map(|&(i, _)| (i, e.clone())));
                 }
             }
         }
@@ -823,6 +952,8 @@ impl BatchLoop {
                 cache: Some(&mut p.cache),
             });
         }
+        #[cfg(feature = "fault-hooks")]
+        fault::check_prefill(&ids);
         let hidden = model.forward_hidden(&ids, &mut segs, lora)?;
         drop(segs);
         if last_rows.is_empty() {
@@ -916,12 +1047,20 @@ impl BatchLoop {
         let exact = self.exact_scores;
         let picks: Vec<Result<u32, StepError>> = running
             .par_iter_mut()
-            .map(|s| pick(s, exact, &eos))
+            .map(|s| {
+                // A panic fails this sequence alone: it is dropped.
+                catch_unwind(AssertUnwindSafe(|| pick(s, exact, &eos)))
+                    .unwrap_or_else(|p| Err(StepError::Panicked(panic_message(&*p))))
+            })
             .collect();
         let mut generated = 0u64;
         for (mut seq, tok) in running.into_iter().zip(picks) {
             generated += 1;
-            match tok.and_then(|tok| self.sample_one(&mut seq, tok, &eos)) {
+            let step = tok.and_then(|tok| {
+                catch_unwind(AssertUnwindSafe(|| self.sample_one(&mut seq, tok, &eos)))
+                    .unwrap_or_else(|p| Err(StepError::Panicked(panic_message(&*p))))
+            });
+            match step {
                 Ok(None) => keep.push(seq),
                 Ok(Some(done)) => {
                     if self.prefix_cache.budget > 0 {
@@ -1046,7 +1185,9 @@ impl BatchLoop {
                 .iter()
                 .map(|s| s.tokens.last().copied().unwrap_or(0))
                 .collect();
-            let result = (|| -> temper_model::Result<Vec<Vec<f32>>> {
+            // A panic fails this adapter's sequences only: the forward
+            // wrote nothing but their caches, which are dropped with them.
+            let result = unwinding("decode step", || -> temper_model::Result<Vec<Vec<f32>>> {
                 let mut caches: Vec<&mut KvCache> =
                     group.iter_mut().map(|s| &mut s.cache).collect();
                 let hidden = model.model.forward_decode(&ids, &mut caches, lora)?;
@@ -1055,7 +1196,7 @@ impl BatchLoop {
                     .logits(&hidden)?
                     .to_dtype(DType::F32)?
                     .to_vec2::<f32>()?)
-            })();
+            });
             match result {
                 Ok(rows) => {
                     for (s, row) in group.into_iter().zip(rows) {
@@ -1063,8 +1204,8 @@ impl BatchLoop {
                     }
                 }
                 Err(e) => {
-                    tracing::error!("decode step failed: {e}");
-                    failed.push((key, e.to_string()));
+                    tracing::error!("{e}");
+                    failed.push((key, e));
                 }
             }
         }

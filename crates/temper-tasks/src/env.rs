@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use base64::Engine;
@@ -78,7 +78,7 @@ fn sandbox_for(spec: &EnvSpec) -> Result<Arc<Sandbox>, TaskError> {
         spec.cpu_seconds,
         spec.host_network,
     );
-    let mut cache = SANDBOXES.lock().unwrap_or_else(|e| e.into_inner());
+    let mut cache = SANDBOXES.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some((_, s)) = cache.iter().find(|(k, _)| *k == key) {
         return Ok(s.clone());
     }

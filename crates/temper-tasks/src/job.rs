@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 use rand::Rng;
 use serde::{Deserialize, Serialize};
@@ -577,7 +577,7 @@ pub fn run_job(
                         progress(&r, n, total);
                     }
                     Err(e) => {
-                        let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                        let mut slot = first_error.lock().unwrap_or_else(PoisonError::into_inner);
                         slot.get_or_insert(e);
                         break;
                     }
@@ -585,7 +585,10 @@ pub fn run_job(
             });
         }
     });
-    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+    if let Some(e) = first_error
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner)
+    {
         return Err(e);
     }
     let results = job_results(dir, config);

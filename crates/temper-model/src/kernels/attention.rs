@@ -18,7 +18,7 @@
 //! per key row (each a fixed-order sum over the queries that see it), so the
 //! gradients are deterministic too.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
@@ -488,10 +488,7 @@ impl CustomOp3 for CausalAttention {
                 .enumerate()
                 .for_each(row);
         }
-        *self
-            .lse
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("attention: poisoned".into()))? = Some(lse);
+        *self.lse.lock().unwrap_or_else(PoisonError::into_inner) = Some(lse);
         Ok((CpuStorage::F32(out), Shape::from((nh, lq, hd))))
     }
 
@@ -518,7 +515,7 @@ impl CustomOp3 for CausalAttention {
         let lse = self
             .lse
             .lock()
-            .map_err(|_| candle_core::Error::Msg("attention: poisoned".into()))?
+            .unwrap_or_else(PoisonError::into_inner)
             .clone()
             .ok_or_else(|| candle_core::Error::Msg("attention: backward before forward".into()))?;
         let flat =

@@ -20,7 +20,7 @@
 //! sequence gives bit-identical logprobs wherever it is scored (sampler and
 //! trainer call the same function on the same rows).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
@@ -395,11 +395,7 @@ impl CustomOp1 for LmHeadLogprobs {
         }
         if self.save_grad {
             let g = Tensor::cat(&saved, 0)?;
-            *self
-                .saved
-                .lock()
-                .map_err(|_| candle_core::Error::Msg("lm-head-logprobs: poisoned".into()))? =
-                Some(g);
+            *self.saved.lock().unwrap_or_else(PoisonError::into_inner) = Some(g);
         }
         Ok((CpuStorage::F32(out), Shape::from((n, 2))))
     }
@@ -417,7 +413,7 @@ impl CustomOp1 for LmHeadLogprobs {
         let saved = self
             .saved
             .lock()
-            .map_err(|_| candle_core::Error::Msg("lm-head-logprobs: poisoned".into()))?
+            .unwrap_or_else(PoisonError::into_inner)
             .take();
         let need_ent = g_ent.iter().any(|&x| x != 0.0);
         let mut dh = match &saved {

@@ -25,7 +25,7 @@
 //! Every path of the model (training, prefill, decode, the server's batched
 //! decode) computes a LoRA layer through this op, so they agree bit for bit.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
@@ -156,10 +156,7 @@ impl CustomOp3 for LoraLinear {
                 y
             }
         };
-        *self
-            .down
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("lora_linear: poisoned".into()))? = Some(down);
+        *self.down.lock().unwrap_or_else(PoisonError::into_inner) = Some(down);
         Ok((CpuStorage::F32(y), Shape::from((n, out))))
     }
 
@@ -177,7 +174,7 @@ impl CustomOp3 for LoraLinear {
         let down = self
             .down
             .lock()
-            .map_err(|_| candle_core::Error::Msg("lora_linear: poisoned".into()))?
+            .unwrap_or_else(PoisonError::into_inner)
             .clone()
             .ok_or_else(|| {
                 candle_core::Error::Msg("lora_linear: backward before forward".into())

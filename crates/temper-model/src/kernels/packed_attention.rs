@@ -34,7 +34,7 @@
 //! and k again, runs the `dQ`/`dK`/`dV` row loops per sequence and rotates
 //! `dQ`/`dK` back (the rotation's transpose).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
@@ -455,10 +455,7 @@ impl CustomOp3 for PackedAttention {
                 let qr = &qh[(h * len + i) * hd..(h * len + i + 1) * hd];
                 *lse = row_forward(&dims[s], qr, kh, vh, h, i, o);
             });
-        *self
-            .lse
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("packed_attention: poisoned".into()))? = Some(lse);
+        *self.lse.lock().unwrap_or_else(PoisonError::into_inner) = Some(lse);
         Ok((CpuStorage::F32(out), Shape::from((n, heads * hd))))
     }
 
@@ -479,7 +476,7 @@ impl CustomOp3 for PackedAttention {
         let lse = self
             .lse
             .lock()
-            .map_err(|_| candle_core::Error::Msg("packed_attention: poisoned".into()))?
+            .unwrap_or_else(PoisonError::into_inner)
             .clone()
             .ok_or_else(|| {
                 candle_core::Error::Msg("packed_attention: backward before forward".into())

@@ -1,6 +1,8 @@
 //! `/v1/models` and vLLM's `/v1/load_lora_adapter` /
 //! `/v1/unload_lora_adapter`.
 
+use std::sync::PoisonError;
+
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::Json;
@@ -23,7 +25,7 @@ pub(super) async fn list_models(State(s): State<OpenAiState>) -> Result<Json<Val
         .inner
         .adapters
         .read()
-        .map_err(|_| OpenAiError::Internal("adapter table lock poisoned".into()))?;
+        .unwrap_or_else(PoisonError::into_inner);
     let mut names: Vec<&String> = table.keys().collect();
     names.sort();
     for n in names {
@@ -62,7 +64,7 @@ pub(super) async fn unload_lora(
         .inner
         .adapters
         .write()
-        .map_err(|_| OpenAiError::Internal("adapter table lock poisoned".into()))?
+        .unwrap_or_else(PoisonError::into_inner)
         .remove(&req.lora_name);
     match removed {
         Some(a) => Ok(Json(json!({

@@ -27,7 +27,7 @@
 //! loses its oldest records, and says how many (`dropped_records`).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
@@ -376,16 +376,14 @@ impl CaptureStore {
         }
     }
 
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Store>, OpenAiError> {
-        self.store
-            .lock()
-            .map_err(|_| OpenAiError::Internal("capture store lock poisoned".into()))
+    fn lock(&self) -> std::sync::MutexGuard<'_, Store> {
+        self.store.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// A new, empty episode: its id and token. The oldest episodes make
     /// room when the store holds its most.
     fn create(&self) -> Result<(String, String), OpenAiError> {
-        let mut st = self.lock()?;
+        let mut st = self.lock();
         let st = &mut *st;
         let id = loop {
             let id = format!("ep-{}", random_string(24));
@@ -425,7 +423,7 @@ impl CaptureStore {
 
     /// Whether episode `id` exists and `headers` present its token.
     pub(super) fn opens(&self, id: &str, headers: &HeaderMap) -> Result<bool, OpenAiError> {
-        let st = self.lock()?;
+        let st = self.lock();
         Ok(st
             .episodes
             .get(id)
@@ -433,7 +431,7 @@ impl CaptureStore {
     }
 
     fn push(&self, mut rec: CaptureRecord) -> Result<(), OpenAiError> {
-        let mut st = self.lock()?;
+        let mut st = self.lock();
         let st = &mut *st;
         // Deleted or evicted while the call ran: its token is gone, and a
         // record must not bring the episode back without one.
@@ -480,7 +478,7 @@ impl CaptureStore {
 
     /// The records of `id` as the JSON body of `GET /v1/episodes/ID`.
     fn get(&self, id: &str) -> Result<Option<String>, OpenAiError> {
-        let st = self.lock()?;
+        let st = self.lock();
         Ok(st.episodes.get(id).map(|ep| {
             let records: Vec<&str> = ep.records.iter().map(String::as_str).collect();
             format!(
@@ -493,7 +491,7 @@ impl CaptureStore {
     }
 
     fn remove(&self, id: &str) -> Result<bool, OpenAiError> {
-        let mut st = self.lock()?;
+        let mut st = self.lock();
         let Some(ep) = st.episodes.remove(id) else {
             return Ok(false);
         };
@@ -635,10 +633,10 @@ mod tests {
             .collect();
         assert_eq!(seqs, vec![2, 3, 4]);
         assert_eq!(got["dropped_records"], 2);
-        assert!(s.lock().expect("lock").bytes <= 3 * (one + 24) + 8);
+        assert!(s.lock().bytes <= 3 * (one + 24) + 8);
         assert!(s.remove(&c).expect("remove"));
         assert!(!s.remove(&c).expect("remove"));
-        assert_eq!(s.lock().expect("lock").bytes, 0);
+        assert_eq!(s.lock().bytes, 0);
     }
 
     #[test]

@@ -41,6 +41,13 @@ pub enum OpenAiError {
         /// Seconds to wait before retrying.
         retry_after_s: u64,
     },
+    /// The inference engine failed on this request (500, with the
+    /// engine's reason, e.g. the panic a batch hit).
+    #[error("{0}")]
+    Engine(String),
+    /// The inference engine is gone (503, with the reason).
+    #[error("{0}")]
+    Unavailable(String),
     /// A bug or an unexpected failure (500; logged, answered generically).
     #[error("{0}")]
     Internal(String),
@@ -86,7 +93,8 @@ impl OpenAiError {
             OpenAiError::NotFound(_) | OpenAiError::EpisodeNotFound(_) => StatusCode::NOT_FOUND,
             OpenAiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             OpenAiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
-            OpenAiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            OpenAiError::Internal(_) | OpenAiError::Engine(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            OpenAiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 }
@@ -118,6 +126,8 @@ impl IntoResponse for OpenAiError {
                 Some("episode_not_found"),
             ),
             OpenAiError::Overloaded(m) => (m, "server_error", None, Some("overloaded")),
+            OpenAiError::Engine(m) => (m, "server_error", None, Some("engine_error")),
+            OpenAiError::Unavailable(m) => (m, "server_error", None, Some("engine_unavailable")),
             OpenAiError::RateLimited { message, .. } => (
                 message,
                 "rate_limit_error",

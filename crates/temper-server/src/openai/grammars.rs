@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
@@ -107,7 +107,7 @@ fn fork(o: &Outcome) -> Result<Grammar, String> {
         Ok(g) => g
             .lock()
             .map(|g| g.fork())
-            .map_err(|_| "a cached grammar's lock is poisoned".to_string()),
+            .or_else(|p| Ok(p.into_inner().fork())),
         Err(m) => Err(m.clone()),
     }
 }
@@ -131,7 +131,7 @@ impl Grammars {
         let hit = self
             .cache
             .lock()
-            .map_err(|_| OpenAiError::Internal("grammar cache lock poisoned".into()))?
+            .unwrap_or_else(PoisonError::into_inner)
             .get(key);
         if hit.is_some() {
             self.metrics
@@ -194,9 +194,10 @@ impl Grammars {
                     Err(other) => Err(other.to_string()),
                 },
             };
-            if let Ok(mut cache) = cache.lock() {
-                cache.insert_first(key, outcome.clone());
-            }
+            cache
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert_first(key, outcome.clone());
             metrics.grammar_compiling.fetch_sub(1, Ordering::Relaxed);
             let _ = tx.send(outcome);
         });
@@ -210,9 +211,10 @@ impl Grammars {
                     "{param}: the schema took longer than {secs} s to compile \
                      (--grammar-compile-timeout-s); simplify it"
                 );
-                if let Ok(mut cache) = self.cache.lock() {
-                    cache.insert_first(key, Err(m.clone()));
-                }
+                self.cache
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert_first(key, Err(m.clone()));
                 Err(refused(m))
             }
         }

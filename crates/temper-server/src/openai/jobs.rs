@@ -223,7 +223,7 @@ pub(super) fn submit(
                 param: Some("max_tokens".into()),
                 code: Some("context_length_exceeded"),
             },
-            _ => OpenAiError::Internal(e.to_string()),
+            SubmitError::Stopped(_) => OpenAiError::Unavailable(e.to_string()),
         })?;
     }
     Ok(rx)
@@ -256,7 +256,7 @@ pub(super) async fn collect(
                 }
             }
             Some(Event::Delta { .. }) => {}
-            Some(Event::Failed(m)) => return Err(OpenAiError::Internal(m)),
+            Some(Event::Failed(m)) => return Err(OpenAiError::Engine(m)),
             Some(Event::Rejected(m)) => return Err(OpenAiError::grammar_limit(m)),
             None => return Err(OpenAiError::Internal("the engine dropped a request".into())),
         }

@@ -56,7 +56,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde_json::{json, Value};
+use serde_json::json;
 
 pub use error::OpenAiError;
 pub use grammars::GrammarLimits;
@@ -179,8 +179,17 @@ async fn count(State(s): State<OpenAiState>, req: Request, next: Next) -> Respon
     resp
 }
 
-async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// `ok` while the engine thread runs; 503 with the reason once it is gone
+/// (every generation would fail).
+async fn health(State(s): State<OpenAiState>) -> Response {
+    match s.inner.scheduler.dead() {
+        None => Json(json!({"status": "ok"})).into_response(),
+        Some(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "engine_dead", "reason": why})),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics(State(s): State<OpenAiState>) -> Response {

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use temper_model::{LoraAdapter, Pretrained};
@@ -195,7 +195,7 @@ impl OpenAiState {
             .inner
             .versions
             .lock()
-            .map_err(|_| OpenAiError::Internal("adapter versions lock poisoned".into()))?;
+            .unwrap_or_else(PoisonError::into_inner);
         let version = versions.get(name).copied().unwrap_or(0) + 1;
         let adapter = Arc::new(LoadedAdapter {
             name: name.to_string(),
@@ -205,7 +205,7 @@ impl OpenAiState {
         self.inner
             .adapters
             .write()
-            .map_err(|_| OpenAiError::Internal("adapter table lock poisoned".into()))?
+            .unwrap_or_else(PoisonError::into_inner)
             .insert(name.to_string(), adapter);
         versions.insert(name.to_string(), version);
         self.inner
@@ -230,7 +230,7 @@ impl OpenAiState {
             .inner
             .adapters
             .read()
-            .map_err(|_| OpenAiError::Internal("adapter table lock poisoned".into()))?;
+            .unwrap_or_else(PoisonError::into_inner);
         match table.get(model) {
             Some(a) => Ok(Some(a.clone())),
             None => Err(OpenAiError::NotFound(format!(

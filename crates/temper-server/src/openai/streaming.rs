@@ -296,7 +296,7 @@ impl StreamState {
                 }
                 Ok(())
             }
-            Event::Failed(m) => Err(OpenAiError::Internal(m)),
+            Event::Failed(m) => Err(OpenAiError::Engine(m)),
             Event::Rejected(m) => Err(OpenAiError::grammar_limit(m)),
         }
     }

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -163,7 +163,7 @@ impl ApiState {
     }
 
     pub(super) fn tables(&self) -> std::sync::MutexGuard<'_, Tables> {
-        self.0.tables.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.tables.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     pub(super) fn next_id(&self, prefix: &str) -> String {
