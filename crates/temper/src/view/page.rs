@@ -20,7 +20,7 @@ header{display:flex;gap:1rem;align-items:baseline;border-bottom:1px solid #ddd;m
 table{border-collapse:collapse;background:#fff}td,th{text-align:left;padding:.3rem .5rem;border-bottom:1px solid #eee;vertical-align:top}
 pre{background:#f3f3f3;padding:.5rem;white-space:pre-wrap;margin:0;max-width:48rem}
 .st{border-radius:3px;padding:0 .4rem;font-size:.9em}.running{background:#dfe}.finished{background:#eef}.stopped{background:#eee}.failed{background:#fdd}
-.c{display:inline-block;margin:6px;background:#fff;border:1px solid #ddd;padding:6px;vertical-align:top}
+.c{display:inline-block;margin:4px;background:#fff;border:1px solid #ddd;padding:6px;vertical-align:top}
 .c h3{margin:2px 0 4px;font-size:13px;font-weight:600}.legend span{margin-right:1rem}
 .alert{background:#fff4e0;border-left:4px solid #e90;padding:.3rem .6rem;margin:.2rem 0}
 section{margin:1.2rem 0}.muted{color:#777}";
@@ -209,7 +209,7 @@ fn chart(
     step_href: &dyn Fn(u64) -> String,
     selected: Option<u64>,
 ) -> String {
-    let (w, h, pad) = (300.0, 160.0, 30.0);
+    let (w, h, pad) = (270.0, 150.0, 30.0);
     let pts: Vec<Vec<(f64, f64)>> = series
         .iter()
         .map(|s| {
@@ -314,6 +314,18 @@ fn chart(
     )
 }
 
+/// A step's samples, already filtered by reward.
+pub struct StepSamples {
+    /// The step.
+    pub step: u64,
+    /// Its samples with a reward in the filter's range.
+    pub samples: Vec<LoggedSample>,
+    /// The filter's lowest reward.
+    pub min_reward: Option<f64>,
+    /// The filter's highest reward.
+    pub max_reward: Option<f64>,
+}
+
 /// Everything the run page shows.
 pub struct RunPage<'a> {
     /// The runs root, for the header.
@@ -324,8 +336,8 @@ pub struct RunPage<'a> {
     pub series: Vec<Series<'a>>,
     /// Other training runs that can be overlaid.
     pub others: Vec<&'a str>,
-    /// The chosen step and its samples (already filtered), with the filter.
-    pub step: Option<(u64, Vec<LoggedSample>, Option<f64>, Option<f64>)>,
+    /// The chosen step and its samples.
+    pub step: Option<StepSamples>,
     /// Held-out evaluations.
     pub evals: Vec<EvalEntry>,
     /// Checkpoints.
@@ -386,7 +398,13 @@ pub fn run_page(p: &RunPage<'_>) -> String {
         b.push_str("</section>");
     }
     // The chosen step's samples, above the charts they were picked from.
-    if let Some((step, samples, lo, hi)) = &p.step {
+    if let Some(StepSamples {
+        step,
+        samples,
+        min_reward: lo,
+        max_reward: hi,
+    }) = &p.step
+    {
         b.push_str("<section id=\"samples\"><h3>Samples</h3>");
         {
             let _ = write!(
@@ -451,7 +469,7 @@ pub fn run_page(p: &RunPage<'_>) -> String {
     } else {
         b.push_str("<p class=\"muted\">Click a point of a chart for that step's rollouts.</p>");
     }
-    let selected = p.step.as_ref().map(|s| s.0);
+    let selected = p.step.as_ref().map(|s| s.step);
     for n in &names {
         b.push_str(&chart(n, &p.series, &step_href, selected));
     }

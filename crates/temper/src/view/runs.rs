@@ -372,12 +372,12 @@ pub fn config_env(t: &toml::Table) -> String {
             .collect::<Vec<_>>()
             .join(", ");
     }
-    for key in ["env", "path"] {
-        if let Some(v) = str_at(t, &["data", key]).and_then(toml::Value::as_str) {
-            return v.to_string();
-        }
-    }
-    String::new()
+    // SFT: `[data] path`, or an environment's rows (`[data.env] id`).
+    str_at(t, &["data", "path"])
+        .or_else(|| str_at(t, &["data", "env", "id"]))
+        .and_then(toml::Value::as_str)
+        .unwrap_or_default()
+        .to_string()
 }
 
 fn summarize(root: &RunsRoot, dir: &Path, kind: Kind) -> Option<RunSummary> {

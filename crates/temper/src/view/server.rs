@@ -13,7 +13,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::page::{self, RunPage, Series};
+use super::page::{self, RunPage, Series, StepSamples};
 use super::runs::{self, Kind, RunsRoot, ViewError};
 
 /// The server's state: the root and its name for the header.
@@ -297,7 +297,12 @@ fn render_run(root: &RunsRoot, shown: &str, raw: Option<&str>) -> Result<String,
                         && q.max_reward.is_none_or(|hi| s.reward <= hi)
                 })
                 .collect();
-            Some((step, samples, q.min_reward, q.max_reward))
+            Some(StepSamples {
+                step,
+                samples,
+                min_reward: q.min_reward,
+                max_reward: q.max_reward,
+            })
         }
         None => None,
     };
