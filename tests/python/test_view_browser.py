@@ -162,6 +162,17 @@ def main():
         if not n2 > n1 >= 2:
             raise SystemExit(f"the reward chart did not gain points while B trained: {n1} then {n2}")
         print(f"B's reward chart: {n1} points, then {n2}")
+        # Left open, the page refreshes itself (its script fetches the page
+        # again every 2 s): after 8 s of the browser's virtual time it shows
+        # later steps than B had written when it was opened.
+        s0 = steps_of_b()
+        live = chromium(a.chromium, "--virtual-time-budget=8000", "--dump-dom", url + "/run?id=rl-b")
+        refreshed = re.search(r'data-refreshed="(\d+)"', live)
+        shown = int(re.search(r'id="step">(\d+)<', live).group(1))
+        if not refreshed or shown <= s0:
+            raise SystemExit(f"the open page did not refresh itself: step {shown} shown, {s0} written before; "
+                             f"{refreshed and refreshed.group(0)}")
+        print(f"the open page refreshed itself {refreshed.group(1)} time(s): step {s0} when opened, {shown} shown")
         chromium(a.chromium, "--window-size=1400,1000", "--screenshot=" + os.path.join(shots, "view-run.png"),
                  url + "/run?id=rl-b")
 

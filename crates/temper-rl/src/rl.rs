@@ -94,7 +94,12 @@ where
         &run_dir.join("config.toml"),
         crate::config::to_toml(cfg.config())?.as_bytes(),
     )?;
-    let record = RunRecord::start(&run_dir, "rl")?;
+    let kind = if cfg.distill.is_some() {
+        "distill"
+    } else {
+        "rl"
+    };
+    let record = RunRecord::start(&run_dir, kind)?;
     let max_steps = cfg.trainer.max_steps;
     let out = async {
         let (base, trainer) =

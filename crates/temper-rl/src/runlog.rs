@@ -51,7 +51,7 @@ pub enum RunStatus {
 /// killed), and repeat it (`command`, run from `cwd`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunInfo {
-    /// What trained it: `rl`, `sft`, ...
+    /// What trained it: `rl`, `distill`, `sft`, ...
     pub kind: String,
     /// The command line of the process (argv).
     pub command: Vec<String>,

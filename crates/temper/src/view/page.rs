@@ -27,13 +27,13 @@ section{margin:1.2rem 0}.muted{color:#777}";
 
 /// Refreshes `#live` from the same URL every 2 s while its `data-live`
 /// is `1` (a run on the page is running), except while the user is typing
-/// in it (the reward filter).
+/// in it (the reward filter); `data-refreshed` counts the refreshes.
 const SCRIPT: &str = "(function(){var m=document.getElementById('live');\
 function tick(){if(!m||m.dataset.live!=='1')return;\
 if(m.contains(document.activeElement)&&document.activeElement.tagName==='INPUT'){setTimeout(tick,2000);return;}\
 fetch(location.href,{cache:'no-store'}).then(function(r){return r.text()}).then(function(t){\
 var d=new DOMParser().parseFromString(t,'text/html').getElementById('live');\
-if(d){m.innerHTML=d.innerHTML;m.dataset.live=d.dataset.live;}setTimeout(tick,2000)})\
+if(d){m.innerHTML=d.innerHTML;m.dataset.live=d.dataset.live;m.dataset.refreshed=+(m.dataset.refreshed||0)+1;}setTimeout(tick,2000)})\
 .catch(function(){setTimeout(tick,5000)})}setTimeout(tick,2000)})();";
 
 const COLORS: &[&str] = &[

@@ -560,7 +560,14 @@ pub fn sh_quote(s: &str) -> String {
 
 /// The checkpoints of a training run: the latest resumable state, the
 /// exported adapter or model; each with the commands that use it.
-pub fn checkpoints(root: &RunsRoot, dir: &Path, model_path: Option<&str>) -> Vec<Checkpoint> {
+pub fn checkpoints(
+    root: &RunsRoot,
+    dir: &Path,
+    kind: &str,
+    model_path: Option<&str>,
+) -> Vec<Checkpoint> {
+    // Distillation is `temper train rl` with a teacher.
+    let trainer = if kind == "sft" { "sft" } else { "rl" };
     let run = sh_quote(&dir.display().to_string());
     let base = model_path
         .map(sh_quote)
@@ -577,7 +584,7 @@ pub fn checkpoints(root: &RunsRoot, dir: &Path, model_path: Option<&str>) -> Vec
                 what: format!("trainer state after step {step}"),
                 path: state.to_string(),
                 commands: vec![
-                    format!("temper train rl --resume {run}   # or train sft: continue from step {step}"),
+                    format!("temper train {trainer} --resume {run}   # continue from step {step}"),
                     format!(
                         "temper export {} --format peft --out {}",
                         sh_quote(state),

@@ -323,7 +323,7 @@ fn render_run(root: &RunsRoot, shown: &str, raw: Option<&str>) -> Result<String,
         others,
         step,
         evals,
-        checkpoints: runs::checkpoints(root, &dir, model_path.as_deref()),
+        checkpoints: runs::checkpoints(root, &dir, &run.kind, model_path.as_deref()),
         command: info.map(|i| {
             (
                 i.command
