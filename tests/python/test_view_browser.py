@@ -92,6 +92,12 @@ def points(page, metric):
     return m.group(1)
 
 
+def series_len(page):
+    """How many points the reward chart's first line has."""
+    m = re.search(r'<polyline class="series"[^>]* points="([^"]*)"', points(page, "reward/mean"))
+    return len(m.group(1).split()) if m else 0
+
+
 def status_of(url, path):
     try:
         with urllib.request.urlopen(url + path) as r:
@@ -118,7 +124,7 @@ def main():
                    capture_output=True, text=True)
     print(f"run A trained ({time.time() - t0:.1f}s)")
     server = subprocess.Popen([temper, "view", runs, "--port", "0"], stdout=subprocess.PIPE, text=True)
-    b = subprocess.Popen([temper, "train", "rl", config(work, runs, "rl-b", 400, 2, env)],
+    b = subprocess.Popen([temper, "train", "rl", config(work, runs, "rl-b", 100000, 2, env)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         line = server.stdout.readline().strip()
@@ -150,15 +156,15 @@ def main():
                  url + "/")
 
         page1 = dom(a.chromium, url + "/run?id=rl-b")
-        n1 = points(page1, "reward/mean").count("<circle")
+        n1 = series_len(page1)
         expect(page1, 'data-live="1"', "B's page refreshes while running")
         expect(page1, "temper train rl", "B's command line")
-        expect(page1, "max_steps = 400", "B's resolved config")
+        expect(page1, "max_steps = 100000", "B's resolved config")
         later = steps_of_b() + 2
         while steps_of_b() < later and time.time() < deadline:
             time.sleep(0.2)
         page2 = dom(a.chromium, url + "/run?id=rl-b")
-        n2 = points(page2, "reward/mean").count("<circle")
+        n2 = series_len(page2)
         if not n2 > n1 >= 2:
             raise SystemExit(f"the reward chart did not gain points while B trained: {n1} then {n2}")
         print(f"B's reward chart: {n1} points, then {n2}")

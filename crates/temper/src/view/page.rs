@@ -270,8 +270,16 @@ fn chart(
             esc(s.id),
             line.join(" ")
         );
-        if p.len() <= 300 {
-            for &(x, y) in p {
+        // At most ~200 markers (every k-th point and the last), so a long
+        // run's page stays small; each is a step's link.
+        let stride = p.len().div_ceil(200).max(1);
+        let marked = p
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| j % stride == 0 || *j + 1 == p.len())
+            .map(|(_, pt)| pt);
+        {
+            for &(x, y) in marked {
                 let dot = format!(
                     "<circle class=\"pt\" data-step=\"{x}\" cx=\"{:.1}\" cy=\"{:.1}\" r=\"{}\" fill=\"{color}\"><title>{} step {x}: {y:.4}</title></circle>",
                     sx(x),
@@ -554,4 +562,45 @@ pub fn error_page(root: &str, status: u16, msg: &str) -> String {
             esc(msg)
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A long run's chart draws its whole line but at most ~200 step
+    /// markers (links), the last step's among them.
+    #[test]
+    fn a_long_runs_chart_keeps_its_line_and_thins_its_markers() {
+        let records: Vec<Map<String, Value>> = (1..=1000)
+            .map(|s| {
+                let v = serde_json::json!({"step": s, "reward/mean": f64::from(s) / 1000.0});
+                v.as_object().cloned().unwrap_or_default()
+            })
+            .collect();
+        let series = [Series {
+            id: "r",
+            records: &records,
+            extra: Vec::new(),
+        }];
+        let svg = chart(
+            "reward/mean",
+            &series,
+            &|s| format!("/run?id=r&step={s}"),
+            None,
+        );
+        let line = svg.split("points=\"").nth(1).unwrap_or_default();
+        assert_eq!(
+            line.split('"')
+                .next()
+                .unwrap_or_default()
+                .split(' ')
+                .count(),
+            1000
+        );
+        let markers = svg.matches("<circle").count();
+        assert!((100..=201).contains(&markers), "{markers}");
+        assert_eq!(svg.matches("<a class=\"step\"").count(), markers);
+        assert!(svg.contains("step=1000"), "the last step is marked");
+    }
 }
