@@ -332,6 +332,8 @@ pub struct LogSection {
     /// Rollouts per step written to `samples.jsonl` (prompt, completion,
     /// reward, env) and shown in `plots.html`; 0 = none. RL only.
     pub samples: usize,
+    /// Also write TensorBoard event files beside `metrics.jsonl`.
+    pub tensorboard: bool,
 }
 
 impl Default for LogSection {
@@ -340,6 +342,7 @@ impl Default for LogSection {
             dir: PathBuf::from("runs/rl"),
             progress: true,
             samples: 4,
+            tensorboard: false,
         }
     }
 }
@@ -490,6 +493,8 @@ pub struct RlConfig {
     /// On-policy distillation from a teacher (off without `teacher`).
     #[serde(skip_serializing_if = "DistillSection::is_off")]
     pub distill: DistillSection,
+    /// Alerts for a run going wrong.
+    pub alerts: crate::alerts::AlertsSection,
 }
 
 /// `temper train sft` config.

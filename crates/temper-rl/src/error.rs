@@ -36,6 +36,9 @@ pub enum RlError {
         /// Cause.
         source: tokio::task::JoinError,
     },
+    /// An alert that `[alerts] stop_on` names was raised.
+    #[error("stopped by alert {0}")]
+    Alert(String),
     /// File I/O.
     #[error("io error on {path}: {source}")]
     Io {

@@ -89,6 +89,7 @@
 #![deny(missing_docs)]
 
 pub mod advantage;
+pub mod alerts;
 pub mod checkpoint;
 pub mod config;
 pub mod datum;
@@ -107,6 +108,7 @@ pub mod samples;
 pub mod sft;
 pub mod step;
 pub mod teacher;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use error::{Result, RlError};

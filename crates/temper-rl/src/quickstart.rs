@@ -130,6 +130,7 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
             dir: o.dir.join("sft"),
             progress: o.progress,
             samples: 0,
+            tensorboard: false,
         },
         remote_trainer: Default::default(),
     }
@@ -197,6 +198,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
         sampler: Default::default(),
         remote_trainer: Default::default(),
         distill: Default::default(),
+        alerts: Default::default(),
     }
 }
 

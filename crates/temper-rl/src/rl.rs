@@ -17,12 +17,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-#[cfg(test)]
 use serde_json::Value;
 use temper_engine::Trainer;
 use temper_model::Pretrained;
 
 use crate::advantage::batch_advantages;
+use crate::alerts::AlertMonitor;
 use crate::checkpoint::{self, checkpoint_due};
 use crate::config::RlConfig;
 use crate::datum::TrainTurns;
@@ -34,8 +34,8 @@ use crate::metrics::{
 use crate::plan::RlPlan;
 use crate::publish::Publisher;
 use crate::rollout::{RolloutPlan, Rollouts};
-use crate::runlog::{write_atomic, MetricsLog};
-use crate::samples::{LoggedSample, SamplesLog};
+use crate::runlog::{write_atomic, MetricsLog, RunRecord};
+use crate::samples::{markdown, LoggedSample, SamplesLog};
 use crate::step::train_step;
 use crate::teacher::Teacher;
 
@@ -94,9 +94,25 @@ where
         &run_dir.join("config.toml"),
         crate::config::to_toml(cfg.config())?.as_bytes(),
     )?;
-    let (base, trainer) =
-        crate::trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir).await?;
-    run_rl_with(cfg, opts, base, trainer).await
+    let kind = if cfg.distill.is_some() {
+        "distill"
+    } else {
+        "rl"
+    };
+    let record = RunRecord::start(&run_dir, kind)?;
+    let max_steps = cfg.trainer.max_steps;
+    let out = async {
+        let (base, trainer) =
+            crate::trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir)
+                .await?;
+        run_rl_with(cfg, opts, base, trainer).await
+    }
+    .await;
+    record.end(match &out {
+        Ok(o) => Ok(o.steps == max_steps),
+        Err(e) => Err(e.to_string()),
+    })?;
+    out
 }
 
 /// [`run_rl`] with a given trainer (in-process, or a remote training API)
@@ -135,6 +151,13 @@ pub async fn run_rl_with(
     let start = state.step;
     let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
     let mut samples = SamplesLog::open(&run_dir, opts.resume.then_some(start))?;
+    if cfg.log.tensorboard {
+        log.enable_tensorboard()?;
+    }
+    // The in-process engine samples with the learner's weights and
+    // kernels: a mismatch there is a bug, elsewhere it is expected.
+    let exact_sampler = cfg.sampler.url.is_none() && cfg.remote.is_none();
+    let mut alerts = AlertMonitor::new(&cfg.alerts, exact_sampler)?;
 
     // Publish the starting policy; evaluate it on a fresh run.
     let mut publisher = Publisher::new(&cfg, trainer.clone(), base, &run_dir)?;
@@ -152,6 +175,17 @@ pub async fn run_rl_with(
     }
     if let Some(r) = &state.eval_before {
         log.set_baseline(r.plot_record());
+        alerts.set_baseline(r.pass_at_1);
+    }
+    // A resumed run's earlier steps, so that its alerts are an
+    // uninterrupted run's (what is raised again here is not news).
+    for r in log.records() {
+        let m = StepMetrics::try_from(r)?;
+        let groups = cfg
+            .trainer
+            .batch_size
+            .saturating_sub(m.data.dropped_stale as usize);
+        alerts.observe(&m, groups);
     }
 
     let max_steps = cfg.trainer.max_steps;
@@ -200,12 +234,11 @@ pub async fn run_rl_with(
             turns.seqs_d(),
         )
         .await?;
-        samples.write(LoggedSample::pick(
-            &groups_g,
-            step,
-            cfg.log.samples,
-            &env_ids,
-        ))?;
+        let picked = LoggedSample::pick(&groups_g, &advantages_g, step, cfg.log.samples, &env_ids);
+        if !picked.is_empty() {
+            log.tensorboard_text(step + 1, "samples", &markdown(&picked))?;
+        }
+        samples.write(picked)?;
 
         // Step `step` made policy version `step + 1`.
         let version = step + 1;
@@ -239,16 +272,28 @@ pub async fn run_rl_with(
             .with_eval(eval.as_ref()),
         };
         progress(&cfg, &metrics.progress_line(max_steps));
+        let raised = alerts.observe(&metrics, groups_g.len());
+        for a in &raised {
+            progress(&cfg, &format!("  alert {a}"));
+        }
         if let Some(r) = eval {
             progress(&cfg, &r.step_line());
             last_eval = Some(r);
         }
-        log.write(metrics.to_record()?)?;
+        let mut record = metrics.to_record()?;
+        if !raised.is_empty() {
+            let texts = raised.iter().map(|a| Value::String(a.to_string()));
+            record.insert("alerts".into(), Value::Array(texts.collect()));
+        }
+        log.write(record)?;
         if checkpoint_due(&cfg, version) {
             state.step = version;
             last_ckpt = checkpoint::save(&run_dir, &*trainer, state.clone(), cfg.ckpt.keep).await?;
         }
         log.write_plots(&run_dir, "temper RL run", PLOTTED, &samples.html())?;
+        if let Some(a) = alerts.stopping(&raised) {
+            return Err(RlError::Alert(a.to_string()));
+        }
     }
     drop(rollouts);
 

@@ -1,13 +1,15 @@
-//! The run directory's record: `metrics.jsonl` (one JSON object per step,
-//! flushed as written), `plots.html` (a self-contained page of line charts
-//! of chosen metrics, regenerated from the records) and small atomic file
-//! writes.
+//! The run directory's record: `run.json` (what kind of run, the command
+//! that started it, and whether it is running, finished or failed),
+//! `metrics.jsonl` (one JSON object per step, flushed as written),
+//! `plots.html` (a self-contained page of line charts of chosen metrics,
+//! regenerated from the records) and small atomic file writes.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{Result, RlError};
@@ -27,6 +29,114 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         f.sync_all().map_err(|e| RlError::io(&tmp, e))?;
     }
     std::fs::rename(&tmp, path).map_err(|e| RlError::io(path, e))
+}
+
+/// How a run stands, as `run.json` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunStatus {
+    /// The trainer is (or was, if its process is gone) writing it.
+    Running,
+    /// Ran all its steps.
+    Finished,
+    /// Ended early without an error (asked to stop after some steps).
+    Stopped,
+    /// Ended with an error (`error` says which).
+    Failed,
+}
+
+/// `run.json`: written when a training run starts and rewritten when it
+/// ends, so `temper view` can tell a run that is going from one that
+/// finished or failed (a run whose `pid` is gone while `running` was
+/// killed), and repeat it (`command`, run from `cwd`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunInfo {
+    /// What trained it: `rl`, `distill`, `sft`, ...
+    pub kind: String,
+    /// The command line of the process (argv).
+    pub command: Vec<String>,
+    /// The directory it ran in.
+    pub cwd: PathBuf,
+    /// Its process id.
+    pub pid: u32,
+    /// Unix seconds when this session started.
+    pub started: u64,
+    /// How it stands.
+    pub status: RunStatus,
+    /// Unix seconds when it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<u64>,
+    /// The error it ended with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The open `run.json` of a run: [`RunRecord::start`] writes it as
+/// running, [`RunRecord::end`] with how it ended.
+pub struct RunRecord {
+    path: PathBuf,
+    info: RunInfo,
+}
+
+impl RunRecord {
+    /// Write `dir/run.json` for a run of `kind` started by this process.
+    pub fn start(dir: &Path, kind: &str) -> Result<Self> {
+        let info = RunInfo {
+            kind: kind.into(),
+            command: std::env::args().collect(),
+            cwd: std::env::current_dir().unwrap_or_default(),
+            pid: std::process::id(),
+            started: unix_now(),
+            status: RunStatus::Running,
+            ended: None,
+            error: None,
+        };
+        let rec = Self {
+            path: dir.join("run.json"),
+            info,
+        };
+        rec.write()?;
+        Ok(rec)
+    }
+
+    fn write(&self) -> Result<()> {
+        let text = serde_json::to_string_pretty(&self.info)
+            .map_err(|e| RlError::Data(format!("run.json: {e}")))?;
+        write_atomic(&self.path, text.as_bytes())
+    }
+
+    /// Record how the run ended: `Ok(true)` finished, `Ok(false)` stopped
+    /// early, `Err` failed with that message.
+    pub fn end(mut self, outcome: std::result::Result<bool, String>) -> Result<()> {
+        self.info.ended = Some(unix_now());
+        match outcome {
+            Ok(true) => self.info.status = RunStatus::Finished,
+            Ok(false) => self.info.status = RunStatus::Stopped,
+            Err(e) => {
+                self.info.status = RunStatus::Failed;
+                self.info.error = Some(e);
+            }
+        }
+        self.write()
+    }
+}
+
+/// Read `dir/run.json` (`None` when there is none).
+pub fn read_run_info(dir: &Path) -> Result<Option<RunInfo>> {
+    let path = dir.join("run.json");
+    match std::fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| RlError::Data(format!("{}: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(RlError::io(&path, e)),
+    }
 }
 
 /// Open a JSON-lines log for appending: a resumed run's (`resume`,
@@ -49,6 +159,7 @@ pub struct MetricsLog {
     file: std::fs::File,
     records: Vec<Map<String, Value>>,
     baseline: Option<Map<String, Value>>,
+    tensorboard: Option<crate::tensorboard::EventWriter>,
 }
 
 impl MetricsLog {
@@ -84,7 +195,24 @@ impl MetricsLog {
             file,
             records,
             baseline: None,
+            tensorboard: None,
         })
+    }
+
+    /// Also write each record as TensorBoard scalars, into a new event
+    /// file beside `metrics.jsonl` (`[log] tensorboard`).
+    pub fn enable_tensorboard(&mut self) -> Result<()> {
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        self.tensorboard = Some(crate::tensorboard::EventWriter::create(dir)?);
+        Ok(())
+    }
+
+    /// `text` (Markdown) for TensorBoard's text tab, when it is on.
+    pub fn tensorboard_text(&mut self, step: u64, tag: &str, text: &str) -> Result<()> {
+        match &mut self.tensorboard {
+            Some(tb) => tb.text(step, tag, text),
+            None => Ok(()),
+        }
     }
 
     /// A record plotted before the steps' but not written to
@@ -101,6 +229,9 @@ impl MetricsLog {
             .write_all(line.as_bytes())
             .and_then(|_| self.file.flush())
             .map_err(|e| RlError::io(&self.path, e))?;
+        if let Some(tb) = &mut self.tensorboard {
+            tb.scalars(&record)?;
+        }
         self.records.push(record);
         Ok(())
     }

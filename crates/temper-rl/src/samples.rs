@@ -35,6 +35,10 @@ pub struct LoggedSample {
     pub completion: String,
     /// Its reward.
     pub reward: f64,
+    /// Its advantage (reward relative to its group's); absent in files
+    /// written before it was logged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advantage: Option<f64>,
     /// Hit the token limit.
     pub truncated: bool,
     /// The error that ended the rollout, if any.
@@ -44,15 +48,24 @@ pub struct LoggedSample {
 
 impl LoggedSample {
     /// Up to `n` samples from `groups_g` (the batch trained as step
-    /// `step`, recorded as `step + 1`); `env_ids` names environments by
-    /// index.
-    pub fn pick(groups_g: &[Group], step: u64, n: usize, env_ids: &[String]) -> Vec<LoggedSample> {
+    /// `step`, recorded as `step + 1`) with their `advantages_g`;
+    /// `env_ids` names environments by index.
+    pub fn pick(
+        groups_g: &[Group],
+        advantages_g: &[Vec<f64>],
+        step: u64,
+        n: usize,
+        env_ids: &[String],
+    ) -> Vec<LoggedSample> {
         let most = groups_g.iter().map(|g| g.rollouts.len()).max().unwrap_or(0);
         (0..most)
-            .flat_map(|k| groups_g.iter().map(move |g| (g, k)))
-            .filter_map(|(g, k)| Some((g, g.rollouts.get(k)?, g.scores.get(k)?)))
+            .flat_map(|k| groups_g.iter().enumerate().map(move |(i, g)| (i, g, k)))
+            .filter_map(|(i, g, k)| {
+                let adv = advantages_g.get(i).and_then(|a| a.get(k)).copied();
+                Some((g, g.rollouts.get(k)?, g.scores.get(k)?, adv))
+            })
             .take(n)
-            .map(|(g, r, s)| LoggedSample {
+            .map(|(g, r, s, advantage)| LoggedSample {
                 step: step + 1,
                 env: env_ids
                     .get(g.env)
@@ -62,6 +75,7 @@ impl LoggedSample {
                 prompt: last_user_text(&g.row.prompt),
                 completion: transcript(&r.completion),
                 reward: s.reward,
+                advantage,
                 truncated: r.is_truncated,
                 error: r.error.clone(),
             })
@@ -188,6 +202,26 @@ impl SamplesLog {
     }
 }
 
+/// `samples` as Markdown (TensorBoard's text tab renders it).
+pub fn markdown(samples: &[LoggedSample]) -> String {
+    let mut out = String::new();
+    for s in samples {
+        let _ =
+            write!(
+            out,
+            "**{}** #{} reward {:.3}{}{}\n\n**prompt:** {}\n\n**completion:**\n\n    {}\n\n---\n\n",
+            s.env,
+            s.example_id,
+            s.reward,
+            s.advantage.map(|a| format!(", advantage {a:.3}")).unwrap_or_default(),
+            if s.truncated { ", truncated" } else { "" },
+            s.prompt,
+            s.completion.replace('\n', "\n    "),
+        );
+    }
+    out
+}
+
 fn to_line(s: &LoggedSample) -> Result<String> {
     let mut line = serde_json::to_string(s).map_err(|e| RlError::Data(format!("sample: {e}")))?;
     line.push('\n');
@@ -230,13 +264,16 @@ mod tests {
     fn samples_cover_distinct_prompts_first_and_stop_at_n() {
         let groups_g = vec![group(0, 1, &[1.0, 0.0]), group(1, 2, &[0.5, 0.25])];
         let ids = vec!["arith".to_string(), "echo".to_string()];
-        let s = LoggedSample::pick(&groups_g, 4, 3, &ids);
+        let adv = vec![vec![0.5, -0.5], vec![0.125, -0.125]];
+        let s = LoggedSample::pick(&groups_g, &adv, 4, 3, &ids);
         let picked: Vec<(u64, f64)> = s.iter().map(|s| (s.example_id, s.reward)).collect();
         assert_eq!(picked, [(1, 1.0), (2, 0.5), (1, 0.0)]);
         assert_eq!(s[0].step, 5, "recorded under the version the step made");
         assert_eq!((s[1].env.as_str(), s[1].prompt.as_str()), ("echo", "q2"));
         assert_eq!(s[0].completion, "a1 <1>");
-        assert!(LoggedSample::pick(&groups_g, 0, 0, &ids).is_empty());
+        let advs: Vec<Option<f64>> = s.iter().map(|s| s.advantage).collect();
+        assert_eq!(advs, [Some(0.5), Some(0.125), Some(-0.5)]);
+        assert!(LoggedSample::pick(&groups_g, &adv, 0, 0, &ids).is_empty());
     }
 
     #[test]
@@ -246,8 +283,14 @@ mod tests {
         let mut log = SamplesLog::open(dir.path(), None).unwrap();
         assert_eq!(log.html(), "");
         for step in 0..3 {
-            log.write(LoggedSample::pick(&[group(0, step, &[1.0])], step, 4, &ids))
-                .unwrap();
+            log.write(LoggedSample::pick(
+                &[group(0, step, &[1.0])],
+                &[vec![0.0]],
+                step,
+                4,
+                &ids,
+            ))
+            .unwrap();
         }
         let html = log.html();
         assert!(

@@ -27,7 +27,7 @@ use crate::eval::{EvalResult, Evaluator};
 use crate::plan::{DataSource, SftPlan};
 use crate::policy::{Batcher, EnginePolicy, Renderer};
 use crate::rl::RunOptions;
-use crate::runlog::{write_atomic, MetricsLog};
+use crate::runlog::{write_atomic, MetricsLog, RunRecord};
 
 /// One tokenized conversation: the input tokens and, per position, the
 /// target (the next token) and its loss weight.
@@ -336,6 +336,19 @@ where
         &run_dir.join("config.toml"),
         crate::config::to_toml(cfg.config())?.as_bytes(),
     )?;
+    let record = RunRecord::start(&run_dir, "sft")?;
+    let stop_early = opts.stop_after.is_some();
+    let out = sft_loop(cfg, opts, &run_dir).await;
+    record.end(match &out {
+        Ok(_) => Ok(!stop_early),
+        Err(e) => Err(e.to_string()),
+    })?;
+    out
+}
+
+/// [`run_sft`] once the run directory is set up.
+async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftOutcome> {
+    let run_dir = run_dir.to_path_buf();
     let (base, trainer) =
         crate::trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir).await?;
     let examples = {
@@ -366,6 +379,9 @@ where
     let state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
     let (start, mut eval_before) = (state.step, state.eval_before);
     let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
+    if cfg.log.tensorboard {
+        log.enable_tensorboard()?;
+    }
     let evaluator = match Evaluator::for_sft(&cfg, max_steps).await? {
         Some(ev) => Some((ev, SftPolicy::new(&base, trainer.clone())?)),
         None => None,

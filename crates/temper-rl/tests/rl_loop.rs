@@ -292,3 +292,62 @@ fn issue_12_samples_are_logged_and_the_step_0_eval_is_plotted() {
     let text = std::fs::read_to_string(e.path().join("samples.jsonl")).unwrap();
     assert!(text.is_empty());
 }
+
+/// Issue 34: a run records itself in run.json (running, then how it
+/// ended, with its command line), writes the alerts a step raised into its
+/// metrics.jsonl line, and stops only on an alert `[alerts] stop_on` names.
+#[test]
+fn alerts_are_logged_and_stop_the_run_only_when_stop_on_names_them() {
+    use temper_rl::runlog::{read_run_info, RunStatus};
+    // Every step's truncation rate is ≥ 0: the rule holds from step 1; the
+    // other rules are set so that they cannot hold.
+    let alerts = "[alerts]\nwindow = 1\ntruncation_rate = 0.0\nlength_growth = 1e9\n\
+                  entropy_collapse = 0.0\nzero_advantage = 2.0\nmismatch = 1e9\n";
+    let d = tempfile::tempdir().unwrap();
+    let out = rt()
+        .block_on(run_rl(tiny_config(d.path(), alerts), RunOptions::default()))
+        .unwrap();
+    assert_eq!(out.steps, 4, "an alert alone never stops a run");
+    let text = std::fs::read_to_string(d.path().join("metrics.jsonl")).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let first = lines[0]["alerts"]
+        .as_array()
+        .expect("step 1 raised an alert");
+    assert!(
+        first[0].as_str().unwrap().starts_with("truncation: "),
+        "{first:?}"
+    );
+    assert!(
+        lines[1].get("alerts").is_none(),
+        "raised once while it holds"
+    );
+    let info = read_run_info(d.path()).unwrap().unwrap();
+    assert_eq!(
+        (info.kind.as_str(), info.status),
+        ("rl", RunStatus::Finished)
+    );
+    assert_eq!(info.pid, std::process::id());
+    assert!(!info.command.is_empty() && info.ended.is_some());
+
+    let d = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(d.path(), &format!("{alerts}stop_on = [\"truncation\"]\n"));
+    let e = rt()
+        .block_on(run_rl(cfg, RunOptions::default()))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("stopped by alert truncation: "),
+        "{e}"
+    );
+    let text = std::fs::read_to_string(d.path().join("metrics.jsonl")).unwrap();
+    assert_eq!(
+        text.lines().count(),
+        1,
+        "stopped after the step that raised it"
+    );
+    let info = read_run_info(d.path()).unwrap().unwrap();
+    assert_eq!(info.status, RunStatus::Failed);
+    assert!(info.error.unwrap().contains("stopped by alert"));
+}

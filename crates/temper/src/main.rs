@@ -66,7 +66,7 @@ enum Command {
     Hub(hub_cmd::HubCommand),
     /// Store a hub URL and API token for `temper env push/pull`.
     Login(hub_cmd::LoginArgs),
-    /// Summarise an eval run and write its HTML report.
+    /// Watch runs live in a browser (a runs directory), or summarise an eval run and write its HTML report.
     View(view::ViewArgs),
     /// A mock OpenAI-compatible server with fault injection (tests, benchmarks).
     #[command(hide = true)]
