@@ -92,6 +92,8 @@ pub mod advantage;
 pub mod checkpoint;
 pub mod config;
 pub mod datum;
+pub mod dpo;
+pub mod dpo_online;
 pub mod error;
 pub mod eval;
 pub mod metrics;
@@ -111,4 +113,4 @@ pub mod trainer;
 
 pub use error::{Result, RlError};
 pub use metrics::StepMetrics;
-pub use plan::{RlPlan, SftPlan};
+pub use plan::{DpoPlan, RlPlan, SftPlan};
