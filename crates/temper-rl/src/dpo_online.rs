@@ -79,7 +79,8 @@ impl Online {
     }
 
     /// Step `step`'s pairs, their reference logprobs, and what sampling
-    /// them measured (`reward/mean`, `pairs`, `pairs/skipped`, `time/sample`).
+    /// them measured (`reward/mean`, `pairs`, `pairs/skipped`,
+    /// `rollouts/errors`, `time/sample`).
     pub async fn pairs(
         &self,
         step: u64,
@@ -104,6 +105,12 @@ impl Online {
             .await;
         self.trainer.release_sampler(&handle).await?;
         let (mut pairs, mut skipped, mut rewards) = (Vec::new(), 0usize, Vec::new());
+        let errors = batch
+            .groups_g
+            .iter()
+            .flat_map(|g| g.rollouts.iter().zip(&g.scores))
+            .filter(|(r, s)| r.error.is_some() || s.error.is_some())
+            .count();
         for g in &batch.groups_g {
             let r = g.rewards_r();
             rewards.extend(&r);
@@ -127,6 +134,7 @@ impl Online {
         );
         info.insert("pairs".into(), json!(pairs.len()));
         info.insert("pairs/skipped".into(), json!(skipped));
+        info.insert("rollouts/errors".into(), json!(errors));
         info.insert("time/sample".into(), json!(sample_s));
         Ok((pairs, refs, info))
     }
