@@ -611,10 +611,13 @@ impl DpoConfig {
         let mut root = to_value(self)?;
         drop_model_keys(&mut root, &self.model);
         remove(&mut root, &["log", "samples"]);
-        if self.data.env.is_none() {
-            for k in ["group_size", "temperature", "max_tokens"] {
-                remove(&mut root, &["data", k]);
-            }
+        let unused: &[&str] = if self.data.env.is_none() {
+            &["group_size", "temperature", "max_tokens"]
+        } else {
+            &["eval_fraction"]
+        };
+        for k in unused {
+            remove(&mut root, &["data", k]);
         }
         pretty(&root)
     }
