@@ -175,3 +175,66 @@ fn pair_of(g: &crate::rollout::Group) -> Option<PrefPair> {
         rejected: worst.1.completion_ids.clone(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rollout::Group;
+    use temper_env::{Message, ModelTurn, Rollout, Row, Score, TokenTrace, Usage};
+
+    fn rollout(completion: &[u32], turns: usize) -> Rollout {
+        let turn = ModelTurn {
+            message: Message::assistant("x"),
+            finish_reason: "stop".into(),
+            usage: Usage::default(),
+            trace: Some(TokenTrace {
+                prompt_ids: vec![1, 2],
+                completion_ids: completion.to_vec(),
+                logprobs: vec![-1.0; completion.len()],
+                version: 0,
+                temperature: 1.0,
+            }),
+        };
+        Rollout {
+            model_turns: vec![turn; turns],
+            ..Rollout::default()
+        }
+    }
+
+    fn group(rewards: &[f64], turns: usize) -> Group {
+        Group {
+            env: 0,
+            row: Row {
+                example_id: 0,
+                prompt: vec![Message::user("q")],
+                answer: None,
+                info: serde_json::Value::Null,
+            },
+            rollouts: (0..rewards.len())
+                .map(|i| rollout(&[10 + i as u32], turns))
+                .collect(),
+            scores: rewards
+                .iter()
+                .map(|&reward| Score {
+                    reward,
+                    ..Score::default()
+                })
+                .collect(),
+            version: 0,
+        }
+    }
+
+    #[test]
+    fn the_best_and_worst_rollouts_pair_up_and_ties_and_episodes_are_skipped() {
+        let p = pair_of(&group(&[0.5, 1.0, 0.0, 0.5], 1)).unwrap();
+        assert_eq!(p.prompt, vec![1, 2]);
+        assert_eq!(p.chosen, vec![11], "reward 1.0");
+        assert_eq!(p.rejected, vec![12], "reward 0.0");
+        assert!(pair_of(&group(&[0.5, 0.5, 0.5], 1)).is_none(), "a tie");
+        assert!(pair_of(&group(&[0.0, 1.0], 2)).is_none(), "multi-turn");
+        // A rollout that failed to score is no evidence either way.
+        let mut g = group(&[0.0, 1.0, 0.5], 1);
+        g.scores[0].error = Some("sandbox down".into());
+        assert_eq!(pair_of(&g).unwrap().rejected, vec![12]);
+    }
+}

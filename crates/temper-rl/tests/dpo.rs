@@ -221,3 +221,59 @@ args = { max_chars = 8 }
             || num(&out.metrics[0], "pairs") == 0.0
     );
 }
+
+/// examples/smollm2-dpo/dpo.toml on SmolLM2 (minutes):
+/// `TEMPER_SMOLLM2_GGUF=$(scripts/fetch_smollm2.sh) cargo test -p temper-rl
+/// --test dpo smollm2 -- --ignored --nocapture`. `TEMPER_DPO_QUICK=N` trains
+/// on the file's first N pairs (a quarter held out) for 3 steps of 4 pairs,
+/// without the environment's evaluation, for a loaded machine.
+#[test]
+#[ignore = "needs SmolLM2's GGUF (TEMPER_SMOLLM2_GGUF) and minutes of CPU"]
+fn smollm2_dpo_example_learns_the_answer_format() {
+    let gguf = std::env::var("TEMPER_SMOLLM2_GGUF").expect("TEMPER_SMOLLM2_GGUF");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let d = tempfile::tempdir().unwrap();
+    let at = |p: &str| root.join(p).display().to_string();
+    let overrides = [
+        ("model.path", gguf),
+        ("data.path", at("examples/smollm2-dpo/prefs.jsonl")),
+        ("eval.env", at("examples/smollm2-rl/env")),
+        ("log.dir", d.path().join("run").display().to_string()),
+    ]
+    .map(|(k, v)| (k.to_string(), v));
+    let mut cfg: DpoConfig =
+        config::load(&root.join("examples/smollm2-dpo/dpo.toml"), &overrides).unwrap();
+    if let Ok(n) = std::env::var("TEMPER_DPO_QUICK") {
+        let n: usize = n.parse().expect("TEMPER_DPO_QUICK: a number of pairs");
+        let text = std::fs::read_to_string(at("examples/smollm2-dpo/prefs.jsonl")).unwrap();
+        let subset = d.path().join("prefs.jsonl");
+        let lines: Vec<&str> = text.lines().take(n).collect();
+        std::fs::write(&subset, lines.join("\n")).unwrap();
+        cfg.data.path = Some(subset);
+        cfg.data.eval_fraction = 0.25;
+        cfg.trainer.batch_size = 4;
+        cfg.trainer.max_steps = 3;
+        cfg.eval.num_examples = 0;
+    }
+    let t0 = std::time::Instant::now();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let out = rt.block_on(run_dpo(cfg, RunOptions::default())).unwrap();
+    let (before, after) = (out.heldout_before.unwrap(), out.heldout_after.unwrap());
+    let pass = |e: &Option<temper_rl::rl::EvalResult>| e.as_ref().map(|e| e.pass_at_1);
+    eprintln!(
+        "smollm2 dpo: {} steps in {:.0}s; last loss {:.4}, accuracy {:.2}; held-out pairs loss {:.4} -> {:.4}, accuracy {:.2} -> {:.2}, margin {:.3} -> {:.3}; env pass@1 {:?} -> {:?}",
+        out.steps,
+        t0.elapsed().as_secs_f64(),
+        num(&out.last, "loss"),
+        num(&out.last, "rewards/accuracies"),
+        num(&before, "eval/loss"),
+        num(&after, "eval/loss"),
+        num(&before, "eval/rewards/accuracies"),
+        num(&after, "eval/rewards/accuracies"),
+        num(&before, "eval/rewards/margins"),
+        num(&after, "eval/rewards/margins"),
+        pass(&out.eval_before),
+        pass(&out.eval_after),
+    );
+    assert!(num(&after, "eval/loss") < num(&before, "eval/loss"));
+}
