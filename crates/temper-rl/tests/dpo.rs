@@ -277,3 +277,35 @@ fn smollm2_dpo_example_learns_the_answer_format() {
     );
     assert!(num(&after, "eval/loss") < num(&before, "eval/loss"));
 }
+
+/// examples/smollm2-dpo/online.toml on SmolLM2, shortened to 2 steps of 2
+/// prompts and no evaluation: `TEMPER_SMOLLM2_GGUF=… cargo test -p
+/// temper-rl --test dpo smollm2 -- --ignored --nocapture`.
+#[test]
+#[ignore = "needs SmolLM2's GGUF (TEMPER_SMOLLM2_GGUF) and minutes of CPU"]
+fn smollm2_online_dpo_pairs_sampled_answers() {
+    let gguf = std::env::var("TEMPER_SMOLLM2_GGUF").expect("TEMPER_SMOLLM2_GGUF");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let d = tempfile::tempdir().unwrap();
+    let overrides = [
+        ("model.path", gguf),
+        (
+            "data.env.id",
+            root.join("examples/smollm2-rl/env").display().to_string(),
+        ),
+        ("log.dir", d.path().join("run").display().to_string()),
+        ("trainer.max_steps", "2".into()),
+        ("trainer.batch_size", "2".into()),
+        ("eval.num_examples", "0".into()),
+    ]
+    .map(|(k, v)| (k.to_string(), v));
+    let cfg: DpoConfig =
+        config::load(&root.join("examples/smollm2-dpo/online.toml"), &overrides).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let out = rt.block_on(run_dpo(cfg, RunOptions::default())).unwrap();
+    for m in &out.metrics {
+        eprintln!("smollm2 online dpo: {}", Value::Object(m.clone()));
+        assert_eq!(num(m, "rollouts/errors"), 0.0);
+    }
+    assert_eq!(out.steps, 2);
+}
