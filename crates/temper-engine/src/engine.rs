@@ -256,6 +256,24 @@ impl Engine {
         self.submit(move |s| s.run(&run)?.forward_backward(&data, &loss))
     }
 
+    /// [`TrainingRun::accumulated_grads`], flattened to f32 and sorted by
+    /// name (what a test compares with another framework's gradients).
+    pub fn accumulated_grads(&self, run: &str) -> Pending<Vec<(String, Vec<f32>)>> {
+        let run = run.to_string();
+        self.submit(move |s| {
+            let mut out = Vec::new();
+            for (name, g) in s.run(&run)?.accumulated_grads() {
+                let g = g
+                    .to_dtype(temper_model::candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                out.push((name.clone(), g));
+            }
+            out.sort_by(|a, b| a.0.cmp(&b.0));
+            Ok(out)
+        })
+    }
+
     /// [`TrainingRun::optim_step`].
     pub fn optim_step(&self, run: &str, params: AdamParams) -> Pending<StepStats> {
         let run = run.to_string();

@@ -521,6 +521,113 @@ pub struct SftConfig {
     pub remote_trainer: RemoteTrainerSection,
 }
 
+/// `[data]` of `temper train dpo`: preference pairs from a file, or made
+/// online from an environment's reward.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefDataSection {
+    /// Preference JSONL/Parquet in TRL's formats: `prompt` + `chosen` +
+    /// `rejected` (text or message lists), or `chosen` + `rejected`
+    /// conversations sharing their first messages (the implicit prompt).
+    pub path: Option<PathBuf>,
+    /// Held-out pairs (a second file), scored before, during and after training.
+    pub eval_path: Option<PathBuf>,
+    /// Or hold out this fraction (0..1) of `path`'s pairs (seeded).
+    pub eval_fraction: f64,
+    /// Passes over `path` (training stops at whichever of `epochs` and
+    /// `trainer.max_steps` comes first).
+    pub epochs: Option<u64>,
+    /// Or online DPO: prompts of this environment; each is sampled
+    /// `group_size` times by the current policy and the highest- and
+    /// lowest-reward completions become a pair (ties are skipped).
+    pub env: Option<EnvSection>,
+    /// With `env`: completions sampled per prompt.
+    pub group_size: usize,
+    /// With `env`: sampling temperature.
+    pub temperature: f64,
+    /// With `env`: most tokens per completion.
+    pub max_tokens: usize,
+}
+
+impl Default for PrefDataSection {
+    fn default() -> Self {
+        Self {
+            path: None,
+            eval_path: None,
+            eval_fraction: 0.0,
+            epochs: None,
+            env: None,
+            group_size: 4,
+            temperature: 1.0,
+            max_tokens: 256,
+        }
+    }
+}
+
+/// `[dpo]`: the preference objective.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DpoSection {
+    /// `sigmoid` (the DPO paper's loss) or `ipo` (on per-token average
+    /// logprobs, as TRL computes it).
+    pub loss: String,
+    /// Strength of the pull towards the reference policy.
+    pub beta: f64,
+}
+
+impl Default for DpoSection {
+    fn default() -> Self {
+        Self {
+            loss: "sigmoid".into(),
+            beta: 0.1,
+        }
+    }
+}
+
+/// `temper train dpo` config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct DpoConfig {
+    /// Base seed (data order, held-out split, LoRA init, sampling).
+    pub seed: u64,
+    /// Model.
+    pub model: ModelSection,
+    /// LoRA.
+    pub lora: LoraSection,
+    /// Preference data.
+    pub data: PrefDataSection,
+    /// The objective.
+    pub dpo: DpoSection,
+    /// Trainer (as SFT's; `batch_size` counts pairs, or prompts online).
+    pub trainer: SftTrainerSection,
+    /// Evaluation on an environment (optional).
+    pub eval: EvalSection,
+    /// Checkpoints.
+    pub ckpt: CkptSection,
+    /// Logging.
+    pub log: LogSection,
+}
+
+impl DpoConfig {
+    /// The resolved config as `--dry-run` prints it: only the keys that
+    /// apply (the online keys only with `[data] env`, no RL-only
+    /// `log.samples`). It parses back to the same config.
+    pub fn dry_run(&self) -> Result<String> {
+        let mut root = to_value(self)?;
+        drop_model_keys(&mut root, &self.model);
+        remove(&mut root, &["log", "samples"]);
+        let unused: &[&str] = if self.data.env.is_none() {
+            &["group_size", "temperature", "max_tokens"]
+        } else {
+            &["eval_fraction"]
+        };
+        for k in unused {
+            remove(&mut root, &["data", k]);
+        }
+        pretty(&root)
+    }
+}
+
 /// Parse `text` (TOML), apply `overrides` (`key.path=value` pairs, value as
 /// a TOML literal or else a string) and deserialize.
 pub fn resolve<T: serde::de::DeserializeOwned>(

@@ -93,6 +93,8 @@ pub mod alerts;
 pub mod checkpoint;
 pub mod config;
 pub mod datum;
+pub mod dpo;
+pub mod dpo_online;
 pub mod error;
 pub mod eval;
 pub mod metrics;
@@ -113,4 +115,4 @@ pub mod trainer;
 
 pub use error::{Result, RlError};
 pub use metrics::StepMetrics;
-pub use plan::{RlPlan, SftPlan};
+pub use plan::{DpoPlan, RlPlan, SftPlan};

@@ -16,8 +16,8 @@ use temper_engine::Loss;
 use temper_model::{LoraConfig, Precision, Target};
 
 use crate::config::{
-    DataSection, DistillSection, EnvSection, LoraSection, ModelSection, RemoteTrainerSection,
-    RlConfig, RlTrainerSection, SftConfig, SftTrainerSection,
+    DataSection, DistillSection, DpoConfig, EnvSection, LoraSection, ModelSection, PrefDataSection,
+    RemoteTrainerSection, RlConfig, RlTrainerSection, SftConfig, SftTrainerSection,
 };
 use crate::error::{Result, RlError};
 use crate::preset::TinyPreset;
@@ -288,6 +288,157 @@ impl TryFrom<SftConfig> for SftPlan {
             remote,
             cfg,
         })
+    }
+}
+
+/// DPO's loss on a pair's log-ratios (TRL's `loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DpoLoss {
+    /// `−log σ(β·((π_c − ref_c) − (π_r − ref_r)))`, sums over completion tokens.
+    Sigmoid,
+    /// `(Δ_c/n_c − Δ_r/n_r − 1/(2β))²`: log-ratios averaged per completion token.
+    Ipo,
+}
+
+/// Where a DPO run's pairs come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PrefSource {
+    /// A preference file, for at most `epochs` passes, with its held-out pairs.
+    File {
+        /// The training file.
+        path: PathBuf,
+        /// Held-out pairs from a second file.
+        eval_path: Option<PathBuf>,
+        /// Or this fraction of `path` held out.
+        eval_fraction: f64,
+        /// Passes over it.
+        epochs: Option<u64>,
+    },
+    /// Online: groups sampled from an environment's prompts.
+    Env {
+        /// The environment.
+        env: EnvSection,
+        /// Completions per prompt (>= 2).
+        group_size: usize,
+        /// Sampling temperature.
+        temperature: f64,
+        /// Most tokens per completion.
+        max_tokens: usize,
+    },
+}
+
+/// A checked `temper train dpo` run.
+#[derive(Debug, Clone)]
+pub struct DpoPlan {
+    cfg: DpoConfig,
+    /// `[model]` + `[lora]`.
+    pub model: ModelPlan,
+    /// `[trainer]`'s optimiser settings.
+    pub optim: Optim,
+    /// `[data]`.
+    pub data: PrefSource,
+    /// `[dpo] loss`.
+    pub loss: DpoLoss,
+    /// `[dpo] beta`.
+    pub beta: f64,
+}
+
+impl Deref for DpoPlan {
+    type Target = DpoConfig;
+    fn deref(&self) -> &DpoConfig {
+        &self.cfg
+    }
+}
+
+impl DpoPlan {
+    /// The file this plan was checked from (saved as the run's `config.toml`).
+    pub fn config(&self) -> &DpoConfig {
+        &self.cfg
+    }
+}
+
+impl TryFrom<DpoConfig> for DpoPlan {
+    type Error = RlError;
+
+    fn try_from(cfg: DpoConfig) -> Result<Self> {
+        let model = model_plan(&cfg.model, &cfg.lora)?;
+        let loss = match cfg.dpo.loss.as_str() {
+            "sigmoid" => DpoLoss::Sigmoid,
+            "ipo" => DpoLoss::Ipo,
+            other => return bad(format!("dpo.loss {other:?}: use \"sigmoid\" or \"ipo\"")),
+        };
+        if !(cfg.dpo.beta.is_finite() && cfg.dpo.beta > 0.0) {
+            return bad(format!("dpo.beta must be > 0, got {}", cfg.dpo.beta));
+        }
+        let data = pref_source(&cfg.data)?;
+        let t: &SftTrainerSection = &cfg.trainer;
+        if t.batch_size == 0 {
+            return bad("trainer.batch_size must be >= 1");
+        }
+        if t.max_seq_len == 0 {
+            return bad("trainer.max_seq_len must be >= 1");
+        }
+        let optim = Optim {
+            lr: t.lr,
+            warmup_steps: t.warmup_steps,
+            batch_size: t.batch_size,
+            micro_batch: t.micro_batch,
+            grad_clip: t.grad_clip,
+            weight_decay: t.weight_decay,
+            max_steps: t.max_steps,
+        };
+        Ok(Self {
+            model,
+            optim,
+            data,
+            loss,
+            beta: cfg.dpo.beta,
+            cfg,
+        })
+    }
+}
+
+fn pref_source(d: &PrefDataSection) -> Result<PrefSource> {
+    match (&d.path, &d.env) {
+        (Some(path), None) => {
+            if !(0.0..1.0).contains(&d.eval_fraction) {
+                return bad("data.eval_fraction must be in [0, 1)");
+            }
+            if d.eval_path.is_some() && d.eval_fraction > 0.0 {
+                return bad("[data] has both `eval_path` and `eval_fraction`; pick one");
+            }
+            Ok(PrefSource::File {
+                path: path.clone(),
+                eval_path: d.eval_path.clone(),
+                eval_fraction: d.eval_fraction,
+                epochs: d.epochs,
+            })
+        }
+        (None, Some(env)) => {
+            if d.eval_path.is_some() || d.eval_fraction > 0.0 || d.epochs.is_some() {
+                return bad(
+                    "data.eval_path, eval_fraction and epochs go with a preference file (`path`); \
+                     online DPO is evaluated on the environment ([eval])",
+                );
+            }
+            if d.group_size < 2 {
+                return bad("data.group_size must be >= 2 (a pair needs two completions)");
+            }
+            if !(d.temperature.is_finite() && d.temperature > 0.0) {
+                return bad("data.temperature must be > 0 (greedy groups are all alike)");
+            }
+            if d.max_tokens == 0 {
+                return bad("data.max_tokens must be >= 1");
+            }
+            Ok(PrefSource::Env {
+                env: env.clone(),
+                group_size: d.group_size,
+                temperature: d.temperature,
+                max_tokens: d.max_tokens,
+            })
+        }
+        (Some(_), Some(_)) => bad("[data] has both `path` and `env`; pick one"),
+        (None, None) => bad("[data] needs `path` (preference JSONL/Parquet) or `env` (online DPO)"),
     }
 }
 

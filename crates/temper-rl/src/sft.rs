@@ -522,14 +522,14 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
 }
 
 /// The SFT run's current weights as a chat model, for evaluation.
-struct SftPolicy {
+pub(crate) struct SftPolicy {
     trainer: Arc<dyn Trainer>,
     renderer: Renderer,
     batcher: Batcher,
 }
 
 impl SftPolicy {
-    fn new(base: &Arc<Pretrained>, trainer: Arc<dyn Trainer>) -> Result<Self> {
+    pub(crate) fn new(base: &Arc<Pretrained>, trainer: Arc<dyn Trainer>) -> Result<Self> {
         Ok(Self {
             renderer: Renderer::new(base.clone())?,
             batcher: Batcher::spawn(trainer.clone()),
@@ -538,7 +538,12 @@ impl SftPolicy {
     }
 
     /// Evaluate the weights after `step` steps, then drop their snapshot.
-    async fn evaluate(&self, ev: &Evaluator, run_dir: &Path, step: u64) -> Result<EvalResult> {
+    pub(crate) async fn evaluate(
+        &self,
+        ev: &Evaluator,
+        run_dir: &Path,
+        step: u64,
+    ) -> Result<EvalResult> {
         let handle = self
             .trainer
             .save_weights_for_sampler(&format!("sft-eval-{step}"))

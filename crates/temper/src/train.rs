@@ -1,14 +1,14 @@
-//! `temper train rl|sft`, `temper quickstart` and `temper generate-sft`.
+//! `temper train rl|sft|dpo`, `temper quickstart` and `temper generate-sft`.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use temper_rl::config::{self, RlConfig, SftConfig};
+use temper_rl::config::{self, DpoConfig, RlConfig, SftConfig};
 use temper_rl::quickstart::{quickstart, QuickstartOptions};
 use temper_rl::rl::{run_rl, RunOptions};
 use temper_rl::sft::run_sft;
-use temper_rl::{RlPlan, SftPlan};
+use temper_rl::{DpoPlan, RlPlan, SftPlan};
 
 /// Training commands.
 #[derive(Subcommand)]
@@ -17,6 +17,9 @@ pub enum TrainCommand {
     Rl(TrainArgs),
     /// Supervised fine-tuning on chat data (loss on assistant tokens).
     Sft(TrainArgs),
+    /// Direct preference optimisation on chosen/rejected pairs (TRL's
+    /// formats), or on pairs sampled online from an environment.
+    Dpo(TrainArgs),
 }
 
 /// A config file plus dotted-key overrides.
@@ -182,6 +185,57 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             println!(
                 "done: {} steps; last loss {:.4}{eval}",
                 out.steps, out.final_loss
+            );
+            finish.print(&out.output, &dir, out.eval_after.as_ref());
+            Ok(())
+        }
+        TrainCommand::Dpo(args) => {
+            let mut r = resolve::<DpoConfig>(&args, |c, d| c.log.dir = d)?;
+            if let Some(e) = &mut r.cfg.data.env {
+                pull_env(e)?;
+            }
+            let plan = DpoPlan::try_from(r.cfg)?;
+            if r.dry_run {
+                print!("{}", plan.config().dry_run()?);
+                return Ok(());
+            }
+            let dir = plan.log.dir.clone();
+            let c = plan.config();
+            let env = c.data.env.as_ref();
+            let finish = Finish::of(&c.model, &c.lora, &c.eval, env);
+            let out = runtime()?.block_on(temper_rl::dpo::run_dpo(
+                plan,
+                RunOptions {
+                    resume: r.resume,
+                    stop_after: None,
+                },
+            ))?;
+            let get = |m: &serde_json::Map<String, serde_json::Value>, k: &str| {
+                m.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN)
+            };
+            let heldout = match (&out.heldout_before, &out.heldout_after) {
+                (Some(b), Some(a)) => format!(
+                    "; held-out pairs: accuracy {:.2} -> {:.2}, loss {:.4} -> {:.4}",
+                    get(b, "eval/rewards/accuracies"),
+                    get(a, "eval/rewards/accuracies"),
+                    get(b, "eval/loss"),
+                    get(a, "eval/loss"),
+                ),
+                _ => String::new(),
+            };
+            let eval = match (&out.eval_before, &out.eval_after) {
+                (None, None) => String::new(),
+                (before, after) => format!(
+                    "; held-out pass@1 {} -> {}",
+                    pass_at_1(before),
+                    pass_at_1(after)
+                ),
+            };
+            println!(
+                "done: {} steps; last loss {:.4}, reward accuracy {:.2}{heldout}{eval}",
+                out.steps,
+                get(&out.last, "loss"),
+                get(&out.last, "rewards/accuracies"),
             );
             finish.print(&out.output, &dir, out.eval_after.as_ref());
             Ok(())

@@ -525,7 +525,7 @@ fn check_default(key: &str, cell: &str, default: Option<&toml::Value>, errs: &mu
 
 #[test]
 fn config_md_documents_every_key() {
-    use temper_rl::config::{RlConfig, SftConfig};
+    use temper_rl::config::{DpoConfig, RlConfig, SftConfig};
     let doc = page("config.md");
     let mut missing = Vec::new();
     let mut counts = Vec::new();
@@ -546,12 +546,14 @@ fn config_md_documents_every_key() {
     // default.
     let rl = keys_of::<RlConfig>();
     let sft = keys_of::<SftConfig>();
-    let both: BTreeSet<String> = rl.union(&sft).cloned().collect();
+    let dpo = keys_of::<DpoConfig>();
+    let both: BTreeSet<String> = rl.union(&sft).chain(&dpo).cloned().collect();
     let training = "`rl.toml` and `sft.toml`";
     need(training, &both, &mut missing);
     let defaults = [
         ("rl", toml::Value::try_from(RlConfig::default()).unwrap()),
         ("sft", toml::Value::try_from(SftConfig::default()).unwrap()),
+        ("dpo", toml::Value::try_from(DpoConfig::default()).unwrap()),
     ];
     if let Some(text) = chapter(&doc, training) {
         for k in &leaves(&both) {
@@ -562,7 +564,7 @@ fn config_md_documents_every_key() {
                 .get(3)
                 .map(|c| c.split(',').map(str::trim).collect())
                 .unwrap_or_default();
-            let truth: BTreeSet<&str> = [("rl", &rl), ("sft", &sft)]
+            let truth: BTreeSet<&str> = [("rl", &rl), ("sft", &sft), ("dpo", &dpo)]
                 .into_iter()
                 .filter(|(_, set)| set.contains(k))
                 .map(|(n, _)| n)

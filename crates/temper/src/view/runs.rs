@@ -567,7 +567,10 @@ pub fn checkpoints(
     model_path: Option<&str>,
 ) -> Vec<Checkpoint> {
     // Distillation is `temper train rl` with a teacher.
-    let trainer = if kind == "sft" { "sft" } else { "rl" };
+    let trainer = match kind {
+        "sft" | "dpo" => kind,
+        _ => "rl",
+    };
     let run = sh_quote(&dir.display().to_string());
     let base = model_path
         .map(sh_quote)
