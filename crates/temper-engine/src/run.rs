@@ -437,7 +437,7 @@ impl TrainingRun {
             Trainable::Full { model, .. } => model.as_ref(),
         };
         write_dir_atomically(dir, "model", |tmp| {
-            let weights: HashMap<String, Tensor> = model.named_weights().into_iter().collect();
+            let weights: HashMap<String, Tensor> = model.named_weights()?.into_iter().collect();
             temper_model::candle_core::safetensors::save(&weights, tmp.join("model.safetensors"))?;
             for f in [
                 "config.json",

@@ -235,7 +235,7 @@ fn write_json(path: &Path, v: &Json) -> Result<()> {
 pub fn save_hf(base: &Pretrained, model: &Model, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let weights: HashMap<String, Tensor> = model
-        .named_weights()
+        .named_weights()?
         .into_iter()
         .map(|(n, t)| Ok((n, t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?)))
         .collect::<Result<_>>()?;
@@ -504,7 +504,7 @@ pub fn save_gguf(base: &Pretrained, model: &Model, path: &Path, quant: GgufQuant
     meta.extend(tokenizer_metadata(base, cfg.vocab_size)?);
 
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    for (hf, t) in model.named_weights() {
+    for (hf, t) in model.named_weights()? {
         let name = gguf_tensor_name(&hf).ok_or_else(|| {
             ModelError::UnsupportedConfig(format!("no GGUF name for tensor {hf}"))
         })?;

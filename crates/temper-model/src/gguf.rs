@@ -22,6 +22,7 @@ use serde_json::{json, Map as JsonMap, Value as Json};
 
 use crate::config::HfConfig;
 use crate::error::{ModelError, Result};
+use crate::kernels::{QuantFormat, QuantWeight, QUANT_BLOCK};
 use crate::tokenizer::Tokenizer;
 
 /// Whether `path` is a file that starts with the GGUF magic.
@@ -455,18 +456,75 @@ impl GgufFile {
             return Err(missing());
         }
         let mut t = self.raw_tensor(&name)?;
-        if self.arch == "llama" && (name.contains(".attn_q.") || name.contains(".attn_k.")) {
-            let heads = self.req_u64("attention.head_count")? as usize;
-            let heads = if name.contains(".attn_k.") {
-                self.arch_key("attention.head_count_kv")
-                    .and_then(meta_u64)
-                    .map_or(heads, |h| h as usize)
-            } else {
-                heads
-            };
+        if let Some(heads) = self.qk_heads(&name)? {
             t = permute_qk(&t, heads, true)?;
         }
         Ok(t.to_dtype(dtype)?.to_device(device)?)
+    }
+
+    /// The tensor with Hugging Face name `hf` kept in its quantized blocks
+    /// (un-permuted like [`GgufFile::tensor`]), when it is a matrix in a
+    /// format the quantized matmul reads (Q8_0, Q4_0, Q4_1); `None` for any
+    /// other type, which [`GgufFile::tensor`] dequantizes.
+    pub fn quant_tensor(&self, hf: &str) -> Result<Option<QuantWeight>> {
+        use candle_core::quantized::GgmlDType;
+        let Some(name) = gguf_tensor_name(hf).filter(|g| self.has_tensor(g)) else {
+            return Ok(None);
+        };
+        let info = &self.content.tensor_infos[&name];
+        let format = match info.ggml_dtype {
+            GgmlDType::Q8_0 => QuantFormat::Q8_0,
+            GgmlDType::Q4_0 => QuantFormat::Q4_0,
+            GgmlDType::Q4_1 => QuantFormat::Q4_1,
+            _ => return Ok(None),
+        };
+        let (rows, cols) = match info.shape.dims() {
+            [r, c] if c.is_multiple_of(QUANT_BLOCK) => (*r, *c),
+            _ => return Ok(None),
+        };
+        let q = {
+            let mut f = self
+                .file
+                .lock()
+                .map_err(|_| ModelError::bad(&self.path, "file lock poisoned"))?;
+            self.content
+                .tensor(&mut *f, &name, &Device::Cpu)
+                .map_err(|e| ModelError::bad(&self.path, format!("tensor {name}: {e}")))?
+        };
+        let bytes = q.data()?.into_owned();
+        let row_bytes = format.row_bytes(cols);
+        if bytes.len() != rows * row_bytes {
+            return Err(ModelError::bad(
+                &self.path,
+                format!(
+                    "tensor {name}: {} bytes for {rows}×{cols} {}",
+                    bytes.len(),
+                    format.as_str()
+                ),
+            ));
+        }
+        let mut t = Tensor::from_vec(bytes, (rows, row_bytes), &Device::Cpu)?;
+        if let Some(heads) = self.qk_heads(&name)? {
+            // Rows move whole: the permutation applies to the blocks as is.
+            t = permute_qk(&t, heads, true)?;
+        }
+        Ok(Some(QuantWeight::new(t, format, cols)?))
+    }
+
+    /// The head count whose q/k row order llama.cpp permuted in `name`
+    /// (Llama's attn_q / attn_k), if any.
+    fn qk_heads(&self, name: &str) -> Result<Option<usize>> {
+        if self.arch != "llama" || !(name.contains(".attn_q.") || name.contains(".attn_k.")) {
+            return Ok(None);
+        }
+        let heads = self.req_u64("attention.head_count")? as usize;
+        Ok(Some(if name.contains(".attn_k.") {
+            self.arch_key("attention.head_count_kv")
+                .and_then(meta_u64)
+                .map_or(heads, |h| h as usize)
+        } else {
+            heads
+        }))
     }
 
     /// The chat template (`tokenizer.chat_template`), if any.

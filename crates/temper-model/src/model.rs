@@ -18,13 +18,14 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kernels::{
     causal_attention, fused_attention_supported, fused_rms_norm_supported, fused_swiglu_supported,
-    linear_nt, lora_linear, lora_linear_supported, matmul_nt, matmul_nt_packed, packed_attention,
-    use_matmul_nt, PackedBf16, PackedHeads, PackedSeq, RopeTables,
+    linear_nt, lora_linear, lora_linear_quant, lora_linear_supported, matmul_nt, matmul_nt_packed,
+    matmul_nt_quant_op, packed_attention, use_matmul_nt, PackedBf16, PackedHeads, PackedSeq,
+    QuantWeight, RopeTables,
 };
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::precision::Precision;
 use crate::rope::Rope;
-use crate::weights::Checkpoint;
+use crate::weights::{Checkpoint, Matrix};
 
 /// A linear layer `y = x·Wᵀ + b` with an optional LoRA update.
 #[derive(Debug, Clone)]
@@ -34,11 +35,17 @@ struct Linear {
     /// The bf16 weight packed for the forward (see [`PackedBf16`]); `None`
     /// for f32 weights.
     packed: Option<Arc<PackedBf16>>,
+    /// GGUF blocks kept quantized (`--dtype gguf`); `weight` then holds the
+    /// same bytes, `[out, row_bytes]` `u8`.
+    quant: Option<QuantWeight>,
 }
 
 impl Linear {
     fn load(ck: &Checkpoint, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
-        let weight = ck.get(&format!("{name}.weight"), &[out, inp])?;
+        let (weight, quant) = match ck.get_matrix(&format!("{name}.weight"), &[out, inp])? {
+            Matrix::Dense(w) => (w, None),
+            Matrix::Quant(q) => (q.blocks.clone(), Some(q)),
+        };
         let bias = if bias {
             Some(ck.get(&format!("{name}.bias"), &[out])?)
         } else {
@@ -48,7 +55,16 @@ impl Linear {
             weight,
             bias,
             packed: None,
+            quant,
         })
+    }
+
+    /// The weight as a dense tensor: quantized blocks dequantized to f32.
+    fn dense_weight(&self) -> Result<Tensor> {
+        match &self.quant {
+            Some(q) => q.dequantize(),
+            None => Ok(self.weight.detach()),
+        }
     }
 
     /// `x`: `[n, in]` → `[n, out]`.
@@ -62,6 +78,18 @@ impl Linear {
                 (p.a.as_tensor().detach(), p.b.as_tensor().detach(), scale)
             }
         });
+        if let Some(q) = &self.quant {
+            // Quantized blocks: the sampler's and the trainer's one kernel,
+            // with or without an adapter.
+            let y = match &adapter {
+                Some((a, b, scale)) => lora_linear_quant(x, q, a, b, *scale)?,
+                None => matmul_nt_quant_op(x, q)?,
+            };
+            return Ok(match &self.bias {
+                Some(bias) => y.broadcast_add(bias)?,
+                None => y,
+            });
+        }
         if let Some((a, b, scale)) = &adapter {
             if lora_linear_supported(x, &self.weight, a, b) {
                 // The base matmul and the update in one op (`kernels`).
@@ -476,13 +504,20 @@ impl Model {
         if precision == self.precision() || !self.device.is_cpu() {
             return Ok(());
         }
+        if self.is_quantized() {
+            return Err(ModelError::InvalidInput(format!(
+                "this model keeps its GGUF weights quantized (--dtype gguf); load it with --dtype {precision} to dequantize them"
+            )));
+        }
         if self.embed.is_variable() {
             return Err(ModelError::InvalidInput(
                 "full-parameter training keeps f32 weights: use --dtype f32".into(),
             ));
         }
         let dtype = match precision {
-            Precision::F32 => DType::F32,
+            // Nothing quantized to keep (a safetensors checkpoint, or a GGUF
+            // without Q8_0 / Q4_0 / Q4_1 matrices): f32.
+            Precision::F32 | Precision::Gguf => DType::F32,
             Precision::Bf16 => DType::BF16,
         };
         let convert = |t: &mut Tensor| -> Result<()> {
@@ -491,7 +526,7 @@ impl Model {
         };
         let pack = |t: &Tensor| -> Result<Option<Arc<PackedBf16>>> {
             Ok(match precision {
-                Precision::F32 => None,
+                Precision::F32 | Precision::Gguf => None,
                 Precision::Bf16 => Some(Arc::new(PackedBf16::from_tensor(t)?)),
             })
         };
@@ -514,9 +549,18 @@ impl Model {
     pub fn precision(&self) -> Precision {
         if self.head_packed.is_some() {
             Precision::Bf16
+        } else if self.is_quantized() {
+            Precision::Gguf
         } else {
             Precision::F32
         }
+    }
+
+    /// Whether some linear layer keeps GGUF blocks (see [`Precision::Gguf`]).
+    pub fn is_quantized(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|l| l.linears().iter().any(|(_, lin)| lin.quant.is_some()))
     }
 
     /// The configuration.
@@ -539,7 +583,7 @@ impl Model {
     pub fn make_trainable(&mut self) -> Result<Vec<(String, Var)>> {
         if self.precision() != Precision::F32 {
             return Err(ModelError::InvalidInput(format!(
-                "full-parameter training needs f32 weights, and this model holds {} ones: load it with --dtype f32",
+                "full-parameter training needs f32 weights, and this model holds {} ones: load it with --dtype f32 (or train a LoRA)",
                 self.precision()
             )));
         }
@@ -602,7 +646,9 @@ impl Model {
                 copy(n)?;
             }
             for (_, lin) in l.linears_mut() {
-                copy(&mut lin.weight)?;
+                if lin.quant.is_none() {
+                    copy(&mut lin.weight)?;
+                }
                 if let Some(b) = lin.bias.as_mut() {
                     copy(b)?;
                 }
@@ -623,9 +669,13 @@ impl Model {
                         p.b.as_tensor()
                             .matmul(p.a.as_tensor())?
                             .affine(scale, 0.0)?;
-                    // Merged in f32, then stored back in the weight's dtype.
-                    let dtype = lin.weight.dtype();
-                    lin.weight = (lin.weight.detach().to_dtype(delta.dtype())? + delta.detach())?
+                    // Merged in f32, then stored back in the weight's dtype
+                    // (quantized blocks: dequantized, the merge is f32).
+                    let dtype = match lin.quant.take() {
+                        Some(_) => DType::F32,
+                        None => lin.weight.dtype(),
+                    };
+                    lin.weight = (lin.dense_weight()?.to_dtype(delta.dtype())? + delta.detach())?
                         .to_dtype(dtype)?;
                     if lin.packed.is_some() {
                         lin.packed = Some(Arc::new(PackedBf16::from_tensor(&lin.weight)?));
@@ -637,8 +687,8 @@ impl Model {
     }
 
     /// Every weight under its Hugging Face checkpoint name (tied `lm_head`
-    /// omitted), for saving.
-    pub fn named_weights(&self) -> Vec<(String, Tensor)> {
+    /// omitted), for saving; quantized blocks dequantized to f32.
+    pub fn named_weights(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed.detach())];
         for (i, l) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
@@ -648,7 +698,7 @@ impl Model {
                 l.post_norm.detach(),
             ));
             for (t, lin) in l.linears() {
-                out.push((format!("{p}.{}.weight", t.path()), lin.weight.detach()));
+                out.push((format!("{p}.{}.weight", t.path()), lin.dense_weight()?));
                 if let Some(b) = &lin.bias {
                     out.push((format!("{p}.{}.bias", t.path()), b.detach()));
                 }
@@ -664,7 +714,7 @@ impl Model {
         if let Some(h) = &self.lm_head {
             out.push(("lm_head.weight".into(), h.detach()));
         }
-        out
+        Ok(out)
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<()> {

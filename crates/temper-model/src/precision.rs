@@ -1,6 +1,7 @@
-//! The precision of the weights that the matmuls read: `f32`, or `bf16`
+//! The precision of the weights that the matmuls read: `f32`, `bf16`
 //! (weights stored in bf16, matmul inputs rounded to bf16, every product
-//! summed in f32; norms, attention, softmax and LoRA stay f32).
+//! summed in f32; norms, attention, softmax and LoRA stay f32), or `gguf`
+//! (a GGUF's quantized matrices kept in their blocks, f32 arithmetic).
 
 use std::fmt;
 use std::str::FromStr;
@@ -19,6 +20,11 @@ pub enum Precision {
     /// bytes read per token; with `avx512_bf16`, twice the multiply-adds
     /// per instruction.
     Bf16,
+    /// A GGUF's Q8_0 / Q4_0 / Q4_1 matrices kept in their blocks and
+    /// dequantized to f32 in the matmul (`kernels::quant`): the same bits as
+    /// `f32` on the same file, at the file's size in memory. Every other
+    /// weight (and every weight of a safetensors checkpoint) is `f32`.
+    Gguf,
 }
 
 impl Precision {
@@ -36,6 +42,7 @@ impl Precision {
         match self {
             Self::F32 => "f32",
             Self::Bf16 => "bf16",
+            Self::Gguf => "gguf",
         }
     }
 }
@@ -54,7 +61,8 @@ pub fn set_default_precision(p: Precision) {
 pub fn default_precision() -> Precision {
     match DEFAULT.load(Ordering::Relaxed) {
         0 => Precision::F32,
-        _ => Precision::Bf16,
+        1 => Precision::Bf16,
+        _ => Precision::Gguf,
     }
 }
 
@@ -67,14 +75,15 @@ impl fmt::Display for Precision {
 impl FromStr for Precision {
     type Err = ModelError;
 
-    /// `f32`, `bf16`, or `auto` (see [`Precision::auto`]).
+    /// `f32`, `bf16`, `gguf`, or `auto` (see [`Precision::auto`]).
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "f32" => Ok(Self::F32),
             "bf16" => Ok(Self::Bf16),
+            "gguf" => Ok(Self::Gguf),
             "auto" => Ok(Self::auto()),
             other => Err(ModelError::InvalidInput(format!(
-                "dtype {other:?}: expected \"f32\", \"bf16\" or \"auto\""
+                "dtype {other:?}: expected \"f32\", \"bf16\", \"gguf\" or \"auto\""
             ))),
         }
     }
@@ -85,11 +94,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_the_three_names_and_refuses_others() {
+    fn parses_the_four_names_and_refuses_others() {
         assert_eq!("f32".parse::<Precision>().unwrap(), Precision::F32);
+        assert_eq!("gguf".parse::<Precision>().unwrap(), Precision::Gguf);
+        for p in [Precision::F32, Precision::Bf16, Precision::Gguf] {
+            set_default_precision(p);
+            assert_eq!(default_precision(), p);
+        }
+        set_default_precision(Precision::F32);
         assert_eq!("bf16".parse::<Precision>().unwrap(), Precision::Bf16);
         assert_eq!("auto".parse::<Precision>().unwrap(), Precision::auto());
         let e = "fp16".parse::<Precision>().unwrap_err().to_string();
-        assert!(e.contains("\"f32\", \"bf16\" or \"auto\""), "{e}");
+        assert!(e.contains("\"f32\", \"bf16\", \"gguf\" or \"auto\""), "{e}");
     }
 }

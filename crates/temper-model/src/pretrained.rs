@@ -119,7 +119,8 @@ impl Pretrained {
             eos_token_ids: file.eos_token_ids(),
             ..Default::default()
         };
-        let ck = Checkpoint::from_gguf(file, opts.dtype, &opts.device);
+        let ck = Checkpoint::from_gguf(file, opts.dtype, &opts.device)
+            .keep_quantized(opts.precision == Precision::Gguf && opts.dtype == DType::F32);
         let mut model = Model::load(&config, &ck, opts.dtype, &opts.device)?;
         model.set_precision(opts.precision)?;
         Ok(Self::assemble(

@@ -1,6 +1,7 @@
 //! Checkpoint tensors from `model.safetensors` or a sharded
 //! `model.safetensors.index.json` (memory-mapped), or from a GGUF file
-//! (dequantised as read), with shape checks.
+//! (dequantised as read, or its quantized matrices kept as blocks), with
+//! shape checks.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -10,6 +11,16 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::kernels::QuantWeight;
+
+/// A weight matrix as loaded: a tensor, or GGUF blocks kept quantized.
+#[derive(Debug, Clone)]
+pub enum Matrix {
+    /// A dense tensor in the checkpoint's dtype.
+    Dense(Tensor),
+    /// Quantized blocks (see [`QuantWeight`]).
+    Quant(QuantWeight),
+}
 
 enum Source {
     Safetensors(MmapedSafetensors),
@@ -23,6 +34,8 @@ pub struct Checkpoint {
     desc: String,
     dtype: DType,
     device: Device,
+    /// Keep a GGUF's quantized matrices in their blocks (`--dtype gguf`).
+    keep_quantized: bool,
 }
 
 impl Checkpoint {
@@ -44,6 +57,7 @@ impl Checkpoint {
             desc,
             dtype,
             device: device.clone(),
+            keep_quantized: false,
         })
     }
 
@@ -55,7 +69,35 @@ impl Checkpoint {
             files: Source::Gguf(file),
             dtype,
             device: device.clone(),
+            keep_quantized: false,
         }
+    }
+
+    /// Keep the quantized matrices of a GGUF file in their blocks (see
+    /// [`Checkpoint::get_matrix`]); safetensors and off-CPU loads ignore it.
+    pub fn keep_quantized(mut self, keep: bool) -> Self {
+        self.keep_quantized = keep && self.device.is_cpu();
+        self
+    }
+
+    /// A linear layer's weight `name` `[out, in]`: its quantized blocks when
+    /// kept (a GGUF Q8_0 / Q4_0 / Q4_1 matrix and
+    /// [`Checkpoint::keep_quantized`]), else the tensor as [`Checkpoint::get`].
+    pub fn get_matrix(&self, name: &str, expected: &[usize]) -> Result<Matrix> {
+        if let (Source::Gguf(g), true) = (&self.files, self.keep_quantized) {
+            if let Some(q) = g.quant_tensor(name)? {
+                let (out, inp) = q.dims();
+                if [out, inp] != expected {
+                    return Err(ModelError::ShapeMismatch {
+                        name: name.to_string(),
+                        expected: expected.to_vec(),
+                        actual: vec![out, inp],
+                    });
+                }
+                return Ok(Matrix::Quant(q));
+            }
+        }
+        Ok(Matrix::Dense(self.get(name, expected)?))
     }
 
     /// Whether the checkpoint has a tensor called `name`.

@@ -23,8 +23,9 @@ pub struct ModelSection {
     /// Continue from this PEFT LoRA adapter directory (ours, or one PEFT /
     /// Unsloth / Tinker wrote): its rank, alpha and targets replace `[lora]`'s.
     pub adapter: Option<PathBuf>,
-    /// Precision of the matmul weights on the CPU: `"f32"`, `"bf16"` or
-    /// `"auto"` (bf16 where the CPU has avx512_bf16). Unset: the command's
+    /// Precision of the matmul weights on the CPU: `"f32"`, `"bf16"`,
+    /// `"gguf"` (a GGUF's quantized matrices kept as blocks) or `"auto"`
+    /// (bf16 where the CPU has avx512_bf16). Unset: the command's
     /// `--dtype` (default f32).
     pub dtype: Option<String>,
     /// Sizes for the `tiny` preset.

@@ -31,8 +31,10 @@ struct Cli {
     #[arg(long, global = true)]
     threads: Option<usize>,
     /// Precision of the matmul weights on the CPU: `f32`, `bf16` (bf16
-    /// weights and matmul inputs, f32 sums; fast with avx512_bf16), or
-    /// `auto` (bf16 where the CPU has avx512_bf16, else f32).
+    /// weights and matmul inputs, f32 sums; fast with avx512_bf16), `gguf`
+    /// (a GGUF's Q8_0 / Q4_0 / Q4_1 matrices kept quantized, the f32
+    /// model's exact logits), or `auto` (bf16 where the CPU has
+    /// avx512_bf16, else f32).
     #[arg(long, global = true, default_value = "f32")]
     dtype: temper_model::Precision,
     #[command(subcommand)]

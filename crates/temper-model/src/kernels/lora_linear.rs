@@ -32,6 +32,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use super::matmul::matmul_nt_rows;
 use super::matmul_bf16::{packed_product, padded_cols, LowRank, PackedBf16};
 use super::matmul_nn::{matmul_nn_rows, matmul_nn_rows_add};
+use super::quant::QuantWeight;
 use super::{f32_slice, transposed, weight_rows, with_f32s, WeightRows};
 use crate::error::{ModelError, Result};
 
@@ -72,6 +73,41 @@ pub fn lora_linear(
     let op = LoraLinear {
         weight: weight.detach().contiguous()?,
         packed: packed.cloned(),
+        quant: None,
+        scale: scale as f32,
+        down: Arc::new(Mutex::new(None)),
+    };
+    Ok(x.contiguous()?
+        .apply_op3(&a.contiguous()?, &b.contiguous()?, op)?)
+}
+
+/// [`lora_linear`] on a frozen quantized base weight (QLoRA): the base
+/// product is the quantized matmul the sampler runs, the input gradient
+/// goes through the same dequantized rows; the adapter stays f32.
+pub fn lora_linear_quant(
+    x: &Tensor,
+    weight: &QuantWeight,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let (_, k) = x.dims2()?;
+    let (out, wk) = weight.dims();
+    let (rank, ak) = a.dims2()?;
+    if wk != k || ak != k || b.dims2()? != (out, rank) || x.dtype() != DType::F32 {
+        return Err(ModelError::InvalidInput(format!(
+            "lora_linear: x {:?}, {} weight {:?}, a {:?}, b {:?}",
+            x.dims(),
+            weight.format.as_str(),
+            weight.dims(),
+            a.dims(),
+            b.dims()
+        )));
+    }
+    let op = LoraLinear {
+        weight: weight.blocks.clone(),
+        packed: None,
+        quant: Some(weight.clone()),
         scale: scale as f32,
         down: Arc::new(Mutex::new(None)),
     };
@@ -82,6 +118,9 @@ pub fn lora_linear(
 struct LoraLinear {
     weight: Tensor,
     packed: Option<Arc<PackedBf16>>,
+    /// The base weight's GGUF blocks, when it is kept quantized (`weight`
+    /// then holds the same bytes).
+    quant: Option<QuantWeight>,
     scale: f32,
     /// `x·Aᵀ` from the forward, for the backward.
     down: Arc<Mutex<Option<Vec<f32>>>>,
@@ -93,6 +132,9 @@ impl LoraLinear {
         &self,
         f: impl FnOnce(WeightRows<'_>) -> candle_core::Result<T>,
     ) -> candle_core::Result<T> {
+        if let Some(q) = &self.quant {
+            return q.with_rows(|r| f(WeightRows::Quant(r)));
+        }
         let (storage, layout) = self.weight.storage_and_layout();
         let candle_core::Storage::Cpu(cpu) = &*storage else {
             return Err(candle_core::Error::Msg(

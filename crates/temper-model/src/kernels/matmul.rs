@@ -183,6 +183,7 @@ pub(crate) fn matmul_nt_rows(
     match w {
         WeightRows::F32(w) => matmul_nt_f32(x, w, m, n, k, y),
         WeightRows::Bf16(w) => super::matmul_bf16::matmul_nt_bf16(x, w, m, n, k, y),
+        WeightRows::Quant(w) => super::quant::matmul_nt_quant(x, w, m, n, k, y),
     }
 }
 
@@ -221,9 +222,9 @@ impl SendPtr {
 }
 
 /// Computes columns `n0..n1` of `y` for every row.
-type Kernel = unsafe fn(&[f32], &[f32], usize, usize, usize, usize, usize, *mut f32);
+pub(super) type Kernel = unsafe fn(&[f32], &[f32], usize, usize, usize, usize, usize, *mut f32);
 
-fn kernel() -> Kernel {
+pub(super) fn kernel() -> Kernel {
     static K: OnceLock<Kernel> = OnceLock::new();
     *K.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]

@@ -133,8 +133,8 @@ impl PackedBf16 {
         };
         match super::weight_rows("pack", cpu, layout)? {
             super::WeightRows::Bf16(bits) => Ok(Self::pack(bits, n, k)),
-            super::WeightRows::F32(_) => Err(candle_core::Error::Msg(
-                "packing a bf16 weight: the tensor is f32".into(),
+            _ => Err(candle_core::Error::Msg(
+                "packing a bf16 weight: the tensor is not bf16".into(),
             )),
         }
     }

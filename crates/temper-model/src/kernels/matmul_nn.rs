@@ -115,6 +115,12 @@ fn nn_rows(
     y: &mut [f32],
     accumulate: bool,
 ) {
+    if let WeightRows::Quant(q) = w {
+        // The input gradient through a quantized weight: its f32 rows, as
+        // the dequantized model holds them (transient, one layer's worth).
+        let dense = q.to_f32();
+        return nn_rows(g, WeightRows::F32(&dense), m, n, k, y, accumulate);
+    }
     assert!(g.len() >= m * n && w.len() >= n * k && y.len() >= m * k);
     if m == 0 || k == 0 {
         return;
@@ -142,6 +148,7 @@ fn nn_rows(
                 WeightRows::Bf16(w) => {
                     bf16_block(g, w, n, k, m0, m1, k0, k1, out.get(), accumulate)
                 }
+                WeightRows::Quant(_) => unreachable!("dequantized above"),
             }
         };
     };

@@ -49,6 +49,7 @@ mod matmul;
 mod matmul_bf16;
 mod matmul_nn;
 mod packed_attention;
+mod quant;
 mod rms_norm;
 mod swiglu;
 #[cfg(test)]
@@ -63,11 +64,13 @@ pub use lm_head::{
     ROW_BLOCK,
 };
 
-pub use lora_linear::{lora_linear, lora_linear_supported};
+pub use lora_linear::{lora_linear, lora_linear_quant, lora_linear_supported};
 
 pub use matmul_bf16::{bf16_dot_available, PackedBf16};
 
 pub use matmul_nn::{matmul_nn, matmul_nn_isa};
+
+pub use quant::{matmul_nt_quant_op, QuantFormat, QuantWeight, QUANT_BLOCK};
 
 pub use packed_attention::{packed_attention, PackedHeads, PackedSeq, RopeTables};
 
@@ -158,6 +161,8 @@ pub(crate) enum WeightRows<'a> {
     F32(&'a [f32]),
     /// Raw bf16 bits.
     Bf16(&'a [u16]),
+    /// GGUF blocks (see [`quant`]).
+    Quant(quant::QuantRows<'a>),
 }
 
 impl WeightRows<'_> {
@@ -166,6 +171,7 @@ impl WeightRows<'_> {
         match self {
             Self::F32(w) => w.len(),
             Self::Bf16(w) => w.len(),
+            Self::Quant(q) => q.rows() * q.cols,
         }
     }
 }

@@ -92,3 +92,37 @@ pub fn next_token_inputs(seqs: &[Vec<u32>]) -> Vec<temper_model::ScoreInput<'_>>
         })
         .collect()
 }
+
+/// The quantized GGUF formats the matmul reads as blocks (`--dtype gguf`).
+pub const QUANT_FORMATS: [temper_model::GgufQuant; 3] = [
+    temper_model::GgufQuant::Q8_0,
+    temper_model::GgufQuant::Q4_0,
+    temper_model::GgufQuant::Q4_1,
+];
+
+/// The fixture `name` exported to a `quant` GGUF file in `dir` (once), loaded
+/// back with `precision`: `gguf` keeps its blocks, `f32` dequantizes them.
+pub fn load_quantized(
+    name: &str,
+    quant: temper_model::GgufQuant,
+    dir: &std::path::Path,
+    precision: temper_model::Precision,
+) -> Pretrained {
+    let path = dir.join(format!("{name}-{quant:?}.gguf"));
+    if !path.exists() {
+        let base = load(name);
+        temper_model::save_gguf(&base, &base.model, &path, quant).expect("export gguf");
+    }
+    let opts = LoadOptions {
+        precision,
+        ..LoadOptions::default()
+    };
+    let p =
+        Pretrained::load(&path, &opts).unwrap_or_else(|e| panic!("loading {name} {quant:?}: {e}"));
+    assert_eq!(
+        p.model.is_quantized(),
+        precision == temper_model::Precision::Gguf,
+        "{name} {quant:?} {precision}"
+    );
+    p
+}

@@ -204,15 +204,32 @@ fn a_tokens_logprob_does_not_depend_on_how_its_sequence_was_computed() {
     }
 }
 
+/// The same contract on GGUF bases kept quantized (`--dtype gguf`): every
+/// path through the quantized matmul gives a token the same bits.
+#[test]
+fn a_tokens_logprob_does_not_depend_on_how_its_sequence_was_computed_on_quantized_bases() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    for quant in QUANT_FORMATS {
+        for family in FAMILIES {
+            let p = load_quantized(family, quant, tmp.path(), Precision::Gguf);
+            check_model(&p, family, &format!("{family} {quant:?}"));
+        }
+    }
+}
+
 fn check_invariance(family: &str, precision: Precision) {
+    let p = load_as(family, precision);
+    assert_eq!(p.model.precision(), precision);
+    check_model(&p, family, &format!("{family} {precision}"));
+}
+
+fn check_model(p: &temper_model::Pretrained, family: &str, label: &str) {
     {
-        let p = load_as(family, precision);
         let m = &p.model;
-        assert_eq!(m.precision(), precision);
-        assert!(m.decode_logits_are_exact().expect("probe"), "{family}");
-        let lora = adapter(&p, family);
+        assert!(m.decode_logits_are_exact().expect("probe"), "{label}");
+        let lora = adapter(p, family);
         for l in [None, Some(&lora)] {
-            let what = format!("{family} {precision} lora={}", l.is_some());
+            let what = format!("{label} lora={}", l.is_some());
             let seqs = sequences(m.config().vocab_size, 64, 7);
             let want: Vec<Vec<u32>> = seqs.iter().map(|s| scored(m, s, l)).collect();
 

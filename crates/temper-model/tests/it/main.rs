@@ -7,6 +7,7 @@ mod gguf_tokenizers;
 mod golden;
 mod invariance;
 mod loading;
+mod quantized;
 mod sampling;
 mod smollm2;
 mod top_logprobs;

@@ -242,3 +242,80 @@ fn smollm2_gguf_bf16_logits_stay_close_to_transformers_f32() {
         "bf16 logits equal f32's: weights not rounded?"
     );
 }
+
+/// Greedy tokens and the last row's logits of every reference chat.
+fn greedy_and_logits(p: &Pretrained) -> Vec<(Vec<u32>, Vec<f32>)> {
+    let r = refs();
+    let chats = r["chats"].as_array().expect("chats");
+    let sampler = Sampler::new(&p.model, &p.tokenizer, p.generation.eos_token_ids.clone());
+    let reqs: Vec<GenerationRequest> = chats
+        .iter()
+        .map(|c| GenerationRequest {
+            prompt: ids(&c["prompt_ids"]),
+            n: 1,
+            params: SamplingParams {
+                max_tokens: 24,
+                temperature: 0.0,
+                ..Default::default()
+            },
+        })
+        .collect();
+    let out = sampler.generate(&reqs, None).expect("generate");
+    chats
+        .iter()
+        .zip(out)
+        .map(|(c, o)| {
+            let prompt = ids(&c["prompt_ids"]);
+            let logits = logits_of(p, &prompt, None);
+            let last = logits.get(prompt.len() - 1).unwrap().to_vec1().unwrap();
+            (o[0].tokens.clone(), last)
+        })
+        .collect()
+}
+
+/// `--dtype gguf` on the real Q4_1 file: its blocks kept quantized, the
+/// greedy text and the logits are those of the dequantized f32 model — bit
+/// for bit (tolerance 0) — and so within the f32 test's 1e-4 of
+/// transformers'.
+#[test]
+fn smollm2_q4_1_kept_quantized_equals_the_dequantized_model() {
+    let (Some(path), Some(f32_model)) = (gguf_path(), model()) else {
+        return;
+    };
+    let opts = LoadOptions {
+        precision: temper_model::Precision::Gguf,
+        ..LoadOptions::default()
+    };
+    let q = Pretrained::load(&path, &opts).expect("gguf load");
+    assert!(q.model.is_quantized());
+    assert_eq!(q.model.precision(), temper_model::Precision::Gguf);
+    let r = refs();
+    for c in r["chats"].as_array().expect("chats") {
+        logits_against_refs(&q, c, 1e-4);
+    }
+    assert_eq!(greedy_and_logits(&q), greedy_and_logits(f32_model));
+}
+
+/// A Q8_0 export (`temper export --format gguf --quant q8_0`) of the model,
+/// loaded back kept quantized: the same greedy text and logit bits as the
+/// same file dequantized. (Not the Q4_1 model's text: re-quantizing to Q8_0
+/// rounds again, and one of the six chats diverges after ten tokens.)
+#[test]
+fn smollm2_q8_0_export_kept_quantized_equals_the_dequantized_model() {
+    let Some(base) = model() else { return };
+    let tmp = tempfile::tempdir().expect("tmp");
+    let path = tmp.path().join("smollm2-q8_0.gguf");
+    temper_model::save_gguf(base, &base.model, &path, temper_model::GgufQuant::Q8_0)
+        .expect("export");
+    let load = |precision| {
+        let opts = LoadOptions {
+            precision,
+            ..LoadOptions::default()
+        };
+        Pretrained::load(&path, &opts).expect("load q8_0")
+    };
+    let q = load(temper_model::Precision::Gguf);
+    assert!(q.model.is_quantized());
+    let f = load(temper_model::Precision::F32);
+    assert_eq!(greedy_and_logits(&q), greedy_and_logits(&f));
+}
