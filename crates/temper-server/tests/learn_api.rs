@@ -51,7 +51,14 @@ fn learning_server(dir: &Path) -> OpenAiState {
 }
 
 async fn episode(r: &Router, train: bool) -> (String, String) {
-    let (status, v) = request(r, "POST", "/v1/episodes", None, Some(json!({"train": train}))).await;
+    let (status, v) = request(
+        r,
+        "POST",
+        "/v1/episodes",
+        None,
+        Some(json!({"train": train})),
+    )
+    .await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["train"], train);
     (
@@ -66,8 +73,10 @@ async fn chat(r: &Router, ep: &str, token: &str, model: &str) -> Value {
         "POST",
         &format!("/episodes/{ep}/v1/chat/completions"),
         Some(token),
-        Some(json!({"model": model, "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 4, "temperature": 1.0, "seed": 1})),
+        Some(
+            json!({"model": model, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4, "temperature": 1.0, "seed": 1}),
+        ),
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{v}");
@@ -101,7 +110,14 @@ async fn rewards_are_authorized_by_the_episode_token_and_stored_only_when_opted_
 
     let reward = |id: &str| format!("/v1/episodes/{id}/reward");
     // Another client's token, no token, an unknown id: one 404.
-    let (s1, wrong) = request(&r, "POST", &reward(&a), Some(&tok_b), Some(json!({"reward": 1.0}))).await;
+    let (s1, wrong) = request(
+        &r,
+        "POST",
+        &reward(&a),
+        Some(&tok_b),
+        Some(json!({"reward": 1.0})),
+    )
+    .await;
     let (s2, none) = request(&r, "POST", &reward(&a), None, Some(json!({"reward": 1.0}))).await;
     let (s3, unknown) = request(
         &r,
@@ -116,11 +132,19 @@ async fn rewards_are_authorized_by_the_episode_token_and_stored_only_when_opted_
         assert_eq!(v["error"]["code"], "episode_not_found");
     }
     assert_eq!(
-        wrong["error"]["message"].as_str().map(|m| m.replace(&a, "ID")),
-        unknown["error"]["message"].as_str().map(|m| m.replace("ep-unknown", "ID")),
+        wrong["error"]["message"]
+            .as_str()
+            .map(|m| m.replace(&a, "ID")),
+        unknown["error"]["message"]
+            .as_str()
+            .map(|m| m.replace("ep-unknown", "ID")),
     );
     // Bad bodies are 400s; nothing was stored.
-    for bad in [json!({}), json!({"reward": "good"}), json!({"reward": 1.0, "why": "x"})] {
+    for bad in [
+        json!({}),
+        json!({"reward": "good"}),
+        json!({"reward": 1.0, "why": "x"}),
+    ] {
         let (st, v) = request(&r, "POST", &reward(&a), Some(&tok_a), Some(bad)).await;
         assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
     }
@@ -128,18 +152,48 @@ async fn rewards_are_authorized_by_the_episode_token_and_stored_only_when_opted_
     assert_eq!(store.size().expect("size").0, 0);
 
     // The owner rewards it: stored (opted in), once.
-    let (st, v) = request(&r, "POST", &reward(&a), Some(&tok_a), Some(json!({"reward": 0.75}))).await;
+    let (st, v) = request(
+        &r,
+        "POST",
+        &reward(&a),
+        Some(&tok_a),
+        Some(json!({"reward": 0.75})),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK, "{v}");
-    assert_eq!((v["stored"].clone(), v["n"].clone()), (json!(true), json!(0)));
-    let (st, v) = request(&r, "POST", &reward(&a), Some(&tok_a), Some(json!({"reward": 0.0}))).await;
+    assert_eq!(
+        (v["stored"].clone(), v["n"].clone()),
+        (json!(true), json!(0))
+    );
+    let (st, v) = request(
+        &r,
+        "POST",
+        &reward(&a),
+        Some(&tok_a),
+        Some(json!({"reward": 0.0})),
+    )
+    .await;
     assert_eq!(st, StatusCode::CONFLICT, "{v}");
     // Not opted in: the reward is kept on the episode, never stored.
-    let (st, v) = request(&r, "POST", &reward(&b), Some(&tok_b), Some(json!({"reward": 1.0}))).await;
+    let (st, v) = request(
+        &r,
+        "POST",
+        &reward(&b),
+        Some(&tok_b),
+        Some(json!({"reward": 1.0})),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["stored"], false);
-    assert!(v["reason"].as_str().expect("reason").contains("opt in"), "{v}");
+    assert!(
+        v["reason"].as_str().expect("reason").contains("opt in"),
+        "{v}"
+    );
     let (_, got) = request(&r, "GET", &format!("/v1/episodes/{b}"), Some(&tok_b), None).await;
-    assert_eq!((got["reward"].clone(), got["train"].clone()), (json!(1.0), json!(false)));
+    assert_eq!(
+        (got["reward"].clone(), got["train"].clone()),
+        (json!(1.0), json!(false))
+    );
 
     // On disk: exactly a's episode, with its captured tokens.
     drop(r);
@@ -147,7 +201,10 @@ async fn rewards_are_authorized_by_the_episode_token_and_stored_only_when_opted_
     let reopened = Learning::open(dir.path(), "live", RewardLimits::default()).expect("reopen");
     let stored = reopened.rewards.since(0).expect("since");
     assert_eq!(stored.len(), 1);
-    assert_eq!((stored[0].id.as_str(), stored[0].reward), (a.as_str(), 0.75));
+    assert_eq!(
+        (stored[0].id.as_str(), stored[0].reward),
+        (a.as_str(), 0.75)
+    );
     assert!(!stored[0].records[0].completion_token_ids.is_empty());
     assert_eq!(
         stored[0].records[0].logprobs.len(),
@@ -186,25 +243,58 @@ async fn promoted_versions_roll_back_and_survive_a_restart() {
     let s = learning_server(dir.path());
     let r = app(s.clone());
     assert_eq!(s.serve_live().expect("live"), None);
-    let (st, _) = request(&r, "POST", "/v1/adapters/rollback", None, Some(json!({"version": 1}))).await;
+    let (st, _) = request(
+        &r,
+        "POST",
+        "/v1/adapters/rollback",
+        None,
+        Some(json!({"version": 1})),
+    )
+    .await;
     assert_eq!(st, StatusCode::NOT_FOUND);
-    s.promote(&stage(dir.path(), "c1"), 1, None).expect("promote 1");
-    s.promote(&stage(dir.path(), "c2"), 2, Some(1)).expect("promote 2");
+    s.promote(&stage(dir.path(), "c1"), 1, None)
+        .expect("promote 1");
+    s.promote(&stage(dir.path(), "c2"), 2, Some(1))
+        .expect("promote 2");
     let (ep, tok) = episode(&r, true).await;
     assert_eq!(chat(&r, &ep, &tok, "live").await["version"], 2);
     // Stale parent and an existing number are conflicts.
     assert!(s.promote(&stage(dir.path(), "c3"), 3, Some(1)).is_err());
     assert!(s.promote(&stage(dir.path(), "c2b"), 2, Some(2)).is_err());
 
-    let (st, v) = request(&r, "POST", "/v1/adapters/rollback", None, Some(json!({"version": 1}))).await;
+    let (st, v) = request(
+        &r,
+        "POST",
+        "/v1/adapters/rollback",
+        None,
+        Some(json!({"version": 1})),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK, "{v}");
-    assert_eq!((v["version"].clone(), v["previous"].clone()), (json!(1), json!(2)));
+    assert_eq!(
+        (v["version"].clone(), v["previous"].clone()),
+        (json!(1), json!(2))
+    );
     let answer = chat(&r, &ep, &tok, "live").await;
     assert_eq!(answer["version"], 1);
     assert_eq!(answer["system_fingerprint"], "live@v1");
-    let (st, v) = request(&r, "POST", "/v1/adapters/rollback", None, Some(json!({"version": 9}))).await;
+    let (st, v) = request(
+        &r,
+        "POST",
+        "/v1/adapters/rollback",
+        None,
+        Some(json!({"version": 9})),
+    )
+    .await;
     assert_eq!(st, StatusCode::NOT_FOUND, "{v}");
-    let (st, v) = request(&r, "POST", "/v1/adapters/rollback", None, Some(json!({"v": 1}))).await;
+    let (st, v) = request(
+        &r,
+        "POST",
+        "/v1/adapters/rollback",
+        None,
+        Some(json!({"v": 1})),
+    )
+    .await;
     assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
     let (_, list) = request(&r, "GET", "/v1/adapters/versions", None, None).await;
     assert_eq!(list["live"], 1);

@@ -133,7 +133,10 @@ impl LearnPlan {
         let cfg: LearnConfig = temper_rl::config::load(path, &[])?;
         let l = &cfg.learn;
         let Some(env) = cfg.eval.env.clone() else {
-            bail!("{}: [eval] env is required (the gate's held-out environment)", path.display());
+            bail!(
+                "{}: [eval] env is required (the gate's held-out environment)",
+                path.display()
+            );
         };
         if cfg.eval.num_examples == 0 {
             bail!("[eval] num_examples must be >= 1: the gate needs a held-out score");
@@ -147,8 +150,7 @@ impl LearnPlan {
         if !(l.duty_cycle > 0.0 && l.duty_cycle <= 1.0) {
             bail!("learn.duty_cycle must be in (0, 1], got {}", l.duty_cycle);
         }
-        if !(l.margin.is_finite() && l.interval_minutes.is_finite() && l.interval_minutes >= 0.0)
-        {
+        if !(l.margin.is_finite() && l.interval_minutes.is_finite() && l.interval_minutes >= 0.0) {
             bail!("learn.margin must be finite and learn.interval_minutes >= 0");
         }
         if l.adapter_name.is_empty() || l.max_episodes == 0 || l.max_mib == 0 {
@@ -386,7 +388,12 @@ impl Learner {
         );
         let r = self
             .evaluator
-            .evaluate(Arc::new(policy), &self.plan.learn.dir, c, Some(&self.batcher))
+            .evaluate(
+                Arc::new(policy),
+                &self.plan.learn.dir,
+                c,
+                Some(&self.batcher),
+            )
             .await;
         self.trainer.release_sampler(&handle).await?;
         Ok(r?)
@@ -521,9 +528,10 @@ impl Learner {
             None
         } else {
             Some(format!(
-                "held-out {} {cand:.3} is worse than live version {parent}'s {bar:.3} by more \
-                 than the margin {margin}",
-                self.plan.learn.metric
+                "held-out {} {cand:.3} is below live version {parent}'s {bar:.3} minus the \
+                 margin {margin} (= {:.3})",
+                self.plan.learn.metric,
+                bar - margin
             ))
         };
         if rejected.is_none() {
@@ -537,8 +545,7 @@ impl Learner {
             };
             write_json(&staged.0.join("meta.json"), &meta)?;
             let (server, dir) = (self.server.clone(), staged.0.clone());
-            match tokio::task::spawn_blocking(move || server.promote(&dir, c, Some(parent)))
-                .await?
+            match tokio::task::spawn_blocking(move || server.promote(&dir, c, Some(parent))).await?
             {
                 Ok(()) => self.trained_from = c,
                 // A rollback while this candidate trained: it descends
@@ -739,7 +746,12 @@ mod tests {
             ep(0, vec![1, 2], 1.0, t.clone()),
             ep(1, vec![1, 2], 0.0, t.clone()),
             ep(2, vec![1, 3], 1.0, t.clone()),
-            ep(3, vec![1, 4], 0.0, json!({"temperature": 1.0, "presence_penalty": 0.5})),
+            ep(
+                3,
+                vec![1, 4],
+                0.0,
+                json!({"temperature": 1.0, "presence_penalty": 0.5}),
+            ),
         ];
         let mut recent: VecDeque<f64> = [0.0, 0.0].into();
         let (groups_g, adv_g, skipped) = advantages(&batch, &mut recent, 3, false);

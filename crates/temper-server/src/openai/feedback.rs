@@ -294,7 +294,10 @@ pub(super) async fn reward_episode(
         )
     })?;
     if !req.reward.is_finite() {
-        return Err(OpenAiError::invalid("reward", "reward must be a finite number"));
+        return Err(OpenAiError::invalid(
+            "reward",
+            "reward must be a finite number",
+        ));
     }
     let Some(ep) = s.inner.captures.set_reward(&id, req.reward)? else {
         return Err(OpenAiError::EpisodeNotFound(id));
@@ -356,7 +359,11 @@ mod tests {
         };
         let s = RewardStore::open(&path, limits).expect("open");
         for i in 0..2 {
-            assert_eq!(s.append(&format!("ep-{i}"), 1.0, vec![rec("e")]).expect("append"), i);
+            assert_eq!(
+                s.append(&format!("ep-{i}"), 1.0, vec![rec("e")])
+                    .expect("append"),
+                i
+            );
         }
         drop(s);
         // A kill mid-write leaves half a line: cut off, the rest kept.
@@ -377,7 +384,10 @@ mod tests {
         let s = RewardStore::open(&path, limits).expect("reopen");
         let got: Vec<u64> = s.since(0).expect("since").iter().map(|e| e.n).collect();
         assert_eq!(got, vec![2, 3, 4]);
-        assert_eq!(s.size().expect("size").1 as u64, path.metadata().expect("meta").len());
+        assert_eq!(
+            s.size().expect("size").1 as u64,
+            path.metadata().expect("meta").len()
+        );
         // A byte bound keeps at least the newest episode.
         let one = s.size().expect("size").1 / 3;
         drop(s);

@@ -12,9 +12,9 @@ use temper_model::{LoraAdapter, Pretrained};
 use super::capture::{CaptureLimits, CaptureStore};
 use super::error::OpenAiError;
 use super::feedback::{RewardLimits, RewardStore};
-use super::versions::PolicyVersions;
 use super::grammars::{GrammarLimits, Grammars};
 use super::protocol::SamplingDefaults;
+use super::versions::PolicyVersions;
 
 use crate::metrics::Metrics;
 use crate::scheduler::{LoadedAdapter, Scheduler, SchedulerConfig};

@@ -239,7 +239,9 @@ pub(super) async fn rollback(
 
 /// `GET /v1/adapters/versions`: the promoted versions (each with the
 /// `meta.json` its learner wrote) and the live one.
-pub(super) async fn list_versions(State(s): State<OpenAiState>) -> Result<Json<Value>, OpenAiError> {
+pub(super) async fn list_versions(
+    State(s): State<OpenAiState>,
+) -> Result<Json<Value>, OpenAiError> {
     let vs = versions(&s)?.clone();
     let data = tokio::task::spawn_blocking(move || -> Result<Value, OpenAiError> {
         let list = vs
