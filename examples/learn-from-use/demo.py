@@ -70,7 +70,7 @@ def start(temper, model, extra, log):
         log.write(line)
         log.flush()
         if "listening on http://" in line:
-            addr = line.split("listening on ")[1].split()[0]
+            addr = line.split("listening on http://")[1].split()[0]
             break
     threading.Thread(target=lambda: [log.write(l) or log.flush() for l in p.stderr],
                      daemon=True).start()
@@ -136,17 +136,22 @@ def main():
     state = args.state or os.path.join(work, "state")
     cfg = open(os.path.join(HERE, "learn.toml")).read()
     cfg = re.sub(r'dir = ".*"', f'dir = "{state}"', cfg)
+    batch = int(re.search(r"batch_size = (\d+)", cfg).group(1))
     cfg_path = os.path.join(work, "learn.toml")
     open(cfg_path, "w").write(cfg)
     log = open(os.path.join(work, "server.log"), "w")
     print(f"state: {state}; server log: {log.name}")
 
-    # 1. The same load without learning: the latency baseline.
-    p, addr = start(args.temper, args.model, ["--served-model-name", "smollm2"], log)
+    # 1. The same server and load, learning off (trainer.max_steps = 0):
+    # the latency baseline. Both phases serve the live LoRA adapter.
+    off_cfg = os.path.join(work, "learn-off.toml")
+    off = re.sub(r'dir = ".*"', f'dir = "{state}-off"', cfg)
+    open(off_cfg, "w").write(off.replace("[trainer]\n", "[trainer]\nmax_steps = 0\n"))
+    p, addr = start(args.temper, args.model, ["--learn", off_cfg], log)
     base = "http://" + addr
     t = time.time()
-    lat0, rew0 = load(base, "smollm2", 2, args.clients, args.group, 7, False)
-    print(f"no learning: {len(lat0)} calls in {time.time() - t:.0f}s, "
+    lat0, rew0 = load(base, "live", args.rounds, args.clients, args.group, 11, True)
+    print(f"learning off: {len(lat0)} calls in {time.time() - t:.0f}s, "
           f"p50 {pct(lat0, .5) * 1e3:.0f} ms, p99 {pct(lat0, .99) * 1e3:.0f} ms, "
           f"mean reward {sum(rew0) / len(rew0):.3f}")
     p.kill()
@@ -189,7 +194,7 @@ def main():
     deadline = time.time() + 600
     while time.time() < deadline:
         st = json.load(open(os.path.join(state, "learner.json")))
-        if st["cursor"] >= len(lat1) - len(lat1) % (args.clients * args.group):
+        if st["cursor"] >= len(lat1) - len(lat1) % batch:
             break
         time.sleep(2)
     report()
