@@ -12,6 +12,7 @@ mod export;
 mod generate;
 mod hub_cmd;
 mod init;
+mod learn;
 mod sandbox;
 mod serve;
 mod tasks_cmd;

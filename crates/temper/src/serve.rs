@@ -83,6 +83,12 @@ pub struct ServeArgs {
     /// budget; 0 turns it off (default: a quarter of the KV budget).
     #[arg(long)]
     prefix_cache_tokens: Option<usize>,
+    /// Learn from use: train on rewarded episodes that opted in, gate each
+    /// candidate on a held-out environment, hot-swap the promoted one
+    /// (served under `[learn] adapter_name`). CONFIG is a TOML file with
+    /// `[lora]`, `[trainer]`, `[eval]` and `[learn]` (docs/guide/learn.md).
+    #[arg(long, value_name = "CONFIG")]
+    learn: Option<PathBuf>,
     #[command(flatten)]
     conn: crate::conn::ConnArgs,
 }
@@ -96,6 +102,11 @@ fn lora_arg(s: &str) -> Result<(String, PathBuf)> {
 
 /// Load, bind, print the address, serve until Ctrl-C.
 pub fn run(args: ServeArgs) -> Result<()> {
+    // A bad learning config fails before the model loads.
+    let learn = match &args.learn {
+        Some(path) => Some(crate::learn::LearnPlan::load(path, &args.model)?),
+        None => None,
+    };
     let device = default_device()?;
     let opts = LoadOptions {
         dtype: default_dtype(&device),
@@ -171,7 +182,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if let Some(n) = args.prefix_cache_tokens {
         cfg.scheduler.prefix_cache_tokens = n;
     }
-    let state = OpenAiState::new(Arc::new(model), cfg.clone());
+    let learning = learn.as_ref().map(|p| p.open_state()).transpose()?;
+    let state = OpenAiState::with_learning(Arc::new(model), cfg.clone(), learning);
+    if let Some(p) = &learn {
+        if let Some(v) = state.serve_live().map_err(|e| anyhow::anyhow!("{e}"))? {
+            eprintln!(
+                "learn: serving promoted version {v} as {} (state in {})",
+                p.adapter_name(),
+                p.dir().display()
+            );
+        }
+    }
     for l in &args.loras {
         let (n, dir) = lora_arg(l)?;
         let v = state
@@ -180,6 +201,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         eprintln!("adapter {n} v{v}: {}", dir.display());
     }
     crate::conn::runtime()?.block_on(async move {
+        if let Some(plan) = learn {
+            let learner = crate::learn::Learner::start(plan, state.clone()).await?;
+            tokio::spawn(learner.run());
+        }
         let addr = format!("{}:{}", args.host, args.port);
         let alias = if cfg.model_aliases.is_empty() {
             String::new()

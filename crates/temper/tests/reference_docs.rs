@@ -686,6 +686,25 @@ fn config_md_documents_every_key() {
         &mut missing,
     );
 
+    // learn.toml (`temper serve --learn`): the binary's private file type,
+    // asked through its error (the config is read before the model loads);
+    // `[lora]`, `[trainer]` and `[eval]` are rl.toml's, checked above.
+    let mut learn_keys = BTreeSet::new();
+    for (probe_text, prefix) in [("__probe = 1\n", ""), ("[learn]\n__probe = 1\n", "learn.")] {
+        std::fs::write(&probe, probe_text).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_temper"))
+            .args(["serve", "--model", "no-such-model", "--learn"])
+            .arg(&probe)
+            .output()
+            .expect("temper runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let keys = expected_fields(&err).unwrap_or_else(|| panic!("no field list in {err}"));
+        learn_keys.extend(keys.into_iter().map(|k| format!("{prefix}{k}")));
+    }
+    // A table is documented by its keys' rows.
+    learn_keys.remove("learn");
+    need("`learn.toml`", &learn_keys, &mut missing);
+
     // task.toml (Harbor's format): the keys temper reads, defaults checked.
     let task = keys_of::<temper_tasks::TaskConfig>();
     need("`task.toml`", &task, &mut missing);

@@ -182,7 +182,7 @@ pub fn valid_episode_id(id: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
 }
 
-fn check_id(id: &str) -> Result<(), OpenAiError> {
+pub(super) fn check_id(id: &str) -> Result<(), OpenAiError> {
     if valid_episode_id(id) {
         Ok(())
     } else {
@@ -347,6 +347,10 @@ pub(super) fn record(
 struct Episode {
     /// The secret every request about the episode presents.
     token: String,
+    /// The client opted in to training on it (`"train": true` at creation).
+    train: bool,
+    /// Its reward, once `POST /v1/episodes/ID/reward` gave one.
+    reward: Option<f64>,
     /// Records as JSON text (their size is what the budget counts).
     records: VecDeque<String>,
     bytes: usize,
@@ -382,7 +386,7 @@ impl CaptureStore {
 
     /// A new, empty episode: its id and token. The oldest episodes make
     /// room when the store holds its most.
-    fn create(&self) -> Result<(String, String), OpenAiError> {
+    fn create(&self, train: bool) -> Result<(String, String), OpenAiError> {
         let mut st = self.lock();
         let st = &mut *st;
         let id = loop {
@@ -402,6 +406,8 @@ impl CaptureStore {
             id.clone(),
             Episode {
                 token: token.clone(),
+                train,
+                reward: None,
                 records: VecDeque::new(),
                 bytes: 0,
                 next_seq: 0,
@@ -482,12 +488,61 @@ impl CaptureStore {
         Ok(st.episodes.get(id).map(|ep| {
             let records: Vec<&str> = ep.records.iter().map(String::as_str).collect();
             format!(
-                "{{\"object\":\"episode\",\"id\":{},\"dropped_records\":{},\"records\":[{}]}}",
+                "{{\"object\":\"episode\",\"id\":{},\"train\":{},\"reward\":{},\
+                 \"dropped_records\":{},\"records\":[{}]}}",
                 Value::String(id.to_string()),
+                ep.train,
+                ep.reward.map_or(Value::Null, Value::from),
                 ep.dropped,
                 records.join(",")
             )
         }))
+    }
+
+    /// Gives episode `id` its reward (once: a second is refused) and
+    /// answers what a durable store needs of it: whether it opted in to
+    /// training, its records (`None` when some were dropped: an episode
+    /// trained on must be whole) — or `None` when there is no such episode.
+    pub(super) fn set_reward(
+        &self,
+        id: &str,
+        reward: f64,
+    ) -> Result<Option<RewardedEpisode>, OpenAiError> {
+        let mut st = self.lock();
+        let Some(ep) = st.episodes.get_mut(id) else {
+            return Ok(None);
+        };
+        if ep.reward.is_some() {
+            return Err(OpenAiError::Conflict(format!(
+                "episode {id:?} already has a reward"
+            )));
+        }
+        if ep.records.is_empty() {
+            return Err(OpenAiError::bad(format!(
+                "episode {id:?} has no calls yet: reward it after the model answered"
+            )));
+        }
+        ep.reward = Some(reward);
+        let records = if ep.dropped > 0 {
+            None
+        } else {
+            let parsed: Result<Vec<CaptureRecord>, _> =
+                ep.records.iter().map(|r| serde_json::from_str(r)).collect();
+            Some(parsed.map_err(|e| OpenAiError::Internal(format!("capture record: {e}")))?)
+        };
+        Ok(Some(RewardedEpisode {
+            train: ep.train,
+            records,
+        }))
+    }
+
+    /// Takes back a reward [`set_reward`](Self::set_reward) gave (storing it
+    /// failed, so the client may retry).
+    pub(super) fn clear_reward(&self, id: &str) -> Result<(), OpenAiError> {
+        if let Some(ep) = self.lock().episodes.get_mut(id) {
+            ep.reward = None;
+        }
+        Ok(())
     }
 
     fn remove(&self, id: &str) -> Result<bool, OpenAiError> {
@@ -514,11 +569,48 @@ fn evict_oldest(st: &mut Store) -> bool {
     true
 }
 
-/// `POST /v1/episodes`: a new episode, `{"object": "episode", "id",
-/// "token"}`.
-pub(super) async fn create_episode(State(s): State<OpenAiState>) -> Result<Response, OpenAiError> {
-    let (id, token) = s.inner.captures.create()?;
-    Ok(axum::Json(json!({"object": "episode", "id": id, "token": token})).into_response())
+/// What rewarding an episode hands to the durable store.
+pub(super) struct RewardedEpisode {
+    /// The client opted in to training on it.
+    pub(super) train: bool,
+    /// Its records, when none were dropped.
+    pub(super) records: Option<Vec<CaptureRecord>>,
+}
+
+/// The body of `POST /v1/episodes` (optional).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateEpisode {
+    /// Opt in to training: once rewarded, a learning server
+    /// (`temper serve --learn`) may train on the episode.
+    #[serde(default)]
+    train: bool,
+}
+
+/// `POST /v1/episodes` (body optional: `{"train": true}` opts in to
+/// training): a new episode, `{"object": "episode", "id", "token",
+/// "train"}`.
+pub(super) async fn create_episode(
+    State(s): State<OpenAiState>,
+    body: axum::body::Bytes,
+) -> Result<Response, OpenAiError> {
+    let req: CreateEpisode = if body.iter().all(u8::is_ascii_whitespace) {
+        CreateEpisode::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| OpenAiError::bad(format!("invalid request body: {e}")))?
+    };
+    if req.train && s.inner.learning.is_none() {
+        return Err(OpenAiError::invalid(
+            "train",
+            "this server does not learn from use: start temper serve with --learn CONFIG",
+        ));
+    }
+    let (id, token) = s.inner.captures.create(req.train)?;
+    Ok(
+        axum::Json(json!({"object": "episode", "id": id, "token": token, "train": req.train}))
+            .into_response(),
+    )
 }
 
 /// `GET /v1/episodes/{id}` (with the episode's token).
@@ -607,11 +699,11 @@ mod tests {
             // Ids are all the same length, so every record is `one` long.
             max_bytes: 3 * (one + 24) + 8,
         });
-        let (a, _) = s.create().expect("create");
-        let (b, _) = s.create().expect("create");
+        let (a, _) = s.create(false).expect("create");
+        let (b, _) = s.create(false).expect("create");
         s.push(rec(&a, 10)).expect("push");
         s.push(rec(&b, 10)).expect("push");
-        let (c, _) = s.create().expect("create");
+        let (c, _) = s.create(false).expect("create");
         s.push(rec(&c, 10)).expect("push");
         // Two episodes at most: the oldest went, and a record of it finds
         // no episode to revive.
@@ -642,8 +734,8 @@ mod tests {
     #[test]
     fn only_the_episodes_token_opens_it() {
         let s = CaptureStore::new(CaptureLimits::default());
-        let (id, token) = s.create().expect("create");
-        let (other, other_token) = s.create().expect("create");
+        let (id, token) = s.create(false).expect("create");
+        let (other, other_token) = s.create(false).expect("create");
         assert_ne!(id, other);
         assert_ne!(token, other_token);
         assert!(id.starts_with("ep-") && valid_episode_id(&id));

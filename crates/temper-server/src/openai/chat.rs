@@ -459,6 +459,10 @@ pub(super) async fn chat_completions(
     if p.vllm.return_token_ids {
         body["prompt_token_ids"] = json!(p.prompts[0]);
     }
+    if let Some(c) = &p.capture {
+        // Names the episode a reward (`POST /v1/episodes/ID/reward`) goes to.
+        body["episode"] = json!(c.episode);
+    }
     let u = unenforced(&p);
     mark_unenforced(&u, &mut body);
     Ok(unenforced_header(&u, Json(body).into_response()))

@@ -159,10 +159,14 @@ pub(super) async fn completions(
         }
         choices.push(choice);
     }
-    Ok(Json(json!({
+    let mut body = json!({
         "id": id, "object": "text_completion", "created": now_secs(), "model": p.model_name,
         "system_fingerprint": p.fingerprint(), "version": p.version, "choices": choices,
         "usage": usage(p.prompt_tokens(), completion_tokens),
-    }))
-    .into_response())
+    });
+    if let Some(c) = &p.capture {
+        // Names the episode a reward (`POST /v1/episodes/ID/reward`) goes to.
+        body["episode"] = json!(c.episode);
+    }
+    Ok(Json(body).into_response())
 }

@@ -30,6 +30,10 @@ pub enum OpenAiError {
     /// answer for both).
     #[error("no episode {0:?} with this token")]
     EpisodeNotFound(String),
+    /// The request conflicts with the resource's state (409), e.g. a
+    /// second reward for one episode.
+    #[error("{0}")]
+    Conflict(String),
     /// The queue is full (503); retry later.
     #[error("{0}")]
     Overloaded(String),
@@ -91,6 +95,7 @@ impl OpenAiError {
             OpenAiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             OpenAiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             OpenAiError::NotFound(_) | OpenAiError::EpisodeNotFound(_) => StatusCode::NOT_FOUND,
+            OpenAiError::Conflict(_) => StatusCode::CONFLICT,
             OpenAiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             OpenAiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             OpenAiError::Internal(_) | OpenAiError::Engine(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -125,6 +130,7 @@ impl IntoResponse for OpenAiError {
                 None,
                 Some("episode_not_found"),
             ),
+            OpenAiError::Conflict(m) => (m, "invalid_request_error", None, Some("conflict")),
             OpenAiError::Overloaded(m) => (m, "server_error", None, Some("overloaded")),
             OpenAiError::Engine(m) => (m, "server_error", None, Some("engine_error")),
             OpenAiError::Unavailable(m) => (m, "server_error", None, Some("engine_unavailable")),

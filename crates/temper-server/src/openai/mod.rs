@@ -32,13 +32,16 @@
 //! (`/v1/models` and LoRA load / unload), `streaming` (server-sent events),
 //! `response` (logprobs and usage), `protocol` (request types), `tools`,
 //! `grammars` (structured-output grammars compiled under bounds, cached) and
-//! `error`, `capture` (token capture per episode, `/v1/episodes`). This file holds the router and its middleware.
+//! `error`, `capture` (token capture per episode, `/v1/episodes`), `feedback`
+//! (rewards on episodes, stored for a learning server) and `versions` (a
+//! learning server's promoted versions, rollback). This file holds the router and its middleware.
 
 mod adapters;
 pub mod capture;
 mod chat;
 mod completions;
 mod error;
+pub mod feedback;
 mod generate;
 mod grammars;
 mod jobs;
@@ -49,6 +52,7 @@ mod state;
 mod streaming;
 mod tokens;
 mod tools;
+pub mod versions;
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -60,7 +64,7 @@ use serde_json::json;
 
 pub use error::OpenAiError;
 pub use grammars::GrammarLimits;
-pub use state::{OpenAiState, ServeConfig};
+pub use state::{Learning, OpenAiState, ServeConfig};
 
 use adapters::{list_models, load_lora, unload_lora};
 use chat::chat_completions;
@@ -85,6 +89,9 @@ pub fn app(state: OpenAiState) -> Router {
             "/v1/episodes/{id}",
             get(capture::get_episode).delete(capture::delete_episode),
         )
+        .route("/v1/episodes/{id}/reward", post(feedback::reward_episode))
+        .route("/v1/adapters/rollback", post(versions::rollback))
+        .route("/v1/adapters/versions", get(versions::list_versions))
         // Per-episode base URLs (token capture): the same handlers, tagged.
         .route("/episodes/{episode}/v1/models", get(list_models))
         .route(

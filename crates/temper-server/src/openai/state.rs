@@ -11,8 +11,10 @@ use temper_model::{LoraAdapter, Pretrained};
 
 use super::capture::{CaptureLimits, CaptureStore};
 use super::error::OpenAiError;
+use super::feedback::{RewardLimits, RewardStore};
 use super::grammars::{GrammarLimits, Grammars};
 use super::protocol::SamplingDefaults;
+use super::versions::PolicyVersions;
 
 use crate::metrics::Metrics;
 use crate::scheduler::{LoadedAdapter, Scheduler, SchedulerConfig};
@@ -72,6 +74,32 @@ impl ServeConfig {
     }
 }
 
+/// What a learning server (`temper serve --learn`) keeps durably: the
+/// rewarded episodes that opted in to training, and the promoted versions.
+#[derive(Clone)]
+pub struct Learning {
+    /// Rewarded, opted-in episodes (`rewarded.jsonl`).
+    pub rewards: Arc<RewardStore>,
+    /// Promoted versions (`versions/`, `live.json`).
+    pub versions: Arc<PolicyVersions>,
+}
+
+impl Learning {
+    /// The learning state in `dir` (created if missing): the live version
+    /// is served as adapter `adapter_name`.
+    pub fn open(
+        dir: &std::path::Path,
+        adapter_name: &str,
+        limits: RewardLimits,
+    ) -> std::io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        Ok(Self {
+            rewards: Arc::new(RewardStore::open(&dir.join("rewarded.jsonl"), limits)?),
+            versions: Arc::new(PolicyVersions::open(dir, adapter_name)?),
+        })
+    }
+}
+
 /// Shared state: the model, its scheduler, the adapters.
 #[derive(Clone)]
 pub struct OpenAiState {
@@ -87,6 +115,8 @@ pub(super) struct Inner {
     versions: Mutex<HashMap<String, u64>>,
     pub(super) metrics: Arc<Metrics>,
     pub(super) captures: CaptureStore,
+    /// Set on a learning server.
+    pub(super) learning: Option<Learning>,
     pub(super) defaults: SamplingDefaults,
     pub(super) created: u64,
     next_id: AtomicU64,
@@ -105,6 +135,16 @@ pub(super) fn now_secs() -> u64 {
 impl OpenAiState {
     /// Start the scheduler over `model`.
     pub fn new(model: Arc<Pretrained>, cfg: ServeConfig) -> Self {
+        Self::with_learning(model, cfg, None)
+    }
+
+    /// [`new`](Self::new), learning from use when `learning` is set
+    /// (rewards stored, versions promoted and rolled back).
+    pub fn with_learning(
+        model: Arc<Pretrained>,
+        cfg: ServeConfig,
+        learning: Option<Learning>,
+    ) -> Self {
         let metrics = Arc::new(Metrics::default());
         let mut sched = cfg.scheduler.clone();
         sched.max_model_len = sched
@@ -131,12 +171,18 @@ impl OpenAiState {
                 versions: Mutex::new(HashMap::new()),
                 metrics: metrics.clone(),
                 captures: CaptureStore::new(cfg.capture),
+                learning,
                 defaults,
                 created: now_secs(),
                 next_id: AtomicU64::new(start & 0xffff_ffff_ffff),
                 grammars: Grammars::new(cfg.grammars, metrics.clone()),
             }),
         }
+    }
+
+    /// The learning state, on a learning server.
+    pub fn learning(&self) -> Option<&Learning> {
+        self.inner.learning.as_ref()
     }
 
     /// The metrics registry.
@@ -170,6 +216,18 @@ impl OpenAiState {
     /// Load (or atomically replace) adapter `name` from a PEFT directory;
     /// blocking (reads files). Returns the new version.
     pub fn load_adapter(&self, name: &str, dir: &std::path::Path) -> Result<u64, OpenAiError> {
+        self.load_adapter_as(name, dir, None)
+    }
+
+    /// [`load_adapter`](Self::load_adapter) with the version responses
+    /// report: `Some(v)` for a learning server's promoted version `v`,
+    /// `None` for the name's load count.
+    pub(super) fn load_adapter_as(
+        &self,
+        name: &str,
+        dir: &std::path::Path,
+        as_version: Option<u64>,
+    ) -> Result<u64, OpenAiError> {
         if name.is_empty() {
             return Err(OpenAiError::invalid(
                 "lora_name",
@@ -196,7 +254,7 @@ impl OpenAiState {
             .versions
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let version = versions.get(name).copied().unwrap_or(0) + 1;
+        let version = as_version.unwrap_or(versions.get(name).copied().unwrap_or(0) + 1);
         let adapter = Arc::new(LoadedAdapter {
             name: name.to_string(),
             version,
