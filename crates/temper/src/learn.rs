@@ -179,6 +179,7 @@ impl LearnPlan {
                 dir: l.dir.clone(),
                 progress: false,
                 samples: 0,
+                tensorboard: false,
             },
             ..Default::default()
         };
