@@ -29,6 +29,10 @@ pub enum BenchCommand {
     /// GFLOP/s of temper's matmul kernels vs candle's gemm on a decoder's
     /// linear-layer shapes (forward and input gradient).
     Kernels(crate::bench_kernels::KernelBenchArgs),
+    /// Logprobs, greedy tokens, LoRA gradients and the sampler/trainer
+    /// mismatch of a model on a device, as JSON for a golden comparison
+    /// (scripts/gpu/checks.py).
+    Parity(crate::bench_parity::ParityArgs),
     /// Push and pull latency and throughput of a 10 MB environment through
     /// the hub's HTTP API (an in-process hub on loopback).
     Hub(crate::hub_cmd::BenchHubArgs),
@@ -55,6 +59,25 @@ pub struct ModelBenchArgs {
     /// reported as absent.
     #[arg(long)]
     train_only: bool,
+    /// `cpu`, or `cuda` (GPU 0, bf16 unless `--device-dtype f32`; needs a
+    /// build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Weights and activations on `--device cuda`: `bf16` or `f32`.
+    #[arg(long, default_value = "bf16")]
+    device_dtype: String,
+    /// Sequences per training step.
+    #[arg(long, default_value_t = BATCH)]
+    batch: usize,
+    /// Tokens per training sequence.
+    #[arg(long, default_value_t = SEQ)]
+    seq_len: usize,
+    /// Sequences sampled at once.
+    #[arg(long, default_value_t = BATCH)]
+    sample_seqs: usize,
+    /// New tokens per sampled sequence.
+    #[arg(long, default_value_t = NEW)]
+    new_tokens: usize,
 }
 
 const HIDDEN: usize = 256;
@@ -77,6 +100,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Serve(a) => crate::bench_serve::run(a),
         BenchCommand::Hub(a) => crate::hub_cmd::bench(a),
         BenchCommand::Kernels(a) => crate::bench_kernels::run(a),
+        BenchCommand::Parity(a) => crate::bench_parity::run(a),
         BenchCommand::Tasks(a) => crate::tasks_cmd::bench(a),
     }
 }
@@ -93,13 +117,12 @@ fn config() -> serde_json::Value {
 
 /// A random checkpoint written to a scratch directory and loaded through the
 /// real loader.
-fn random_model() -> Result<Model> {
-    let dev = Device::Cpu;
+fn random_model(dev: &Device, dtype: DType) -> Result<Model> {
     let dir = std::env::temp_dir().join(format!("temper-bench-{}", std::process::id()));
     let init = RandomInit { std: 0.05, seed: 0 };
     let cfg = temper_model::write_random_model(&dir, &config(), init)?;
-    let ck = Checkpoint::open(&dir, DType::F32, &dev)?;
-    let model = Model::load(&cfg, &ck, DType::F32, &dev).and_then(|mut m| {
+    let ck = Checkpoint::open(&dir, dtype, dev)?;
+    let model = Model::load(&cfg, &ck, dtype, dev).and_then(|mut m| {
         m.set_precision(temper_model::default_precision())?;
         Ok(m)
     });
@@ -172,15 +195,31 @@ mod rss {
 
 fn model(args: ModelBenchArgs) -> Result<()> {
     let iters = args.iters.max(1);
+    let dev = crate::bench_parity::parse_device(&args.device)?;
+    let dtype = if dev.is_cpu() {
+        DType::F32
+    } else {
+        crate::bench_parity::parse_dtype(&args.device_dtype)?
+    };
+    let (batch, seq, sample_seqs, new) =
+        (args.batch, args.seq_len, args.sample_seqs, args.new_tokens);
+    if batch == 0 || seq == 0 || sample_seqs == 0 || new == 0 {
+        anyhow::bail!("--batch, --seq-len, --sample-seqs and --new-tokens must be at least 1");
+    }
+    let opts = LoadOptions {
+        device: dev.clone(),
+        dtype,
+        ..LoadOptions::default()
+    };
     let (model, tok, eos, label) = match &args.model {
         Some(dir) => {
-            let p = Pretrained::load(dir, &LoadOptions::default())
+            let p = Pretrained::load(dir, &opts)
                 .with_context(|| format!("loading {}", dir.display()))?;
             let label = format!("{} ({:?})", dir.display(), p.config.family);
             (p.model, p.tokenizer, p.generation.eos_token_ids, label)
         }
         None => {
-            let model = random_model().context("building the benchmark model")?;
+            let model = random_model(&dev, dtype).context("building the benchmark model")?;
             (
                 model,
                 word_tokenizer()?,
@@ -197,15 +236,15 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         alpha: LoraConfig::DEFAULT_ALPHA,
         ..Default::default()
     };
-    let mut lora = LoraAdapter::new(&cfg, lora_cfg, 0, DType::F32, &Device::Cpu)?;
+    let mut lora = LoraAdapter::new(&cfg, lora_cfg, 0, dtype, &dev)?;
     // Non-zero B so the whole LoRA backward runs, as after the first step.
     for (_, v) in lora.named_vars() {
-        let t = Tensor::randn(0f32, 0.01, v.as_tensor().dims(), &Device::Cpu)?;
+        let t = Tensor::randn(0f32, 0.01, v.as_tensor().dims(), &dev)?.to_dtype(dtype)?;
         v.set(&t)?;
     }
-    let seqs: Vec<Vec<u32>> = (0..BATCH)
+    let seqs: Vec<Vec<u32>> = (0..batch)
         .map(|b| {
-            (0..=SEQ)
+            (0..=seq)
                 .map(|i| ((b * 131 + i * 31) % vocab) as u32)
                 .collect()
         })
@@ -219,7 +258,7 @@ fn model(args: ModelBenchArgs) -> Result<()> {
     let inputs: Vec<ScoreInput<'_>> = seqs
         .iter()
         .map(|s| ScoreInput {
-            input: &s[..SEQ],
+            input: &s[..seq],
             targets: &s[1..],
         })
         .collect();
@@ -246,6 +285,8 @@ fn model(args: ModelBenchArgs) -> Result<()> {
             }
         }
         std::hint::black_box(acc);
+        // GPU kernels run asynchronously: the step ends when they do.
+        model.device().synchronize()?;
         // As the engine does after forward_backward.
         temper_model::release_memory();
         Ok((t.elapsed().as_secs_f64(), rss::cpu_seconds() - c))
@@ -264,14 +305,14 @@ fn model(args: ModelBenchArgs) -> Result<()> {
     // Sampling: 8 prompts × 16 tokens → 128 new tokens each, T = 1.
     let sampler = Sampler::new(&model, &tok, eos);
     let reqs = |logprobs: bool| -> Vec<GenerationRequest> {
-        (0..BATCH)
+        (0..sample_seqs)
             .map(|b| GenerationRequest {
                 prompt: (0..PROMPT)
                     .map(|i| ((b * 7 + i * 13) % vocab) as u32)
                     .collect(),
                 n: 1,
                 params: SamplingParams {
-                    max_tokens: NEW,
+                    max_tokens: new,
                     temperature: 1.0,
                     ignore_eos: true,
                     seed: Some(b as u64),
@@ -285,6 +326,7 @@ fn model(args: ModelBenchArgs) -> Result<()> {
         let t = Instant::now();
         let out = sampler.generate(&reqs(logprobs), Some(&lora))?;
         std::hint::black_box(out);
+        model.device().synchronize()?;
         Ok(t.elapsed().as_secs_f64())
     };
     rss::reset_peak();
@@ -309,17 +351,18 @@ fn model(args: ModelBenchArgs) -> Result<()> {
 
     let sample_peak = rss::peak_mb();
     let threads = temper_model::candle_core::utils::get_num_threads();
-    let tokens = (BATCH * SEQ) as f64;
-    let new_tokens = (BATCH * NEW) as f64;
+    let tokens = (batch * seq) as f64;
+    let new_tokens = (sample_seqs * new) as f64;
     let report = serde_json::json!({
         "model": label,
         "config": {
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
             "num_kv_heads": cfg.num_kv_heads, "vocab_size": vocab,
-            "lora_rank": RANK, "batch": BATCH, "seq_len": SEQ, "prompt_len": PROMPT,
-            "new_tokens": NEW, "threads": threads,
-            "dtype": model.precision().as_str()
+            "lora_rank": RANK, "batch": batch, "seq_len": seq, "prompt_len": PROMPT,
+            "sample_seqs": sample_seqs, "new_tokens": new, "threads": threads,
+            "dtype": model.precision().as_str(), "device": args.device,
+            "device_dtype": format!("{dtype:?}").to_lowercase()
         },
         "train_tokens_per_s": tokens / train_s,
         "train_step_ms": train_s * 1e3,
@@ -343,19 +386,19 @@ fn model(args: ModelBenchArgs) -> Result<()> {
             cfg.hidden_size, cfg.num_layers, model.precision()
         );
         println!(
-            "  LoRA forward+backward  {BATCH}x{SEQ} tokens   {:>9.1} ms   {:>9.0} tokens/s   ({:.0} tokens per CPU-second)",
+            "  LoRA forward+backward  {batch}x{seq} tokens   {:>9.1} ms   {:>9.0} tokens/s   ({:.0} tokens per CPU-second)",
             train_s * 1e3,
             tokens / train_s,
             tokens / train_cpu_s
         );
         if !args.train_only {
             println!(
-                "  sampling (+logprobs)   {BATCH}x{NEW} new tokens {:>9.1} ms   {:>9.0} tokens/s",
+                "  sampling (+logprobs)   {sample_seqs}x{new} new tokens {:>9.1} ms   {:>9.0} tokens/s",
                 sample_s * 1e3,
                 new_tokens / sample_s
             );
             println!(
-                "  sampling (no logprobs) {BATCH}x{NEW} new tokens {:>9.1} ms   {:>9.0} tokens/s",
+                "  sampling (no logprobs) {sample_seqs}x{new} new tokens {:>9.1} ms   {:>9.0} tokens/s",
                 sample_nolp_s * 1e3,
                 new_tokens / sample_nolp_s
             );

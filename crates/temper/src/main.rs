@@ -4,6 +4,7 @@ mod api;
 mod bench;
 mod bench_api;
 mod bench_kernels;
+mod bench_parity;
 mod bench_serve;
 mod conn;
 mod env_cmd;
