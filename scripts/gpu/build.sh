@@ -18,9 +18,12 @@ repo="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${1:-$repo/.gpu}"
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/temper/cuda"
 cuda="$cache/root/nvidia/cu13"
-wheels=("nvidia-cuda-nvcc==13.0.88" "nvidia-cuda-crt==13.0.88" "nvidia-cuda-runtime==13.0.96"
-        "nvidia-cuda-nvrtc==13.0.88" "nvidia-curand==10.4.5.25" "nvidia-cublas==13.0.2.14")
-if [ ! -x "$cuda/bin/nvcc" ] || [ ! -e "$cuda/lib64/libcublas.so" ]; then
+# nvcc + its front end (nvvm's cicc) + headers (crt, runtime, cccl's libcu++) + the
+# libraries candle links (nvrtc, curand, cublas).
+wheels=("nvidia-cuda-nvcc==13.0.88" "nvidia-nvvm==13.0.88" "nvidia-cuda-crt==13.0.88"
+        "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cccl==13.0.85" "nvidia-cuda-nvrtc==13.0.88"
+        "nvidia-curand==10.4.5.25" "nvidia-cublas==13.0.2.14")
+if [ ! -x "$cuda/nvvm/bin/cicc" ] || [ ! -e "$cuda/include/cccl/nv/target" ] || [ ! -e "$cuda/lib64/libcuda.so" ]; then
     echo "== CUDA 13.0 toolkit from PyPI wheels -> $cache (once; ~900 MB download)"
     mkdir -p "$cache/whl" "$cache/root"
     python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
