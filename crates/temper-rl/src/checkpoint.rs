@@ -34,6 +34,30 @@ pub fn latest_path(run_dir: &Path) -> PathBuf {
     run_dir.join("checkpoints").join("latest.json")
 }
 
+/// Opens `run_dir` for a run of `kind` (`rl`, `distill`, `sft`, `dpo`): a
+/// new run refuses a directory that already holds one (`resume` continues
+/// it instead); the resolved config is written as `config.toml` and the
+/// start recorded in `run.json`. Every trainer starts here.
+pub fn open_run<C: Serialize>(
+    run_dir: &Path,
+    resume: bool,
+    config: &C,
+    kind: &str,
+) -> Result<crate::runlog::RunRecord> {
+    std::fs::create_dir_all(run_dir).map_err(|e| RlError::io(run_dir, e))?;
+    if !resume && latest_path(run_dir).exists() {
+        return Err(RlError::Config(format!(
+            "{} already holds a run; pass --resume {0} to continue it, or choose another --log.dir",
+            run_dir.display()
+        )));
+    }
+    write_atomic(
+        &run_dir.join("config.toml"),
+        crate::config::to_toml(config)?.as_bytes(),
+    )?;
+    crate::runlog::RunRecord::start(run_dir, kind)
+}
+
 /// The loop state to start from: a fresh run's, or — with `resume` — the
 /// latest checkpoint's, loaded into `trainer`.
 pub async fn start_state(

@@ -47,7 +47,7 @@ use crate::error::{Result, RlError};
 use crate::eval::EvalResult;
 use crate::plan::{DpoLoss, DpoPlan, PrefSource};
 use crate::rl::RunOptions;
-use crate::runlog::{write_atomic, MetricsLog, RunRecord};
+use crate::runlog::MetricsLog;
 
 /// One tokenized preference pair: a prompt and two completions of it.
 #[derive(Debug, Clone, PartialEq)]
@@ -499,18 +499,7 @@ where
 {
     let cfg: DpoPlan = plan.try_into()?;
     let run_dir = cfg.log.dir.clone();
-    std::fs::create_dir_all(&run_dir).map_err(|e| RlError::io(&run_dir, e))?;
-    if !opts.resume && checkpoint::latest_path(&run_dir).exists() {
-        return Err(RlError::Config(format!(
-            "{} already holds a run; pass --resume {0} to continue it, or choose another --log.dir",
-            run_dir.display()
-        )));
-    }
-    write_atomic(
-        &run_dir.join("config.toml"),
-        crate::config::to_toml(cfg.config())?.as_bytes(),
-    )?;
-    let record = RunRecord::start(&run_dir, "dpo")?;
+    let record = checkpoint::open_run(&run_dir, opts.resume, cfg.config(), "dpo")?;
     let stop_early = opts.stop_after.is_some();
     let out = dpo_loop(cfg, opts, run_dir).await;
     record.end(match &out {

@@ -34,7 +34,7 @@ use crate::metrics::{
 use crate::plan::RlPlan;
 use crate::publish::Publisher;
 use crate::rollout::{RolloutPlan, Rollouts};
-use crate::runlog::{write_atomic, MetricsLog, RunRecord};
+use crate::runlog::MetricsLog;
 use crate::samples::{markdown, LoggedSample, SamplesLog};
 use crate::step::train_step;
 use crate::teacher::Teacher;
@@ -83,23 +83,12 @@ where
 {
     let cfg: RlPlan = plan.try_into()?;
     let run_dir = cfg.log.dir.clone();
-    std::fs::create_dir_all(&run_dir).map_err(|e| RlError::io(&run_dir, e))?;
-    if !opts.resume && checkpoint::latest_path(&run_dir).exists() {
-        return Err(RlError::Config(format!(
-            "{} already holds a run; pass --resume {0} to continue it, or choose another --log.dir",
-            run_dir.display()
-        )));
-    }
-    write_atomic(
-        &run_dir.join("config.toml"),
-        crate::config::to_toml(cfg.config())?.as_bytes(),
-    )?;
     let kind = if cfg.distill.is_some() {
         "distill"
     } else {
         "rl"
     };
-    let record = RunRecord::start(&run_dir, kind)?;
+    let record = checkpoint::open_run(&run_dir, opts.resume, cfg.config(), kind)?;
     let max_steps = cfg.trainer.max_steps;
     let out = async {
         let (base, trainer) =

@@ -27,7 +27,7 @@ use crate::eval::{EvalResult, Evaluator};
 use crate::plan::{DataSource, SftPlan};
 use crate::policy::{Batcher, EnginePolicy, Renderer};
 use crate::rl::RunOptions;
-use crate::runlog::{write_atomic, MetricsLog, RunRecord};
+use crate::runlog::MetricsLog;
 
 /// One tokenized conversation: the input tokens and, per position, the
 /// target (the next token) and its loss weight.
@@ -325,18 +325,7 @@ where
 {
     let cfg: SftPlan = plan.try_into()?;
     let run_dir = cfg.log.dir.clone();
-    std::fs::create_dir_all(&run_dir).map_err(|e| RlError::io(&run_dir, e))?;
-    if !opts.resume && checkpoint::latest_path(&run_dir).exists() {
-        return Err(RlError::Config(format!(
-            "{} already holds a run; pass --resume {0} to continue it, or choose another --log.dir",
-            run_dir.display()
-        )));
-    }
-    write_atomic(
-        &run_dir.join("config.toml"),
-        crate::config::to_toml(cfg.config())?.as_bytes(),
-    )?;
-    let record = RunRecord::start(&run_dir, "sft")?;
+    let record = checkpoint::open_run(&run_dir, opts.resume, cfg.config(), "sft")?;
     let stop_early = opts.stop_after.is_some();
     let out = sft_loop(cfg, opts, &run_dir).await;
     record.end(match &out {
