@@ -11,8 +11,8 @@
 # with any wheel: the link here uses a stub whose soname is libcuda.so.1, so
 # the GPU machine's driver library is the one loaded at run time. Kernels are
 # built for compute capability 9.0 (H100/H200; CUDA_COMPUTE_CAP overrides).
-# OUT_DIR receives the stripped `temper` binary and must stay under the
-# device's 64 MiB limit for what travels.
+# OUT_DIR receives temper.xz, the stripped binary compressed to stay under
+# the device's 64 MiB limit for what travels.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${1:-$repo/.gpu}"
@@ -45,6 +45,7 @@ if [ ! -x "$cuda/nvvm/bin/cicc" ] || [ ! -e "$cuda/include/cccl/nv/target" ] || 
     grep -o '^pub unsafe fn cu[A-Za-z0-9_]*' "$cudarc/src/driver/sys/mod.rs" | awk '{print "int " $4 "(void) { return 100; }"}' \
         | sort -u > "$cache/libcuda_stub.c"
     cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cuda/lib64/libcuda.so" "$cache/libcuda_stub.c"
+    ln -sf libcuda.so "$cuda/lib64/libcuda.so.1"
 fi
 export PATH="$cuda/bin:$PATH" CUDA_ROOT="$cuda" CUDA_HOME="$cuda"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}" CARGO_TARGET_DIR="$repo/target/cuda"
@@ -52,5 +53,11 @@ export CARGO_INCREMENTAL=0
 echo "== cargo build --release --features cuda (nvcc $(nvcc --version | grep -o 'release [0-9.]*'), sm_$CUDA_COMPUTE_CAP)"
 (cd "$repo" && cargo build --release --features cuda -p temper)
 mkdir -p "$out"
+# Stripped it is ~85 MB (candle's kernels for sm_90 inside), over the 64 MiB
+# that travels to the GPU machine: it travels xz-compressed (~15 MB) and
+# scripts/gpu/run.sh unpacks it with Python's lzma.
 strip -o "$out/temper" "$CARGO_TARGET_DIR/release/temper"
-echo "built $out/temper ($(du -h "$out/temper" | cut -f1))"
+xz -T0 -6 -c "$out/temper" > "$out/temper.xz"
+rm "$out/temper"
+echo "built $out/temper.xz ($(du -h "$out/temper.xz" | cut -f1)); here it runs on the CPU with"
+echo "  LD_LIBRARY_PATH=$cuda/lib64:$cuda/lib (the driver stub answers: no CUDA device)"
