@@ -711,7 +711,7 @@ mod tests {
             (&[("model.tiny.num_heads", "3")], "tiny model"),
             (
                 &[("model.dtype", "\"fp16\"")],
-                "expected \"f32\", \"bf16\" or \"auto\"",
+                "expected \"f32\", \"bf16\", \"gguf\" or \"auto\"",
             ),
             (
                 &[("model.dtype", "\"bf16\""), ("lora.enabled", "false")],
