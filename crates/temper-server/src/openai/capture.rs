@@ -597,8 +597,10 @@ pub(super) async fn create_episode(
     let req: CreateEpisode = if body.iter().all(u8::is_ascii_whitespace) {
         CreateEpisode::default()
     } else {
-        serde_json::from_slice(&body)
+        // `null` is no options, as an empty body is (clients send either).
+        serde_json::from_slice::<Option<CreateEpisode>>(&body)
             .map_err(|e| OpenAiError::bad(format!("invalid request body: {e}")))?
+            .unwrap_or_default()
     };
     if req.train && s.inner.learning.is_none() {
         return Err(OpenAiError::invalid(
