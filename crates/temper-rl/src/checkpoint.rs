@@ -150,10 +150,23 @@ pub async fn final_output(
         // The weights stay with the training service: its checkpoint path.
         Ok(PathBuf::from(last_ckpt))
     } else if cfg.model.lora.is_some() {
+        export_weights(trainer, run_dir, true).await
+    } else {
+        Ok(run_dir.join("checkpoints"))
+    }
+}
+
+/// Exports the trained weights into the run directory: the PEFT adapter
+/// (`run_dir/adapter`) with LoRA, else the whole model in Hugging Face
+/// layout (`run_dir/model`); answers the directory.
+pub async fn export_weights(trainer: &dyn Trainer, run_dir: &Path, lora: bool) -> Result<PathBuf> {
+    if lora {
         let d = run_dir.join("adapter");
         trainer.export_peft(&d).await?;
         Ok(d)
     } else {
-        Ok(run_dir.join("checkpoints"))
+        let d = run_dir.join("model");
+        trainer.export_model(&d).await?;
+        Ok(d)
     }
 }

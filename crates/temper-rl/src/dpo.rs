@@ -714,15 +714,7 @@ async fn dpo_loop(cfg: DpoPlan, opts: RunOptions, run_dir: PathBuf) -> Result<Dp
         ],
         "",
     )?;
-    let output = if cfg.model.lora.is_some() {
-        let d = run_dir.join("adapter");
-        trainer.export_peft(&d).await?;
-        d
-    } else {
-        let d = run_dir.join("model");
-        trainer.export_model(&d).await?;
-        d
-    };
+    let output = checkpoint::export_weights(&*trainer, &run_dir, cfg.model.lora.is_some()).await?;
     Ok(DpoOutcome {
         steps: step,
         output,

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use temper_env::{ChatModel, Environment, SamplingArgs};
 
-use crate::config::{DpoConfig, EvalSection, RlConfig, SftConfig};
+use crate::config::{DpoConfig, EnvSection, EvalSection, RlConfig, SftConfig};
 use crate::error::{Result, RlError};
 use crate::policy::Batcher;
 use crate::publish::Published;
@@ -148,41 +148,48 @@ impl Evaluator {
     /// file dataset and no `eval.env`). Completions get the environment's
     /// own `max_tokens` (what `temper eval` would use).
     pub async fn for_sft(cfg: &SftConfig, max_steps: u64) -> Result<Option<Self>> {
-        let data_env = cfg.data.env.as_ref();
-        let spec = cfg
-            .eval
-            .env
-            .clone()
-            .or_else(|| data_env.map(|e| e.id.clone()));
-        let args = cfg.eval.args.clone().unwrap_or_else(|| {
-            data_env
-                .filter(|e| Some(&e.id) == spec.as_ref())
-                .map(|e| e.args.clone())
-                .unwrap_or(Value::Null)
-        });
-        Self::load(spec, args, &cfg.eval, None, cfg.seed, max_steps)
-            .await
-            .map(|ev| ev.map(|e| e.with_progress(cfg.log.progress)))
+        Self::for_trainer(
+            &cfg.eval,
+            cfg.data.env.as_ref(),
+            cfg.seed,
+            cfg.log.progress,
+            max_steps,
+        )
+        .await
     }
 
     /// The evaluator of a DPO run: `[eval] env`, else the online
     /// environment of `[data] env`.
     pub async fn for_dpo(cfg: &DpoConfig, max_steps: u64) -> Result<Option<Self>> {
-        let data_env = cfg.data.env.as_ref();
-        let spec = cfg
-            .eval
-            .env
-            .clone()
-            .or_else(|| data_env.map(|e| e.id.clone()));
-        let args = cfg.eval.args.clone().unwrap_or_else(|| {
+        Self::for_trainer(
+            &cfg.eval,
+            cfg.data.env.as_ref(),
+            cfg.seed,
+            cfg.log.progress,
+            max_steps,
+        )
+        .await
+    }
+
+    /// SFT's and DPO's evaluator: `[eval] env`, else the data's environment
+    /// (with its arguments unless `[eval] args` are given).
+    async fn for_trainer(
+        eval: &EvalSection,
+        data_env: Option<&EnvSection>,
+        seed: u64,
+        progress: bool,
+        max_steps: u64,
+    ) -> Result<Option<Self>> {
+        let spec = eval.env.clone().or_else(|| data_env.map(|e| e.id.clone()));
+        let args = eval.args.clone().unwrap_or_else(|| {
             data_env
                 .filter(|e| Some(&e.id) == spec.as_ref())
                 .map(|e| e.args.clone())
                 .unwrap_or(Value::Null)
         });
-        Self::load(spec, args, &cfg.eval, None, cfg.seed, max_steps)
+        Self::load(spec, args, eval, None, seed, max_steps)
             .await
-            .map(|ev| ev.map(|e| e.with_progress(cfg.log.progress)))
+            .map(|ev| ev.map(|e| e.with_progress(progress)))
     }
 
     fn with_progress(mut self, progress: bool) -> Self {

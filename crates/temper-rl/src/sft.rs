@@ -491,14 +491,8 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
         } else {
             PathBuf::from(last_state)
         }
-    } else if cfg.model.lora.is_some() {
-        let d = run_dir.join("adapter");
-        trainer.export_peft(&d).await?;
-        d
     } else {
-        let d = run_dir.join("model");
-        trainer.export_model(&d).await?;
-        d
+        checkpoint::export_weights(&*trainer, &run_dir, cfg.model.lora.is_some()).await?
     };
     Ok(SftOutcome {
         steps: step,
