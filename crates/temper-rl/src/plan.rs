@@ -258,6 +258,25 @@ impl TryFrom<RlConfig> for RlPlan {
     }
 }
 
+/// The optimiser of SFT's `[trainer]` section (DPO uses the same), checked.
+fn sft_optim(t: &SftTrainerSection) -> Result<Optim> {
+    if t.batch_size == 0 {
+        return bad("trainer.batch_size must be >= 1");
+    }
+    if t.max_seq_len == 0 {
+        return bad("trainer.max_seq_len must be >= 1");
+    }
+    Ok(Optim {
+        lr: t.lr,
+        warmup_steps: t.warmup_steps,
+        batch_size: t.batch_size,
+        micro_batch: t.micro_batch,
+        grad_clip: t.grad_clip,
+        weight_decay: t.weight_decay,
+        max_steps: t.max_steps,
+    })
+}
+
 impl TryFrom<SftConfig> for SftPlan {
     type Error = RlError;
 
@@ -265,22 +284,7 @@ impl TryFrom<SftConfig> for SftPlan {
         let remote = remote_of(&cfg.remote_trainer, &cfg.lora)?;
         let model = model_plan(&cfg.model, &cfg.lora)?;
         let data = data_source(&cfg.data)?;
-        let t: &SftTrainerSection = &cfg.trainer;
-        if t.batch_size == 0 {
-            return bad("trainer.batch_size must be >= 1");
-        }
-        if t.max_seq_len == 0 {
-            return bad("trainer.max_seq_len must be >= 1");
-        }
-        let optim = Optim {
-            lr: t.lr,
-            warmup_steps: t.warmup_steps,
-            batch_size: t.batch_size,
-            micro_batch: t.micro_batch,
-            grad_clip: t.grad_clip,
-            weight_decay: t.weight_decay,
-            max_steps: t.max_steps,
-        };
+        let optim = sft_optim(&cfg.trainer)?;
         Ok(Self {
             model,
             optim,
@@ -371,22 +375,7 @@ impl TryFrom<DpoConfig> for DpoPlan {
             return bad(format!("dpo.beta must be > 0, got {}", cfg.dpo.beta));
         }
         let data = pref_source(&cfg.data)?;
-        let t: &SftTrainerSection = &cfg.trainer;
-        if t.batch_size == 0 {
-            return bad("trainer.batch_size must be >= 1");
-        }
-        if t.max_seq_len == 0 {
-            return bad("trainer.max_seq_len must be >= 1");
-        }
-        let optim = Optim {
-            lr: t.lr,
-            warmup_steps: t.warmup_steps,
-            batch_size: t.batch_size,
-            micro_batch: t.micro_batch,
-            grad_clip: t.grad_clip,
-            weight_decay: t.weight_decay,
-            max_steps: t.max_steps,
-        };
+        let optim = sft_optim(&cfg.trainer)?;
         Ok(Self {
             model,
             optim,
