@@ -24,7 +24,11 @@ def main() -> int:
     print(f"train reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
     print(f"held-out pass@1: {100 * acc(before):.1f}% -> {100 * acc(after):.1f}% "
           f"({100 * (acc(after) - acc(before)):+.1f} points, {after['num_rollouts']} rollouts)")
-    assert all(r["mismatch/max"] == 0.0 for r in rows), "sampler/trainer logprob mismatch"
+    # Measured on every step (on-policy tokens, or the probe of a lagged
+    # sequence), and exactly 0 wherever it was.
+    measured = [[r[k] for k in ("mismatch/max", "mismatch/probe_max") if r.get(k) is not None] for r in rows]
+    assert all(measured), f"a step measured no mismatch: {[r['step'] for r, m in zip(rows, measured) if not m]}"
+    assert all(v == 0.0 for m in measured for v in m), "sampler/trainer logprob mismatch"
     assert last > first, "the RL reward did not rise"
     assert acc(after) > acc(before), "RL did not improve held-out pass@1"
     print("quickstart: OK")

@@ -41,7 +41,7 @@ pub struct AlertsSection {
     /// `zero_advantage`: at least this fraction of the groups of the last
     /// `window` steps had all-equal rewards.
     pub zero_advantage: f64,
-    /// `mismatch`: `mismatch/max` above this where the sampler is the
+    /// `mismatch`: `mismatch/max` or `mismatch/probe_max` above this where the sampler is the
     /// in-process engine (which samples with the learner's exact weights
     /// and kernels: 0 expected).
     pub mismatch: f64,
@@ -153,7 +153,12 @@ impl AlertMonitor {
             } else {
                 m.data.zero_advantage_groups as f64 / groups as f64
             },
-            mismatch: (m.train.mismatch_tokens > 0).then_some(m.train.mismatch_max),
+            // On-policy tokens and the probe of off-policy ones: the larger
+            // of what was measured, none when nothing was.
+            mismatch: [m.train.mismatch_max, m.train.probe_max]
+                .into_iter()
+                .flatten()
+                .reduce(f64::max),
             heldout: m.time.eval_pass_at_1,
         });
         if !self.cfg.enabled {
@@ -451,7 +456,7 @@ mod tests {
 
     #[test]
     fn mismatch_fires_only_where_the_engine_promises_zero() {
-        let mm = |i: u64, v: f64| step(i, |m| m.train.mismatch_max = v);
+        let mm = |i: u64, v: f64| step(i, |m| m.train.mismatch_max = Some(v));
         assert_eq!(
             rules(&cfg(), true, &[mm(1, 0.0), mm(2, 1e-3)])[1],
             ["mismatch"]
@@ -459,6 +464,24 @@ mod tests {
         assert!(flat(&rules(&cfg(), true, &[mm(1, 0.0), mm(2, 0.0)])).is_empty());
         // An external sampler (other kernels): expected, no alert.
         assert!(flat(&rules(&cfg(), false, &[mm(1, 1e-3)])).is_empty());
+    }
+
+    /// A step of off-policy rollouts only: the probe's measure alone raises
+    /// it, and a step where nothing was measured raises nothing.
+    #[test]
+    fn a_nonzero_probe_is_a_mismatch_alert() {
+        let probe = |i: u64, v: Option<f64>| {
+            step(i, |m| {
+                m.train.mismatch_tokens = 0;
+                m.train.mismatch_max = None;
+                m.train.probe_max = v;
+            })
+        };
+        assert_eq!(
+            rules(&cfg(), true, &[probe(1, Some(0.0)), probe(2, Some(1e-3))])[1],
+            ["mismatch"]
+        );
+        assert!(flat(&rules(&cfg(), true, &[probe(1, None), probe(2, Some(0.0))])).is_empty());
     }
 
     #[test]
@@ -469,7 +492,7 @@ mod tests {
         assert!(e.to_string().contains("length_growth"), "{e}");
         c.stop_on = vec!["mismatch".into()];
         let mut m = AlertMonitor::new(&c, true).unwrap();
-        let a = m.observe(&step(1, |m| m.train.mismatch_max = 0.1), 4);
+        let a = m.observe(&step(1, |m| m.train.mismatch_max = Some(0.1)), 4);
         assert_eq!(m.stopping(&a).map(|a| a.rule), Some("mismatch"));
         let m = AlertMonitor::new(&cfg(), true).unwrap();
         assert!(m.stopping(&a).is_none(), "without stop_on nothing stops");
@@ -481,7 +504,7 @@ mod tests {
         assert!(flat(&rules(
             &off,
             true,
-            &[step(1, |m| m.train.mismatch_max = 0.1)]
+            &[step(1, |m| m.train.mismatch_max = Some(0.1))]
         ))
         .is_empty());
     }

@@ -101,6 +101,7 @@ pub mod metrics;
 pub mod plan;
 pub mod policy;
 pub mod preset;
+pub mod probe;
 pub mod publish;
 pub mod quickstart;
 pub mod rl;

@@ -15,6 +15,7 @@ use serde_json::{Map, Value};
 use crate::datum::{ReverseKl, TrainTurns};
 use crate::error::{Result, RlError};
 use crate::eval::EvalResult;
+use crate::probe::ProbeOutput;
 use crate::rollout::Group;
 use crate::step::StepOutput;
 
@@ -137,15 +138,25 @@ pub struct DataMetrics {
 pub struct TrainMetrics {
     /// Summed loss over the micro-batches.
     pub loss: f64,
-    /// Largest |learner − sampler| logprob over on-policy tokens.
+    /// Largest |learner − sampler| logprob over on-policy tokens; `null`
+    /// on a step that had none (nothing was measured, so no number).
     #[serde(rename = "mismatch/max")]
-    pub mismatch_max: f64,
-    /// Mean |learner − sampler| logprob over on-policy tokens.
+    pub mismatch_max: Option<f64>,
+    /// Mean |learner − sampler| logprob over on-policy tokens (`null` as
+    /// above).
     #[serde(rename = "mismatch/mean")]
-    pub mismatch_mean: f64,
+    pub mismatch_mean: Option<f64>,
     /// How many on-policy (lag 0) tokens the mismatch was measured on.
     #[serde(rename = "mismatch/tokens")]
     pub mismatch_tokens: usize,
+    /// The probe's mismatch: one off-policy sequence rescored under the
+    /// weights that sampled it (`null` on a step with no off-policy
+    /// sequence, or whose sampler's weights are not at hand).
+    #[serde(rename = "mismatch/probe_max")]
+    pub probe_max: Option<f64>,
+    /// Tokens the probe compared.
+    #[serde(rename = "mismatch/probe_tokens")]
+    pub probe_tokens: usize,
     /// Mean entropy over the trained tokens that report one.
     pub entropy: f64,
     /// Gradient norm before clipping (0 when nothing was trained).
@@ -313,13 +324,16 @@ impl DataMetrics {
 }
 
 impl TrainMetrics {
-    /// From the train step's output.
-    pub fn of(out: &StepOutput) -> Self {
+    /// From the train step's output and the mismatch probe's.
+    pub fn of(out: &StepOutput, probe: Option<ProbeOutput>) -> Self {
+        let measured = out.mismatch_tokens > 0;
         Self {
             loss: out.loss_sum,
-            mismatch_max: out.mismatch_max,
-            mismatch_mean: out.mismatch_sum / out.mismatch_tokens.max(1) as f64,
+            mismatch_max: measured.then_some(out.mismatch_max),
+            mismatch_mean: measured.then(|| out.mismatch_sum / out.mismatch_tokens as f64),
             mismatch_tokens: out.mismatch_tokens,
+            probe_max: probe.map(|p| p.max),
+            probe_tokens: probe.map_or(0, |p| p.tokens),
             entropy: out.entropy_sum / out.entropy_tokens.max(1) as f64,
             grad_norm: out.grad_norm,
             lr: out.lr,
@@ -356,6 +370,11 @@ impl TryFrom<&Map<String, Value>> for StepMetrics {
         let since = |k: &str| match get(k) {
             None => Ok(0),
             Some(v) => v.as_u64().ok_or_else(|| bad(k)),
+        };
+        // Absent (lines written before it existed) or null: not measured.
+        let opt_f = |k: &str| match get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| bad(k)),
         };
         let mut reward_by_env = Vec::new();
         let mut rubric = BTreeMap::new();
@@ -397,9 +416,11 @@ impl TryFrom<&Map<String, Value>> for StepMetrics {
             },
             train: TrainMetrics {
                 loss: f("loss")?,
-                mismatch_max: f("mismatch/max")?,
-                mismatch_mean: f("mismatch/mean")?,
+                mismatch_max: opt_f("mismatch/max")?,
+                mismatch_mean: opt_f("mismatch/mean")?,
                 mismatch_tokens: n("mismatch/tokens")?,
+                probe_max: opt_f("mismatch/probe_max")?,
+                probe_tokens: since("mismatch/probe_tokens")? as usize,
                 entropy: f("entropy")?,
                 grad_norm: f("grad_norm")?,
                 lr: f("lr")?,
@@ -445,10 +466,11 @@ impl StepMetrics {
     /// The progress line printed after each step.
     pub fn progress_line(&self, max_steps: u64) -> String {
         let (r, d, t, time) = (&self.rollouts, &self.data, &self.train, &self.time);
-        let mismatch = if t.mismatch_tokens > 0 {
-            format!("{:.1e}", t.mismatch_max)
-        } else {
-            "n/a".into()
+        let mismatch = match (t.mismatch_max, t.probe_max) {
+            (Some(m), None) => format!("{m:.1e}"),
+            (Some(m), Some(p)) => format!("{m:.1e} (probe {p:.1e})"),
+            (None, Some(p)) => format!("{p:.1e} (probe)"),
+            (None, None) => "n/a".into(),
         };
         let eval = time
             .eval_s
@@ -620,6 +642,8 @@ mod tests {
         old.remove("multi_turn/fallbacks");
         old.remove("reward_errors");
         old.remove("time/reward");
+        old.remove("mismatch/probe_max");
+        old.remove("mismatch/probe_tokens");
         let back = StepMetrics::try_from(&old).unwrap();
         assert_eq!(
             (back.rollouts.pass_rate, back.time.eval_pass_at_1),
@@ -677,6 +701,8 @@ mod tests {
                 "mismatch/max",
                 "mismatch/mean",
                 "mismatch/tokens",
+                "mismatch/probe_max",
+                "mismatch/probe_tokens",
                 "entropy",
                 "grad_norm",
                 "lr",

@@ -30,8 +30,8 @@ pub struct Published {
 enum Target {
     Engine {
         batcher: Batcher,
-        /// Handles still published, oldest first.
-        live: VecDeque<String>,
+        /// Handles still published with their versions, oldest first.
+        live: VecDeque<(u64, String)>,
         /// How many to keep: every version a producer may still sample from.
         keep: usize,
     },
@@ -109,6 +109,19 @@ impl Publisher {
         }
     }
 
+    /// The in-process sampler handle of policy `version`, while it is still
+    /// published (none for an external sampler): the weights that sampled
+    /// that version's rollouts, for the mismatch probe.
+    pub fn sampler_of(&self, version: u64) -> Option<String> {
+        match &self.target {
+            Target::Engine { live, .. } => live
+                .iter()
+                .find(|(v, _)| *v == version)
+                .map(|(_, h)| h.clone()),
+            Target::Http { .. } => None,
+        }
+    }
+
     /// Follow the published policies (`None` until the first).
     pub fn subscribe(&self) -> watch::Receiver<Option<Published>> {
         self.announce.subscribe()
@@ -127,10 +140,10 @@ impl Publisher {
                 let handle = trainer
                     .save_weights_for_sampler(&format!("policy-{version}"))
                     .await?;
-                live.push_back(handle.clone());
+                live.push_back((version, handle.clone()));
                 // A long run would otherwise keep one weight snapshot per step.
                 while live.len() > *keep {
-                    if let Some(old) = live.pop_front() {
+                    if let Some((_, old)) = live.pop_front() {
                         trainer.release_sampler(&old).await?;
                     }
                 }

@@ -32,6 +32,7 @@ use crate::metrics::{
     DataMetrics, DistillMetrics, RolloutMetrics, StepMetrics, TimeMetrics, TrainMetrics,
 };
 use crate::plan::RlPlan;
+use crate::probe::probe_mismatch;
 use crate::publish::Publisher;
 use crate::rollout::{RolloutPlan, Rollouts};
 use crate::runlog::MetricsLog;
@@ -223,6 +224,19 @@ pub async fn run_rl_with(
             turns.seqs_d(),
         )
         .await?;
+        let probe = probe_mismatch(
+            &*trainer,
+            turns.seqs_d(),
+            || {
+                TrainTurns::of_all(&groups_g, &advantages_g)
+                    .seqs_d()
+                    .to_vec()
+            },
+            step,
+            trained.mismatch_tokens > 0,
+            |v| publisher.sampler_of(v),
+        )
+        .await?;
         let picked = LoggedSample::pick(&groups_g, &advantages_g, step, cfg.log.samples, &env_ids);
         if !picked.is_empty() {
             log.tensorboard_text(step + 1, "samples", &markdown(&picked))?;
@@ -246,7 +260,7 @@ pub async fn run_rl_with(
             step: version,
             rollouts: RolloutMetrics::of(&groups_g, step, &env_ids, &thresholds),
             data: DataMetrics::of(&turns, dropped, state.dropped_stale),
-            train: TrainMetrics::of(&trained),
+            train: TrainMetrics::of(&trained, probe),
             distill,
             time: TimeMetrics {
                 generate_s,

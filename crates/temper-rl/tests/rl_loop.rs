@@ -191,6 +191,46 @@ fn no_rollout_older_than_the_bound_is_trained_on() {
     }
 }
 
+/// Issue 35 item 6: a step whose rollouts are all one step old has no
+/// on-policy token to compare, so `mismatch/max` is `null` there, not a 0
+/// that nothing measured; and the probe rescores one off-policy sequence
+/// under the weights that sampled it, so the mismatch is measured — and 0 —
+/// on every step that trained.
+#[test]
+fn every_step_measures_the_mismatch_on_policy_or_by_the_probe() {
+    let d = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(d.path(), "");
+    c.async_.max_off_policy_steps = 1;
+    c.trainer.max_steps = 6;
+    let r = rt().block_on(run_rl(c, RunOptions::default())).unwrap();
+    let (mut probed, mut unmeasured) = (0, 0);
+    for m in &records(&r.metrics) {
+        if m["mismatch/tokens"] == json!(0) {
+            assert_eq!(m["mismatch/max"], Value::Null, "{m:?}");
+            assert_eq!(m["mismatch/mean"], Value::Null, "{m:?}");
+        } else {
+            assert_eq!(m["mismatch/max"], json!(0.0), "{m:?}");
+        }
+        // Lagged rollouts, or nothing compared on-policy: probed.
+        if m["policy_lag/max"].as_f64().unwrap() > 0.0 || m["mismatch/tokens"] == json!(0) {
+            assert!(m["mismatch/probe_tokens"].as_u64().unwrap() > 0, "{m:?}");
+            assert_eq!(m["mismatch/probe_max"], json!(0.0), "{m:?}");
+            probed += 1;
+        } else {
+            assert_eq!(m["mismatch/probe_max"], Value::Null, "{m:?}");
+        }
+        if m["mismatch/max"].is_null() && m["mismatch/probe_max"].is_null() {
+            unmeasured += 1;
+        }
+    }
+    assert!(
+        probed > 0,
+        "no step trained on lagged rollouts: {:?}",
+        records(&r.metrics)
+    );
+    assert_eq!(unmeasured, 0, "{:?}", records(&r.metrics));
+}
+
 #[test]
 fn a_stopped_run_resumes_from_its_checkpoint_and_matches_an_uninterrupted_one() {
     let full = tempfile::tempdir().unwrap();

@@ -164,6 +164,7 @@ const FIRST: &[&str] = &[
     "truncation_rate",
     "zero_advantage_groups",
     "mismatch/max",
+    "mismatch/probe_max",
     "policy_lag/mean",
     "grad_norm",
     "lr",
