@@ -133,8 +133,9 @@ pub async fn save(
 }
 
 /// Where the trained weights are once the loop ends: the PEFT adapter
-/// (exported to `run_dir/adapter`), the training API's checkpoint path
-/// (`last_ckpt`), or — for full fine-tuning and unfinished runs — the
+/// (exported to `run_dir/adapter`), with full fine-tuning the whole model
+/// (exported to `run_dir/model`, Hugging Face layout), the training API's
+/// checkpoint path (`last_ckpt`), or — for an unfinished run — the
 /// checkpoints directory.
 pub async fn final_output(
     cfg: &RlPlan,
@@ -149,10 +150,10 @@ pub async fn final_output(
     if cfg.remote.is_some() {
         // The weights stay with the training service: its checkpoint path.
         Ok(PathBuf::from(last_ckpt))
-    } else if cfg.model.lora.is_some() {
-        export_weights(trainer, run_dir, true).await
     } else {
-        Ok(run_dir.join("checkpoints"))
+        // The adapter (PEFT), or with full fine-tuning the whole model in
+        // Hugging Face layout: what `temper serve`, vLLM and transformers load.
+        export_weights(trainer, run_dir, cfg.model.lora.is_some()).await
     }
 }
 

@@ -231,6 +231,27 @@ fn every_step_measures_the_mismatch_on_policy_or_by_the_probe() {
     assert_eq!(unmeasured, 0, "{:?}", records(&r.metrics));
 }
 
+/// Issue 35 item 1: full fine-tuning ends, like LoRA, with its weights
+/// exported — the whole model in Hugging Face layout at `RUN/model` (that
+/// transformers loads it is `tests/python/check_rl_full_model.py`).
+#[test]
+fn full_fine_tuning_ends_with_a_hugging_face_model_directory() {
+    let d = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(d.path(), "");
+    c.lora.enabled = false;
+    c.async_.max_off_policy_steps = 0;
+    c.trainer.max_steps = 2;
+    let r = rt().block_on(run_rl(c, RunOptions::default())).unwrap();
+    assert_eq!(r.output, d.path().join("model"));
+    for f in ["config.json", "model.safetensors"] {
+        assert!(
+            r.output.join(f).is_file(),
+            "{f} missing from {:?}",
+            r.output
+        );
+    }
+}
+
 #[test]
 fn a_stopped_run_resumes_from_its_checkpoint_and_matches_an_uninterrupted_one() {
     let full = tempfile::tempdir().unwrap();
