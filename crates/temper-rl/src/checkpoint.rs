@@ -11,7 +11,6 @@ use temper_engine::Trainer;
 use crate::config::RlConfig;
 use crate::error::{Result, RlError};
 use crate::eval::EvalResult;
-use crate::plan::RlPlan;
 use crate::runlog::write_atomic;
 
 /// `checkpoints/latest.json`: what a resume needs beyond the weights.
@@ -132,28 +131,27 @@ pub async fn save(
     Ok(path)
 }
 
-/// Where the trained weights are once the loop ends: the PEFT adapter
-/// (exported to `run_dir/adapter`), with full fine-tuning the whole model
-/// (exported to `run_dir/model`, Hugging Face layout), the training API's
-/// checkpoint path (`last_ckpt`), or — for an unfinished run — the
-/// checkpoints directory.
+/// Where the trained weights are once a trainer's loop ends (RL's and
+/// SFT's one rule): with a training service (`remote`), its last checkpoint
+/// path (the weights stay there); a run stopped before its last step, its
+/// checkpoints directory (it resumes from there); else the weights
+/// exported — the PEFT adapter at `run_dir/adapter` with LoRA, the whole
+/// model in Hugging Face layout at `run_dir/model` with full fine-tuning
+/// (what `temper serve`, vLLM and transformers load).
 pub async fn final_output(
-    cfg: &RlPlan,
     trainer: &dyn Trainer,
     run_dir: &Path,
+    remote: bool,
+    lora: bool,
     finished: bool,
     last_ckpt: &str,
 ) -> Result<PathBuf> {
-    if !finished {
-        return Ok(run_dir.join("checkpoints"));
-    }
-    if cfg.remote.is_some() {
-        // The weights stay with the training service: its checkpoint path.
+    if remote && !last_ckpt.is_empty() {
         Ok(PathBuf::from(last_ckpt))
+    } else if remote || !finished {
+        Ok(run_dir.join("checkpoints"))
     } else {
-        // The adapter (PEFT), or with full fine-tuning the whole model in
-        // Hugging Face layout: what `temper serve`, vLLM and transformers load.
-        export_weights(trainer, run_dir, cfg.model.lora.is_some()).await
+        export_weights(trainer, run_dir, lora).await
     }
 }
 

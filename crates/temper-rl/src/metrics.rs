@@ -516,6 +516,59 @@ impl StepMetrics {
     }
 }
 
+/// One SFT step's `metrics.jsonl` line (keys in this order).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct SftStepMetrics {
+    /// Steps done (1 after the first).
+    pub step: u64,
+    /// Passes over the data begun before this step (for an environment's
+    /// rows: over its distinct prompts).
+    pub epoch: u64,
+    /// Summed loss over the micro-batches.
+    pub loss: f64,
+    /// Tokens with a loss weight (assistant tokens).
+    pub trained_tokens: usize,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Tokens (all of the batch's) per second of the step.
+    pub tokens_per_s: f64,
+    /// Seconds of the train step.
+    #[serde(rename = "time/step")]
+    pub step_s: f64,
+    /// Held-out pass@1, when an evaluation ran after this step.
+    #[serde(rename = "eval/pass@1", skip_serializing_if = "Option::is_none")]
+    pub eval_pass_at_1: Option<f64>,
+    /// Held-out mean reward, when an evaluation ran after this step.
+    #[serde(rename = "eval/reward", skip_serializing_if = "Option::is_none")]
+    pub eval_reward: Option<f64>,
+    /// Seconds since the run (or its resume) started.
+    #[serde(rename = "time/elapsed")]
+    pub elapsed_s: f64,
+}
+
+impl SftStepMetrics {
+    /// The `metrics.jsonl` line.
+    pub fn to_record(&self) -> Result<Map<String, Value>> {
+        match serde_json::to_value(self) {
+            Ok(Value::Object(m)) => Ok(m),
+            Ok(other) => Err(RlError::Data(format!(
+                "SFT step metrics serialized to a non-object: {other}"
+            ))),
+            Err(e) => Err(RlError::Data(format!("SFT step metrics: {e}"))),
+        }
+    }
+
+    /// The progress line printed every ten steps and at the end.
+    pub fn progress_line(&self, max_steps: u64) -> String {
+        format!(
+            "sft step {:>4}/{max_steps}  loss {:.4}  |g| {:.3}  lr {:.2e}  {:.0} tok/s",
+            self.step, self.loss, self.grad_norm, self.lr, self.tokens_per_s
+        )
+    }
+}
+
 /// The metrics plotted into `plots.html`.
 pub const PLOTTED: &[&str] = &[
     "reward/mean",

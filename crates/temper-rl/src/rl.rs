@@ -18,11 +18,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::Value;
-use temper_engine::Trainer;
+use temper_engine::{Datum, Trainer};
+use temper_env::PassThreshold;
 use temper_model::Pretrained;
 
 use crate::advantage::batch_advantages;
-use crate::alerts::AlertMonitor;
+use crate::alerts::{Alert, AlertMonitor};
 use crate::checkpoint::{self, checkpoint_due};
 use crate::config::RlConfig;
 use crate::datum::TrainTurns;
@@ -31,13 +32,13 @@ use crate::eval::Evaluator;
 use crate::metrics::{
     DataMetrics, DistillMetrics, RolloutMetrics, StepMetrics, TimeMetrics, TrainMetrics,
 };
-use crate::plan::RlPlan;
-use crate::probe::probe_mismatch;
+use crate::plan::{DistillPlan, RlPlan};
+use crate::probe::{probe_mismatch, ProbeOutput};
 use crate::publish::Publisher;
 use crate::rollout::{RolloutPlan, Rollouts};
 use crate::runlog::MetricsLog;
 use crate::samples::{markdown, LoggedSample, SamplesLog};
-use crate::step::train_step;
+use crate::step::{train_step, StepOutput};
 use crate::teacher::Teacher;
 
 pub use crate::advantage::group_advantages;
@@ -73,6 +74,77 @@ pub struct RlOutcome {
     /// Every step's metrics (including those read back from before a
     /// resume).
     pub metrics: Vec<StepMetrics>,
+}
+
+/// One batch made ready to train: the groups kept (those staler than the
+/// bound dropped), their advantages, the sequences and their datums — with
+/// a teacher, datums whose advantages are its per-token reverse KL
+/// (on-policy distillation).
+pub struct StepData {
+    /// The groups trained on, in batch order.
+    pub groups_g: Vec<Group>,
+    /// Groups dropped as too stale.
+    pub dropped: u64,
+    /// `advantages_g[g][r]`: rollout `r` of group `g`.
+    pub advantages_g: Vec<Vec<f64>>,
+    /// The training sequences.
+    pub turns: TrainTurns,
+    /// One datum per sequence of `turns`.
+    pub datums_d: Vec<Datum>,
+    /// The teacher's measure of the step, when distilling.
+    pub distill: Option<DistillMetrics>,
+}
+
+/// The loop's data path for batch `step`: drop stale groups, score
+/// advantages, build sequences and datums (scored by `teacher` when
+/// distilling).
+pub async fn step_data(
+    batch: Batch,
+    step: u64,
+    cfg: &RlPlan,
+    teacher: Option<(&DistillPlan, &Teacher)>,
+) -> Result<StepData> {
+    let (groups_g, dropped) = batch.drop_stale(step, cfg.async_.max_off_policy_steps);
+    let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
+    let (turns, datums_d, distill) = match teacher {
+        None => {
+            let turns = TrainTurns::of(&groups_g, &advantages_g);
+            let datums_d = turns.datums();
+            (turns, datums_d, None)
+        }
+        Some((d, teacher)) => {
+            let t_teacher = Instant::now();
+            let turns = TrainTurns::of_all(&groups_g, &advantages_g);
+            let teacher_d = teacher.score(turns.seqs_d()).await?;
+            let (datums_d, kl) = turns
+                .distill_datums(&teacher_d, d.kl_coef, d.reward_coef)
+                .map_err(RlError::Data)?;
+            let m = DistillMetrics::of(&kl, t_teacher.elapsed().as_secs_f64());
+            (turns, datums_d, Some(m))
+        }
+    };
+    Ok(StepData {
+        groups_g,
+        dropped,
+        advantages_g,
+        turns,
+        datums_d,
+        distill,
+    })
+}
+
+/// Print, once, what the environments' pass thresholds and the evaluator
+/// want the user to know.
+fn print_notices(cfg: &RlPlan, thresholds: &[PassThreshold], evaluator: Option<&Evaluator>) {
+    let mut notices: Vec<&str> = thresholds
+        .iter()
+        .filter_map(|t| t.notice.as_deref())
+        .collect();
+    notices.extend(evaluator.and_then(Evaluator::notice));
+    notices.dedup();
+    for n in notices {
+        progress(cfg, &format!("note: {n}"));
+    }
 }
 
 /// Run `temper train rl` with `plan` (an [`RlPlan`], or an [`RlConfig`]
@@ -118,32 +190,12 @@ pub async fn run_rl_with(
     let evaluator = Evaluator::for_rl(&cfg).await?;
     let env_ids = plan.env_ids();
     let thresholds = plan.pass_thresholds(cfg.eval.pass_threshold);
-    let mut notices: Vec<&str> = thresholds
-        .iter()
-        .filter_map(|t| t.notice.as_deref())
-        .collect();
-    notices.extend(evaluator.as_ref().and_then(Evaluator::notice));
-    notices.dedup();
-    for n in notices {
-        progress(&cfg, &format!("note: {n}"));
-    }
+    print_notices(&cfg, &thresholds, evaluator.as_ref());
     let thresholds: Vec<f64> = thresholds.iter().map(|t| t.value).collect();
-    // Checked against the student's tokenizer before anything runs.
-    let teacher = match &cfg.distill {
-        Some(d) => {
-            let teacher = Teacher::load(&d.teacher, &base.tokenizer).await?;
-            progress(&cfg, &format!("distilling from the teacher {}", d.teacher));
-            Some((d, teacher))
-        }
-        None => None,
-    };
+    let teacher = load_teacher(&cfg, &base).await?;
     let mut state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
     let start = state.step;
-    let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
-    let mut samples = SamplesLog::open(&run_dir, opts.resume.then_some(start))?;
-    if cfg.log.tensorboard {
-        log.enable_tensorboard()?;
-    }
+    let (mut log, mut samples) = open_logs(&cfg, opts.resume.then_some(start))?;
     // The in-process engine samples with the learner's weights and
     // kernels: a mismatch there is a bug, elsewhere it is expected.
     let exact_sampler = cfg.sampler.url.is_none() && cfg.remote.is_none();
@@ -167,16 +219,7 @@ pub async fn run_rl_with(
         log.set_baseline(r.plot_record());
         alerts.set_baseline(r.pass_at_1);
     }
-    // A resumed run's earlier steps, so that its alerts are an
-    // uninterrupted run's (what is raised again here is not news).
-    for r in log.records() {
-        let m = StepMetrics::try_from(r)?;
-        let groups = cfg
-            .trainer
-            .batch_size
-            .saturating_sub(m.data.dropped_stale as usize);
-        alerts.observe(&m, groups);
-    }
+    replay_alerts(&cfg, &log, &mut alerts)?;
 
     let max_steps = cfg.trainer.max_steps;
     let end = opts
@@ -190,53 +233,20 @@ pub async fn run_rl_with(
         let t_step = Instant::now();
         let batch = rollouts.next(step).await?;
         every_reward_failed(&batch)?;
-        let (generate_s, reward_s, wait_s) = (
-            batch.generate_s,
-            batch.reward_s,
-            t_step.elapsed().as_secs_f64(),
-        );
-        let (groups_g, dropped) = batch.drop_stale(step, cfg.async_.max_off_policy_steps);
+        let (generate_s, reward_s) = (batch.generate_s, batch.reward_s);
+        let wait_s = t_step.elapsed().as_secs_f64();
+        let teacher = teacher.as_ref().map(|(d, t)| (*d, t));
+        let (data, trained, probe) =
+            train_batch(&cfg, &*trainer, &publisher, teacher, batch, step).await?;
+        let StepData {
+            groups_g,
+            dropped,
+            advantages_g,
+            turns,
+            distill,
+            ..
+        } = data;
         state.dropped_stale += dropped;
-        let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
-        let (turns, datums_d, distill) = match &teacher {
-            None => {
-                let turns = TrainTurns::of(&groups_g, &advantages_g);
-                let datums_d = turns.datums();
-                (turns, datums_d, None)
-            }
-            Some((d, teacher)) => {
-                let t_teacher = Instant::now();
-                let turns = TrainTurns::of_all(&groups_g, &advantages_g);
-                let teacher_d = teacher.score(turns.seqs_d()).await?;
-                let (datums_d, kl) = turns
-                    .distill_datums(&teacher_d, d.kl_coef, d.reward_coef)
-                    .map_err(RlError::Data)?;
-                let m = DistillMetrics::of(&kl, t_teacher.elapsed().as_secs_f64());
-                (turns, datums_d, Some(m))
-            }
-        };
-        let trained = train_step(
-            &*trainer,
-            &cfg.optim,
-            &cfg.loss,
-            step,
-            datums_d,
-            turns.seqs_d(),
-        )
-        .await?;
-        let probe = probe_mismatch(
-            &*trainer,
-            turns.seqs_d(),
-            || {
-                TrainTurns::of_all(&groups_g, &advantages_g)
-                    .seqs_d()
-                    .to_vec()
-            },
-            step,
-            trained.mismatch_tokens > 0,
-            |v| publisher.sampler_of(v),
-        )
-        .await?;
         let picked = LoggedSample::pick(&groups_g, &advantages_g, step, cfg.log.samples, &env_ids);
         if !picked.is_empty() {
             log.tensorboard_text(step + 1, "samples", &markdown(&picked))?;
@@ -274,21 +284,11 @@ pub async fn run_rl_with(
             }
             .with_eval(eval.as_ref()),
         };
-        progress(&cfg, &metrics.progress_line(max_steps));
-        let raised = alerts.observe(&metrics, groups_g.len());
-        for a in &raised {
-            progress(&cfg, &format!("  alert {a}"));
-        }
+        let raised = report_step(&cfg, &mut log, &mut alerts, &metrics, groups_g.len())?;
         if let Some(r) = eval {
             progress(&cfg, &r.step_line());
             last_eval = Some(r);
         }
-        let mut record = metrics.to_record()?;
-        if !raised.is_empty() {
-            let texts = raised.iter().map(|a| Value::String(a.to_string()));
-            record.insert("alerts".into(), Value::Array(texts.collect()));
-        }
-        log.write(record)?;
         if checkpoint_due(&cfg, version) {
             state.step = version;
             last_ckpt = checkpoint::save(&run_dir, &*trainer, state.clone(), cfg.ckpt.keep).await?;
@@ -299,23 +299,113 @@ pub async fn run_rl_with(
         }
     }
     drop(rollouts);
-
     let steps = end.max(start);
-    let finished = steps == max_steps;
-    let output = checkpoint::final_output(&cfg, &*trainer, &run_dir, finished, &last_ckpt).await?;
+    let output = checkpoint::final_output(
+        &*trainer,
+        &run_dir,
+        cfg.remote.is_some(),
+        cfg.model.lora.is_some(),
+        steps == max_steps,
+        &last_ckpt,
+    );
+    let output = output.await?;
     log.write_plots(&run_dir, "temper RL run", PLOTTED, &samples.html())?;
+    let metrics = log.records().iter().map(StepMetrics::try_from);
+    let metrics = metrics.collect::<Result<_>>()?;
+    let (eval_before, eval_after) = (state.eval_before, last_eval);
     Ok(RlOutcome {
         run_dir,
         steps,
-        eval_before: state.eval_before,
-        eval_after: last_eval,
+        eval_before,
+        eval_after,
         output,
-        metrics: log
-            .records()
-            .iter()
-            .map(StepMetrics::try_from)
-            .collect::<Result<_>>()?,
+        metrics,
     })
+}
+
+/// Train on batch `step`: its data path, the train step on its datums, and
+/// the mismatch probe (sampler handles from `publisher`).
+async fn train_batch(
+    cfg: &RlPlan,
+    trainer: &dyn Trainer,
+    publisher: &Publisher,
+    teacher: Option<(&DistillPlan, &Teacher)>,
+    batch: Batch,
+    step: u64,
+) -> Result<(StepData, StepOutput, Option<ProbeOutput>)> {
+    let mut data = step_data(batch, step, cfg, teacher).await?;
+    let datums_d = std::mem::take(&mut data.datums_d);
+    let seqs_d = data.turns.seqs_d();
+    let trained = train_step(trainer, &cfg.optim, &cfg.loss, step, datums_d, seqs_d).await?;
+    let untrained = || {
+        let all = TrainTurns::of_all(&data.groups_g, &data.advantages_g);
+        all.seqs_d().to_vec()
+    };
+    let measured = trained.mismatch_tokens > 0;
+    let sampler_of = |v| publisher.sampler_of(v);
+    let probe = probe_mismatch(trainer, seqs_d, untrained, step, measured, sampler_of).await?;
+    Ok((data, trained, probe))
+}
+
+/// The run's metrics and samples logs (a resumed run's cut back to
+/// `resume_at`), with TensorBoard's when configured.
+fn open_logs(cfg: &RlPlan, resume_at: Option<u64>) -> Result<(MetricsLog, SamplesLog)> {
+    let mut log = MetricsLog::open(&cfg.log.dir, resume_at)?;
+    if cfg.log.tensorboard {
+        log.enable_tensorboard()?;
+    }
+    Ok((log, SamplesLog::open(&cfg.log.dir, resume_at)?))
+}
+
+/// The teacher of on-policy distillation, checked against the student's
+/// tokenizer before anything runs.
+async fn load_teacher<'a>(
+    cfg: &'a RlPlan,
+    base: &Pretrained,
+) -> Result<Option<(&'a DistillPlan, Teacher)>> {
+    let Some(d) = &cfg.distill else {
+        return Ok(None);
+    };
+    let teacher = Teacher::load(&d.teacher, &base.tokenizer).await?;
+    progress(cfg, &format!("distilling from the teacher {}", d.teacher));
+    Ok(Some((d, teacher)))
+}
+
+/// Feed a resumed run's earlier steps to `alerts`, so that its alerts are
+/// an uninterrupted run's (what is raised again here is not news).
+fn replay_alerts(cfg: &RlPlan, log: &MetricsLog, alerts: &mut AlertMonitor) -> Result<()> {
+    for r in log.records() {
+        let m = StepMetrics::try_from(r)?;
+        let groups = cfg
+            .trainer
+            .batch_size
+            .saturating_sub(m.data.dropped_stale as usize);
+        alerts.observe(&m, groups);
+    }
+    Ok(())
+}
+
+/// Print a step's progress line and the alerts it raised, and log it (the
+/// alerts with it): answers the alerts.
+fn report_step(
+    cfg: &RlPlan,
+    log: &mut MetricsLog,
+    alerts: &mut AlertMonitor,
+    metrics: &StepMetrics,
+    groups: usize,
+) -> Result<Vec<Alert>> {
+    progress(cfg, &metrics.progress_line(cfg.trainer.max_steps));
+    let raised = alerts.observe(metrics, groups);
+    for a in &raised {
+        progress(cfg, &format!("  alert {a}"));
+    }
+    let mut record = metrics.to_record()?;
+    if !raised.is_empty() {
+        let texts = raised.iter().map(|a| Value::String(a.to_string()));
+        record.insert("alerts".into(), Value::Array(texts.collect()));
+    }
+    log.write(record)?;
+    Ok(raised)
 }
 
 /// Load the environments of `cfg` and its eval environment, as a run
@@ -370,16 +460,15 @@ mod tests {
         dropped_total: &mut u64,
     ) -> (DataMetrics, RolloutMetrics, StepOutput) {
         let step = batch.step;
-        let (groups_g, dropped) = batch.drop_stale(step, cfg.async_.max_off_policy_steps);
+        let d = step_data(batch, step, cfg, None).await.unwrap();
+        let (groups_g, dropped, turns) = (d.groups_g, d.dropped, d.turns);
         *dropped_total += dropped;
-        let advantages_g = batch_advantages(&groups_g, cfg.trainer.normalize_std);
-        let turns = TrainTurns::of(&groups_g, &advantages_g);
         let out = train_step(
             trainer,
             &cfg.optim,
             &cfg.loss,
             step,
-            turns.datums(),
+            d.datums_d,
             turns.seqs_d(),
         )
         .await

@@ -18,16 +18,18 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Map, Value};
-use temper_engine::{AdamParams, Datum, Loss, LossInputs, Trainer};
+use temper_engine::{Datum, Loss, LossInputs, Trainer};
 use temper_model::{ChatTemplate, Pretrained, Tokenizer};
 
 use crate::checkpoint::{self, LoopState};
 use crate::error::{Result, RlError};
 use crate::eval::{EvalResult, Evaluator};
+use crate::metrics::SftStepMetrics;
 use crate::plan::{DataSource, SftPlan};
 use crate::policy::{Batcher, EnginePolicy, Renderer};
 use crate::rl::RunOptions;
 use crate::runlog::MetricsLog;
+use crate::step::forward_backward_step;
 
 /// One tokenized conversation: the input tokens and, per position, the
 /// target (the next token) and its loss weight.
@@ -415,57 +417,44 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
         let n_tok: usize = batch.iter().map(|e| e.trained_tokens()).sum();
         let w = 1.0 / n_tok.max(1) as f32;
         let data: Vec<Datum> = batch.iter().map(|e| e.datum(w)).collect();
-        let micro = cfg.optim.micro_batch_of(data.len());
-        let mut loss = 0.0;
-        for chunk in data.chunks(micro) {
-            let out = trainer
-                .forward_backward(chunk.to_vec(), Loss::CrossEntropy)
-                .await?;
-            loss += out.metrics.get("loss:sum").copied().unwrap_or(0.0);
-        }
-        let lr = cfg.optim.learning_rate(step);
-        let stats = trainer
-            .optim_step(AdamParams {
-                learning_rate: lr,
-                weight_decay: cfg.optim.weight_decay,
-                grad_clip_norm: cfg.optim.grad_clip,
-                ..AdamParams::default()
-            })
-            .await?;
+        let stepped = forward_backward_step(
+            &*trainer,
+            &cfg.optim,
+            &Loss::CrossEntropy,
+            step,
+            data,
+            |_, _| Ok(()),
+        )
+        .await?;
         step += 1;
-        final_loss = loss;
+        final_loss = stepped.loss_sum;
         let dt = t0.elapsed().as_secs_f64();
         let tokens: usize = batch.iter().map(|e| e.tokens.len()).sum();
-        let mut m = Map::new();
-        m.insert("step".into(), json!(step));
-        m.insert(
-            "epoch".into(),
-            json!(pass_len.map_or(epoch, |n| (step - 1) * bs as u64 / n.max(1) as u64)),
-        );
-        m.insert("loss".into(), json!(loss));
-        m.insert("trained_tokens".into(), json!(n_tok));
-        m.insert("grad_norm".into(), json!(stats.grad_norm));
-        m.insert("lr".into(), json!(lr));
-        m.insert("tokens_per_s".into(), json!(tokens as f64 / dt.max(1e-9)));
-        m.insert("time/step".into(), json!(dt));
+        let mut m = SftStepMetrics {
+            step,
+            epoch: pass_len.map_or(epoch, |n| (step - 1) * bs as u64 / n.max(1) as u64),
+            loss: stepped.loss_sum,
+            trained_tokens: n_tok,
+            grad_norm: stepped.grad_norm,
+            lr: stepped.lr,
+            tokens_per_s: tokens as f64 / dt.max(1e-9),
+            step_s: dt,
+            ..SftStepMetrics::default()
+        };
         if let Some((ev, policy)) = evaluator.as_ref().filter(|(ev, _)| ev.due(step)) {
             let r = policy.evaluate(ev, &run_dir, step).await?;
             if cfg.log.progress {
                 eprintln!("{}", r.step_line());
             }
-            m.insert("eval/pass@1".into(), json!(r.pass_at_1));
-            m.insert("eval/reward".into(), json!(r.reward));
+            m.eval_pass_at_1 = Some(r.pass_at_1);
+            m.eval_reward = Some(r.reward);
             eval_after = Some(r);
         }
-        m.insert("time/elapsed".into(), json!(t_run.elapsed().as_secs_f64()));
+        m.elapsed_s = t_run.elapsed().as_secs_f64();
         if cfg.log.progress && (step.is_multiple_of(10) || step == end) {
-            eprintln!(
-                "sft step {step:>4}/{max_steps}  loss {loss:.4}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s",
-                stats.grad_norm,
-                tokens as f64 / dt.max(1e-9)
-            );
+            eprintln!("{}", m.progress_line(max_steps));
         }
-        log.write(m)?;
+        log.write(m.to_record()?)?;
         if (cfg.ckpt.interval > 0 && step.is_multiple_of(cfg.ckpt.interval)) || step == max_steps {
             let st = LoopState {
                 step,
@@ -483,17 +472,15 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
         &["loss", "eval/pass@1", "grad_norm", "lr", "tokens_per_s"],
         "",
     )?;
-    let output = if cfg.remote.is_some() {
-        // The weights stay with the training service: its checkpoint path
-        // (the last step is always saved; a run stopped early has none).
-        if last_state.is_empty() {
-            run_dir.join("checkpoints")
-        } else {
-            PathBuf::from(last_state)
-        }
-    } else {
-        checkpoint::export_weights(&*trainer, &run_dir, cfg.model.lora.is_some()).await?
-    };
+    let output = checkpoint::final_output(
+        &*trainer,
+        &run_dir,
+        cfg.remote.is_some(),
+        cfg.model.lora.is_some(),
+        step == max_steps,
+        &last_state,
+    )
+    .await?;
     Ok(SftOutcome {
         steps: step,
         output,

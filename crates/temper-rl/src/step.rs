@@ -1,10 +1,11 @@
 //! The train step: `forward_backward` over the datums (in micro-batches),
-//! then one `optim_step`, back to back — and what the learner's logprobs say
-//! about the sampler's (the mismatch on on-policy tokens).
+//! then one `optim_step`, back to back — shared by RL and SFT — and, for RL,
+//! what the learner's logprobs say about the sampler's (the mismatch on
+//! on-policy tokens).
 
 use std::time::Instant;
 
-use temper_engine::{AdamParams, Datum, Loss, Trainer};
+use temper_engine::{AdamParams, Datum, ForwardOutput, Loss, Trainer};
 
 use crate::datum::TrainSeq;
 use crate::error::{Result, RlError};
@@ -42,8 +43,58 @@ pub fn learning_rate(lr: f64, warmup: u64, step: u64) -> f64 {
     }
 }
 
-/// Train step `step` on `datums_d` (one per sequence of `seqs_d`). Without
-/// datums nothing is trained and no optimizer step is taken.
+/// What [`forward_backward_step`] reports: the step's loss, gradient norm,
+/// learning rate and time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Stepped {
+    /// Summed loss over the micro-batches.
+    pub loss_sum: f64,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Learning rate used.
+    pub lr: f64,
+}
+
+/// The train step every trainer shares: `forward_backward` over `datums`
+/// in micro-batches, each micro-batch's output handed to `each` with the
+/// index of its first datum, then one `optim_step` at the plan's learning
+/// rate for `step`.
+pub async fn forward_backward_step(
+    trainer: &dyn Trainer,
+    hp: &Optim,
+    loss: &Loss,
+    step: u64,
+    datums: Vec<Datum>,
+    mut each: impl FnMut(usize, &ForwardOutput) -> Result<()>,
+) -> Result<Stepped> {
+    let mut out = Stepped {
+        lr: hp.learning_rate(step),
+        ..Default::default()
+    };
+    let micro = hp.micro_batch_of(datums.len());
+    for (i, chunk) in datums.chunks(micro).enumerate() {
+        let fb = trainer
+            .forward_backward(chunk.to_vec(), loss.clone())
+            .await?;
+        out.loss_sum += fb.metrics.get("loss:sum").copied().unwrap_or(0.0);
+        each(i * micro, &fb)?;
+    }
+    let stats = trainer
+        .optim_step(AdamParams {
+            learning_rate: out.lr,
+            weight_decay: hp.weight_decay,
+            grad_clip_norm: hp.grad_clip,
+            ..AdamParams::default()
+        })
+        .await?;
+    out.grad_norm = stats.grad_norm;
+    Ok(out)
+}
+
+/// RL's train step `step` on `datums_d` (one per sequence of `seqs_d`),
+/// comparing the learner's logprobs with the sampler's on on-policy
+/// tokens. Without datums nothing is trained and no optimizer step is
+/// taken.
 pub async fn train_step(
     trainer: &dyn Trainer,
     hp: &Optim,
@@ -57,14 +108,9 @@ pub async fn train_step(
         lr: hp.learning_rate(step),
         ..Default::default()
     };
-    let micro = hp.micro_batch_of(datums_d.len());
     if !datums_d.is_empty() {
-        for (chunk, seqs) in datums_d.chunks(micro).zip(seqs_d.chunks(micro)) {
-            let fb = trainer
-                .forward_backward(chunk.to_vec(), loss.clone())
-                .await?;
-            out.loss_sum += fb.metrics.get("loss:sum").copied().unwrap_or(0.0);
-            for (o, seq) in fb.loss_fn_outputs.iter().zip(seqs) {
+        let stepped = forward_backward_step(trainer, hp, loss, step, datums_d, |first, fb| {
+            for (o, seq) in fb.loss_fn_outputs.iter().zip(&seqs_d[first..]) {
                 for span in seq.spans() {
                     let targets = span.targets();
                     let Some(learner) = o.logprobs.get(targets.clone()) else {
@@ -90,16 +136,11 @@ pub async fn train_step(
                     }
                 }
             }
-        }
-        let stats = trainer
-            .optim_step(AdamParams {
-                learning_rate: out.lr,
-                weight_decay: hp.weight_decay,
-                grad_clip_norm: hp.grad_clip,
-                ..AdamParams::default()
-            })
-            .await?;
-        out.grad_norm = stats.grad_norm;
+            Ok(())
+        })
+        .await?;
+        out.loss_sum = stepped.loss_sum;
+        out.grad_norm = stepped.grad_norm;
     }
     out.train_s = t_train.elapsed().as_secs_f64();
     out.mismatch_tokens = seqs_d
