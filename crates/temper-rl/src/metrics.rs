@@ -451,16 +451,22 @@ impl TryFrom<&Map<String, Value>> for StepMetrics {
     }
 }
 
+/// `metrics` as a `metrics.jsonl` record (a JSON object, keys in field
+/// order).
+fn record_of(what: &str, metrics: &impl serde::Serialize) -> Result<Map<String, Value>> {
+    match serde_json::to_value(metrics) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(other) => Err(RlError::Data(format!(
+            "{what} serialised to {other}, not an object"
+        ))),
+        Err(e) => Err(RlError::Data(format!("{what}: {e}"))),
+    }
+}
+
 impl StepMetrics {
     /// The `metrics.jsonl` record.
     pub fn to_record(&self) -> Result<Map<String, Value>> {
-        match serde_json::to_value(self) {
-            Ok(Value::Object(m)) => Ok(m),
-            Ok(other) => Err(RlError::Data(format!(
-                "step metrics serialised to {other}, not an object"
-            ))),
-            Err(e) => Err(RlError::Data(format!("step metrics: {e}"))),
-        }
+        record_of("step metrics", self)
     }
 
     /// The progress line printed after each step.
@@ -551,13 +557,7 @@ pub struct SftStepMetrics {
 impl SftStepMetrics {
     /// The `metrics.jsonl` line.
     pub fn to_record(&self) -> Result<Map<String, Value>> {
-        match serde_json::to_value(self) {
-            Ok(Value::Object(m)) => Ok(m),
-            Ok(other) => Err(RlError::Data(format!(
-                "SFT step metrics serialized to a non-object: {other}"
-            ))),
-            Err(e) => Err(RlError::Data(format!("SFT step metrics: {e}"))),
-        }
+        record_of("SFT step metrics", self)
     }
 
     /// The progress line printed every ten steps and at the end.
