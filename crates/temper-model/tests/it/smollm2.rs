@@ -341,7 +341,8 @@ struct VsLlamaCpp {
 /// temper's `--dtype gguf` on the files llama.cpp ran
 /// (`fixtures/smollm2/llama_cpp.json`, written by
 /// `scripts/llama_cpp_golden.sh`): SmolLM2's Q4_1 file, temper's Q8_0 and
-/// Q4_K_M exports of it (recreated here), and — where
+/// Q4_K_M exports of it (recreated here), its f32 export (the control,
+/// whose weights are the f32 load's, so that model runs), and — where
 /// `TEMPER_LLAMA_CPP_Q4_K_M` names it — llama.cpp's own Q4_K_M
 /// quantization. llama.cpp rounds each activation row to 8 bits before its
 /// integer dots, temper keeps f32 activations (`kernels::quant`), so the
@@ -363,12 +364,8 @@ fn smollm2_gguf_logits_match_llama_cpp_on_the_same_files() {
     for (case, prompts) in cases {
         let file = match case.as_str() {
             "q4_1" => path.clone(),
-            "f32" => {
-                let file = tmp.path().join("f32.gguf");
-                let quant = temper_model::GgufQuant::F32;
-                temper_model::save_gguf(base, &base.model, &file, quant).expect("export");
-                file
-            }
+            // The f32 export holds exactly the f32 load's weights: no file.
+            "f32" => path.clone(),
             "q8_0" | "q4_k_m" => {
                 let file = tmp.path().join(format!("{case}.gguf"));
                 let quant = case.parse().expect("quant");
@@ -388,14 +385,20 @@ fn smollm2_gguf_logits_match_llama_cpp_on_the_same_files() {
             precision: temper_model::Precision::Gguf,
             ..LoadOptions::default()
         };
-        let p = Pretrained::load(&file, &opts).expect("gguf load");
+        let loaded;
+        let p = if case == "f32" {
+            base
+        } else {
+            loaded = Pretrained::load(&file, &opts).expect("gguf load");
+            &loaded
+        };
         assert_eq!(p.model.is_quantized(), case != "f32", "{case}");
         let formats: Vec<&str> = p.model.quant_formats().iter().map(|f| f.as_str()).collect();
         let sampler = Sampler::new(&p.model, &p.tokenizer, vec![]);
         let mut d = VsLlamaCpp::default();
         for (i, want) in prompts.as_array().expect("prompts").iter().enumerate() {
             let prompt = ids(&want["prompt"]);
-            let logits: Vec<Vec<f32>> = logits_of(&p, &prompt, None).to_vec2().unwrap();
+            let logits: Vec<Vec<f32>> = logits_of(p, &prompt, None).to_vec2().unwrap();
             for (row, pos) in logits.iter().zip(want["positions"].as_array().unwrap()) {
                 let max = row.iter().fold(f32::MIN, |a, &b| a.max(b)) as f64;
                 let lse = max
@@ -441,7 +444,7 @@ fn smollm2_gguf_logits_match_llama_cpp_on_the_same_files() {
                 // Where the texts part: the two tokens' logit gap in temper.
                 let mut ctx = prompt.clone();
                 ctx.extend(&got[..same]);
-                let last: Vec<f32> = logits_of(&p, &ctx, None)
+                let last: Vec<f32> = logits_of(p, &ctx, None)
                     .get(ctx.len() - 1)
                     .unwrap()
                     .to_vec1()
