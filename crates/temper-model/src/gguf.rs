@@ -22,7 +22,7 @@ use serde_json::{json, Map as JsonMap, Value as Json};
 
 use crate::config::HfConfig;
 use crate::error::{ModelError, Result};
-use crate::kernels::{QuantFormat, QuantWeight, QUANT_BLOCK};
+use crate::kernels::{QuantFormat, QuantWeight};
 use crate::tokenizer::Tokenizer;
 
 /// Whether `path` is a file that starts with the GGUF magic.
@@ -464,7 +464,7 @@ impl GgufFile {
 
     /// The tensor with Hugging Face name `hf` kept in its quantized blocks
     /// (un-permuted like [`GgufFile::tensor`]), when it is a matrix in a
-    /// format the quantized matmul reads (Q8_0, Q4_0, Q4_1); `None` for any
+    /// format the quantized matmul reads ([`QuantFormat`]); `None` for any
     /// other type, which [`GgufFile::tensor`] dequantizes.
     pub fn quant_tensor(&self, hf: &str) -> Result<Option<QuantWeight>> {
         use candle_core::quantized::GgmlDType;
@@ -476,10 +476,15 @@ impl GgufFile {
             GgmlDType::Q8_0 => QuantFormat::Q8_0,
             GgmlDType::Q4_0 => QuantFormat::Q4_0,
             GgmlDType::Q4_1 => QuantFormat::Q4_1,
+            GgmlDType::Q5_0 => QuantFormat::Q5_0,
+            GgmlDType::Q5_1 => QuantFormat::Q5_1,
+            GgmlDType::Q4K => QuantFormat::Q4K,
+            GgmlDType::Q5K => QuantFormat::Q5K,
+            GgmlDType::Q6K => QuantFormat::Q6K,
             _ => return Ok(None),
         };
         let (rows, cols) = match info.shape.dims() {
-            [r, c] if c.is_multiple_of(QUANT_BLOCK) => (*r, *c),
+            [r, c] if c.is_multiple_of(format.block_values()) => (*r, *c),
             _ => return Ok(None),
         };
         let q = {

@@ -516,7 +516,7 @@ impl Model {
         }
         let dtype = match precision {
             // Nothing quantized to keep (a safetensors checkpoint, or a GGUF
-            // without Q8_0 / Q4_0 / Q4_1 matrices): f32.
+            // without matrices in a kept format): f32.
             Precision::F32 | Precision::Gguf => DType::F32,
             Precision::Bf16 => DType::BF16,
         };
@@ -561,6 +561,22 @@ impl Model {
         self.layers
             .iter()
             .any(|l| l.linears().iter().any(|(_, lin)| lin.quant.is_some()))
+    }
+
+    /// The block formats of the matrices kept quantized, each once, in
+    /// the order first met (empty unless [`Model::is_quantized`]).
+    pub fn quant_formats(&self) -> Vec<crate::kernels::QuantFormat> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            for (_, lin) in l.linears() {
+                if let Some(f) = lin.quant.as_ref().map(|q| q.format) {
+                    if !out.contains(&f) {
+                        out.push(f);
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// The configuration.

@@ -20,9 +20,9 @@ pub enum Precision {
     /// bytes read per token; with `avx512_bf16`, twice the multiply-adds
     /// per instruction.
     Bf16,
-    /// A GGUF's Q8_0 / Q4_0 / Q4_1 matrices kept in their blocks and
-    /// dequantized to f32 in the matmul (`kernels::quant`): the same bits as
-    /// `f32` on the same file, at the file's size in memory. Every other
+    /// A GGUF's Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K and Q6_K matrices kept in
+    /// their blocks and dequantized to f32 in the matmul (`kernels::quant`):
+    /// the same bits as `f32` on the same file, at the file's size in memory. Every other
     /// weight (and every weight of a safetensors checkpoint) is `f32`.
     Gguf,
 }

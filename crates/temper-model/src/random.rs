@@ -31,7 +31,8 @@ pub struct RandomInit {
 ///
 /// Weights are drawn in checkpoint order — the embedding, `lm_head` when the
 /// embeddings are not tied, then per layer [`Target::ALL`] — and the norms
-/// are ones.
+/// are ones (as are Qwen3's q/k norms; biases, where the family has them,
+/// are zeros).
 pub fn write_random_model(
     dir: &Path,
     config: &serde_json::Value,
@@ -72,6 +73,29 @@ pub fn random_weights(cfg: &ModelConfig, init: RandomInit) -> Result<HashMap<Str
         for t in Target::ALL {
             let (o, i) = t.shape(cfg);
             weights.insert(format!("{p}.{}.weight", t.path()), normal(o, i)?);
+        }
+        // The family's extras, neutral: zero biases, unit q/k norms.
+        for (t, on) in [
+            (Target::Q, cfg.qkv_bias),
+            (Target::K, cfg.qkv_bias),
+            (Target::V, cfg.qkv_bias),
+            (Target::O, cfg.o_bias),
+            (Target::Gate, cfg.mlp_bias),
+            (Target::Up, cfg.mlp_bias),
+            (Target::Down, cfg.mlp_bias),
+        ] {
+            if on {
+                let out = t.shape(cfg).0;
+                weights.insert(
+                    format!("{p}.{}.bias", t.path()),
+                    Tensor::zeros(out, DType::F32, &Device::Cpu)?,
+                );
+            }
+        }
+        if cfg.qk_norm {
+            for n in ["q_norm", "k_norm"] {
+                weights.insert(format!("{p}.self_attn.{n}.weight"), ones(cfg.head_dim)?);
+            }
         }
         weights.insert(format!("{p}.input_layernorm.weight"), ones(h)?);
         weights.insert(format!("{p}.post_attention_layernorm.weight"), ones(h)?);

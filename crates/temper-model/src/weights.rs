@@ -81,7 +81,7 @@ impl Checkpoint {
     }
 
     /// A linear layer's weight `name` `[out, in]`: its quantized blocks when
-    /// kept (a GGUF Q8_0 / Q4_0 / Q4_1 matrix and
+    /// kept (a GGUF matrix in a [`crate::kernels::QuantFormat`] and
     /// [`Checkpoint::keep_quantized`]), else the tensor as [`Checkpoint::get`].
     pub fn get_matrix(&self, name: &str, expected: &[usize]) -> Result<Matrix> {
         if let (Source::Gguf(g), true) = (&self.files, self.keep_quantized) {

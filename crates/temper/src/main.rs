@@ -34,8 +34,8 @@ struct Cli {
     threads: Option<usize>,
     /// Precision of the matmul weights on the CPU: `f32`, `bf16` (bf16
     /// weights and matmul inputs, f32 sums; fast with avx512_bf16), `gguf`
-    /// (a GGUF's Q8_0 / Q4_0 / Q4_1 matrices kept quantized, the f32
-    /// model's exact logits), or `auto` (bf16 where the CPU has
+    /// (a GGUF's Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K and Q6_K matrices kept
+    /// quantized, the f32 model's exact logits), or `auto` (bf16 where the CPU has
     /// avx512_bf16, else f32).
     #[arg(long, global = true, default_value = "f32")]
     dtype: temper_model::Precision,

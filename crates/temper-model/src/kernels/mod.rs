@@ -70,7 +70,7 @@ pub use matmul_bf16::{bf16_dot_available, PackedBf16};
 
 pub use matmul_nn::{matmul_nn, matmul_nn_isa};
 
-pub use quant::{matmul_nt_quant_op, QuantFormat, QuantWeight, QUANT_BLOCK};
+pub use quant::{matmul_nt_quant_op, QuantFormat, QuantWeight};
 
 pub use packed_attention::{packed_attention, PackedHeads, PackedSeq, RopeTables};
 

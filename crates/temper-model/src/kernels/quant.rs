@@ -3,17 +3,39 @@
 //! decode step reads 4.5–8.5 bits per weight instead of 32.
 //!
 //! # Storage
-//! A quantized weight `[out, in]` is the file's bytes, row after row:
-//! `in / 32` blocks per row in llama.cpp's layouts (`ggml-common.h`,
-//! little-endian, no padding), held in a `u8` tensor `[out, row_bytes]` so
-//! it moves, copies and permutes like any other weight:
+//! A quantized weight `[out, in]` is the file's bytes, row after row: whole
+//! blocks per row in llama.cpp's layouts (`ggml-common.h`, little-endian, no
+//! padding), held in a `u8` tensor `[out, row_bytes]` so it moves, copies
+//! and permutes like any other weight. `lo`/`hi` are a byte's low and high
+//! nibble. Blocks of 32 values:
 //! - `block_q8_0` (34 bytes): `f16 d`, `i8 qs[32]`; `w[j] = qs[j]·d`;
 //! - `block_q4_0` (18 bytes): `f16 d`, `u8 qs[16]`; `w[j] = (lo(qs[j]) − 8)·d`,
 //!   `w[j+16] = (hi(qs[j]) − 8)·d`;
 //! - `block_q4_1` (20 bytes): `f16 d`, `f16 m`, `u8 qs[16]`;
-//!   `w[j] = lo(qs[j])·d + m`, `w[j+16] = hi(qs[j])·d + m`.
+//!   `w[j] = lo(qs[j])·d + m`, `w[j+16] = hi(qs[j])·d + m`;
+//! - `block_q5_0` (22 bytes): `f16 d`, `u8 qh[4]` (bit `j` of the LE `u32`
+//!   is value `j`'s fifth bit), `u8 qs[16]`; `w[j] = (lo(qs[j]) | h_j<<4 − 16)·d`,
+//!   `w[j+16]` from `hi(qs[j])` and bit `j+16`;
+//! - `block_q5_1` (24 bytes): `f16 d`, `f16 m`, `u8 qh[4]`, `u8 qs[16]`; as
+//!   Q5_0 without the `− 16`, plus `m`.
 //!
-//! Other GGUF types (F16, the K-quants, …) are dequantized to f32 at load.
+//! K-quants, super-blocks of 256 values (`QK_K`):
+//! - `block_q4_K` (144 bytes): `f16 d`, `f16 dmin`, `u8 scales[12]` (eight
+//!   6-bit scales `sc` and mins `mn`, packed as `get_scale_min_k4` reads
+//!   them), `u8 qs[128]`. Per 64 values `g`: `qs[32g..32g+32]` gives the low
+//!   nibbles to sub-block `2g` and the high ones to `2g+1`; sub-block `s`'s
+//!   value is `(d·sc_s)·q − dmin·mn_s`;
+//! - `block_q5_K` (176 bytes): `f16 d`, `f16 dmin`, `u8 scales[12]`,
+//!   `u8 qh[32]`, `u8 qs[128]`: Q4_K's nibbles plus a fifth bit, bit `s` of
+//!   `qh[l]` for value `l` of sub-block `s`;
+//! - `block_q6_K` (210 bytes): `u8 ql[128]`, `u8 qh[64]`, `i8 scales[16]`,
+//!   `f16 d`; per 128 values `h` and `l < 32`, four 6-bit values
+//!   (`ql` nibbles, `qh` bit pairs) minus 32 at `l`, `l+32`, `l+64`, `l+96`,
+//!   each times `d·scales[8h + l/16 + 2i]`.
+//!
+//! Every product is the one the loader's dequantization (candle's
+//! `to_float`, llama.cpp's `dequantize_row_*`) computes, in the same order.
+//! Other GGUF types (F16, BF16, Q2_K, Q3_K, …) are dequantized to f32 at load.
 //!
 //! # Numbers: f32 activations, not llama.cpp's 8-bit ones
 //! llama.cpp quantizes each activation row to 8 bits (`Q8_0` / `Q8_1`) and
@@ -43,8 +65,8 @@ use super::f32_slice;
 use super::matmul::SendPtr;
 use crate::error::{ModelError, Result};
 
-/// Values per block in every supported format.
-pub const QUANT_BLOCK: usize = 32;
+/// Values per super-block of the K-quants (`QK_K`).
+const QK_K: usize = 256;
 
 /// A quantized block format kept as stored (`--dtype gguf`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,21 +77,59 @@ pub enum QuantFormat {
     Q4_0,
     /// `block_q4_1`: 4-bit values, an f16 scale and an f16 minimum per 32.
     Q4_1,
+    /// `block_q5_0`: 5-bit values around 16, one f16 scale per 32.
+    Q5_0,
+    /// `block_q5_1`: 5-bit values, an f16 scale and an f16 minimum per 32.
+    Q5_1,
+    /// `block_q4_K`: 4-bit values, 6-bit scales and minimums per 32, f16
+    /// super-scales per 256.
+    Q4K,
+    /// `block_q5_K`: Q4_K with a fifth bit per value.
+    Q5K,
+    /// `block_q6_K`: 6-bit values around 32, an 8-bit scale per 16, an f16
+    /// super-scale per 256.
+    Q6K,
 }
 
 impl QuantFormat {
-    /// Bytes of one block of [`QUANT_BLOCK`] values.
+    /// Every format, for tests and messages.
+    pub const ALL: [Self; 8] = [
+        Self::Q8_0,
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q4K,
+        Self::Q5K,
+        Self::Q6K,
+    ];
+
+    /// Values per block: 32, or 256 for the K-quants.
+    pub fn block_values(self) -> usize {
+        match self {
+            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 => 32,
+            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes of one block of [`QuantFormat::block_values`] values.
     pub fn block_bytes(self) -> usize {
         match self {
             Self::Q8_0 => 34,
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q4K => 144,
+            Self::Q5K => 176,
+            Self::Q6K => 210,
         }
     }
 
-    /// Bytes of a row of `cols` values (`cols` a multiple of 32).
+    /// Bytes of a row of `cols` values (`cols` a multiple of
+    /// [`QuantFormat::block_values`]).
     pub fn row_bytes(self, cols: usize) -> usize {
-        cols / QUANT_BLOCK * self.block_bytes()
+        cols / self.block_values() * self.block_bytes()
     }
 
     /// llama.cpp's name.
@@ -78,6 +138,11 @@ impl QuantFormat {
             Self::Q8_0 => "Q8_0",
             Self::Q4_0 => "Q4_0",
             Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
+            Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
+            Self::Q6K => "Q6_K",
         }
     }
 }
@@ -121,38 +186,154 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 
 twice_compiled! {
     /// Blocks of `format` in `bytes` as f32 into `out` (one value per
-    /// element, in order): `q·d` or `q·d + m`, never fused.
+    /// element, in order): the loader's products and sums, never fused.
     fn dequantize_blocks / dequantize_blocks_body(format: QuantFormat, bytes: &[u8], out: &mut [f32])
 }
 
 #[inline(always)]
 fn dequantize_blocks_body(format: QuantFormat, bytes: &[u8], out: &mut [f32]) {
-    let bb = format.block_bytes();
-    for (blk, y) in bytes
-        .chunks_exact(bb)
-        .zip(out.chunks_exact_mut(QUANT_BLOCK))
-    {
-        let d = f16_at(blk, 0);
-        match format {
-            QuantFormat::Q8_0 => {
-                for (y, &q) in y.iter_mut().zip(&blk[2..34]) {
-                    *y = (q as i8) as f32 * d;
-                }
-            }
-            QuantFormat::Q4_0 => {
-                let (lo, hi) = y.split_at_mut(QUANT_BLOCK / 2);
-                for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&blk[2..18]) {
-                    *l = ((q & 0x0F) as i16 - 8) as f32 * d;
-                    *h = ((q >> 4) as i16 - 8) as f32 * d;
-                }
-            }
-            QuantFormat::Q4_1 => {
-                let m = f16_at(blk, 2);
-                let (lo, hi) = y.split_at_mut(QUANT_BLOCK / 2);
-                for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&blk[4..20]) {
-                    *l = (q & 0x0F) as f32 * d + m;
-                    *h = (q >> 4) as f32 * d + m;
-                }
+    let blocks = bytes
+        .chunks_exact(format.block_bytes())
+        .zip(out.chunks_exact_mut(format.block_values()));
+    match format {
+        QuantFormat::Q8_0 => blocks.for_each(|(b, y)| q8_0(b, y)),
+        QuantFormat::Q4_0 => blocks.for_each(|(b, y)| q4_0(b, y)),
+        QuantFormat::Q4_1 => blocks.for_each(|(b, y)| q4_1(b, y)),
+        QuantFormat::Q5_0 => blocks.for_each(|(b, y)| q5_0(b, y)),
+        QuantFormat::Q5_1 => blocks.for_each(|(b, y)| q5_1(b, y)),
+        QuantFormat::Q4K => blocks.for_each(|(b, y)| q4_k(b, y)),
+        QuantFormat::Q5K => blocks.for_each(|(b, y)| q5_k(b, y)),
+        QuantFormat::Q6K => blocks.for_each(|(b, y)| q6_k(b, y)),
+    }
+}
+
+#[inline(always)]
+fn q8_0(blk: &[u8], y: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    for (y, &q) in y.iter_mut().zip(&blk[2..34]) {
+        *y = (q as i8) as f32 * d;
+    }
+}
+
+#[inline(always)]
+fn q4_0(blk: &[u8], y: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    let (lo, hi) = y.split_at_mut(16);
+    for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&blk[2..18]) {
+        *l = ((q & 0x0F) as i16 - 8) as f32 * d;
+        *h = ((q >> 4) as i16 - 8) as f32 * d;
+    }
+}
+
+#[inline(always)]
+fn q4_1(blk: &[u8], y: &mut [f32]) {
+    let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
+    let (lo, hi) = y.split_at_mut(16);
+    for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&blk[4..20]) {
+        *l = (q & 0x0F) as f32 * d + m;
+        *h = (q >> 4) as f32 * d + m;
+    }
+}
+
+/// The 32 five-bit values of a Q5_0 / Q5_1 block: `qh` the fifth bits
+/// (little-endian), `qs` the nibbles.
+#[inline(always)]
+fn five_bit(qh: &[u8], qs: &[u8]) -> [u8; 32] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    let mut v = [0u8; 32];
+    for (j, &q) in qs[..16].iter().enumerate() {
+        v[j] = (q & 0x0F) | ((((qh >> j) & 1) as u8) << 4);
+        v[j + 16] = (q >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+    }
+    v
+}
+
+#[inline(always)]
+fn q5_0(blk: &[u8], y: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    for (y, q) in y.iter_mut().zip(five_bit(&blk[2..6], &blk[6..22])) {
+        *y = (q as i16 - 16) as f32 * d;
+    }
+}
+
+#[inline(always)]
+fn q5_1(blk: &[u8], y: &mut [f32]) {
+    let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
+    for (y, q) in y.iter_mut().zip(five_bit(&blk[4..8], &blk[8..24])) {
+        *y = q as f32 * d + m;
+    }
+}
+
+/// Sub-block `j`'s 6-bit scale and minimum from a K-quant's 12 packed
+/// bytes (ggml's `get_scale_min_k4`): `j < 4` in the low 6 bits of bytes
+/// `j` and `j + 4`; `j ≥ 4` a nibble of byte `j + 4` and the top 2 bits of
+/// bytes `j − 4` and `j`.
+#[inline(always)]
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+#[inline(always)]
+fn q4_k(blk: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+    let (scales, qs) = (&blk[4..16], &blk[16..144]);
+    for (g, (q, y)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
+        let (sc, mn) = scale_min_k4(2 * g, scales);
+        let (d1, m1) = (d * sc as f32, dmin * mn as f32);
+        let (sc, mn) = scale_min_k4(2 * g + 1, scales);
+        let (d2, m2) = (d * sc as f32, dmin * mn as f32);
+        let (lo, hi) = y.split_at_mut(32);
+        for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(q) {
+            *l = d1 * (q & 0x0F) as f32 - m1;
+            *h = d2 * (q >> 4) as f32 - m2;
+        }
+    }
+}
+
+#[inline(always)]
+fn q5_k(blk: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+    let (scales, qh, qs) = (&blk[4..16], &blk[16..48], &blk[48..176]);
+    for (g, (q, y)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
+        let (sc, mn) = scale_min_k4(2 * g, scales);
+        let (d1, m1) = (d * sc as f32, dmin * mn as f32);
+        let (sc, mn) = scale_min_k4(2 * g + 1, scales);
+        let (d2, m2) = (d * sc as f32, dmin * mn as f32);
+        let (u1, u2) = (1u8 << (2 * g), 1u8 << (2 * g + 1));
+        let (lo, hi) = y.split_at_mut(32);
+        for (((l, h), &q), &b) in lo.iter_mut().zip(hi.iter_mut()).zip(q).zip(qh) {
+            let l5 = (q & 0x0F) | if b & u1 != 0 { 16 } else { 0 };
+            let h5 = (q >> 4) | if b & u2 != 0 { 16 } else { 0 };
+            *l = d1 * l5 as f32 - m1;
+            *h = d2 * h5 as f32 - m2;
+        }
+    }
+}
+
+#[inline(always)]
+fn q6_k(blk: &[u8], y: &mut [f32]) {
+    let (ql, qh, sc) = (&blk[0..128], &blk[128..192], &blk[192..208]);
+    let d = f16_at(blk, 208);
+    for (h, y) in y.chunks_exact_mut(128).enumerate() {
+        let (ql, qh, sc) = (&ql[64 * h..], &qh[32 * h..], &sc[8 * h..]);
+        for l in 0..32 {
+            let is = l / 16;
+            let six = |nib: u8, shift: u32| (nib | (((qh[l] >> shift) & 3) << 4)) as i16 - 32;
+            let q = [
+                six(ql[l] & 0x0F, 0),
+                six(ql[l + 32] & 0x0F, 2),
+                six(ql[l] >> 4, 4),
+                six(ql[l + 32] >> 4, 6),
+            ];
+            for (i, q) in q.into_iter().enumerate() {
+                y[l + 32 * i] = d * (sc[is + 2 * i] as i8) as f32 * q as f32;
             }
         }
     }
@@ -226,7 +407,7 @@ impl QuantWeight {
         let (_, rb) = blocks.dims2()?;
         if blocks.dtype() != DType::U8
             || !blocks.device().is_cpu()
-            || !cols.is_multiple_of(QUANT_BLOCK)
+            || !cols.is_multiple_of(format.block_values())
             || rb != format.row_bytes(cols)
         {
             return Err(ModelError::InvalidInput(format!(
@@ -346,6 +527,11 @@ mod tests {
             QuantFormat::Q8_0 => GgmlDType::Q8_0,
             QuantFormat::Q4_0 => GgmlDType::Q4_0,
             QuantFormat::Q4_1 => GgmlDType::Q4_1,
+            QuantFormat::Q5_0 => GgmlDType::Q5_0,
+            QuantFormat::Q5_1 => GgmlDType::Q5_1,
+            QuantFormat::Q4K => GgmlDType::Q4K,
+            QuantFormat::Q5K => GgmlDType::Q5K,
+            QuantFormat::Q6K => GgmlDType::Q6K,
         };
         let q = QTensor::quantize(&t, dt).unwrap();
         let deq = q.dequantize(&Device::Cpu).unwrap();
@@ -355,16 +541,19 @@ mod tests {
         )
     }
 
-    const FORMATS: [QuantFormat; 3] = [QuantFormat::Q8_0, QuantFormat::Q4_0, QuantFormat::Q4_1];
-
     #[test]
     fn dequantization_matches_candle_bit_for_bit_on_every_path() {
-        for f in FORMATS {
-            let (bytes, want) = quantized(f, 7, 96, 3);
+        for f in QuantFormat::ALL {
+            let (bytes, want) = quantized(f, 7, 512, 3);
+            assert_eq!(
+                bytes.len(),
+                7 * f.row_bytes(512),
+                "{f:?}: candle's block size"
+            );
             let rows = QuantRows {
                 format: f,
                 bytes: &bytes,
-                cols: 96,
+                cols: 512,
             };
             assert_eq!(rows.rows(), 7);
             assert_eq!(rows.to_f32(), want, "{f:?} (dispatched)");
@@ -377,9 +566,9 @@ mod tests {
 
     #[test]
     fn quantized_matmul_equals_the_f32_kernel_on_the_dequantized_weight() {
-        for f in FORMATS {
+        for f in QuantFormat::ALL {
             // n spans several row blocks and a partial one; m odd.
-            let (m, n, k) = (5, 2 * N_BLOCK + 7, 64);
+            let (m, n, k) = (5, 2 * N_BLOCK + 7, 256);
             let (bytes, deq) = quantized(f, n, k, 11);
             let x = super::super::test_util::rand_vec(m * k, 12);
             let mut want = vec![0f32; m * n];
@@ -448,5 +637,126 @@ mod tests {
             &[n, k],
             "dequantize keeps [out, in]"
         );
+    }
+
+    /// f16 bytes of `x` (exact in f16 for the values used here).
+    fn f16_bytes(x: f32) -> [u8; 2] {
+        half::f16::from_f32(x).to_le_bytes()
+    }
+
+    /// Hand-packed blocks: `q[i]` the stored integer of value `i`, laid out
+    /// as ggml's `quantize_row_*` writes it; the decoder must give
+    /// `want(i)` exactly (every product here is exact in f32).
+    fn check_block(f: QuantFormat, block: &[u8], want: impl Fn(usize) -> f64) {
+        assert_eq!(block.len(), f.block_bytes(), "{f:?}");
+        let mut y = vec![f32::NAN; f.block_values()];
+        dequantize_blocks_body(f, block, &mut y);
+        for (i, &v) in y.iter().enumerate() {
+            assert_eq!(v as f64, want(i), "{f:?} value {i}");
+        }
+    }
+
+    /// The value pattern of a block: every stored integer below `levels`.
+    fn ints(n: usize, levels: usize) -> Vec<u8> {
+        (0..n).map(|i| ((i * 7 + i / 5) % levels) as u8).collect()
+    }
+
+    /// Eight 6-bit scales and minimums packed into 12 bytes as ggml's
+    /// `quantize_row_q4_K` packs them.
+    fn pack_scales_k4(sc: [u8; 8], mn: [u8; 8]) -> [u8; 12] {
+        let mut s = [0u8; 12];
+        for j in 0..8 {
+            if j < 4 {
+                s[j] = sc[j];
+                s[j + 4] = mn[j];
+            } else {
+                s[j + 4] = (sc[j] & 0x0F) | ((mn[j] & 0x0F) << 4);
+                s[j - 4] |= (sc[j] >> 4) << 6;
+                s[j] |= (mn[j] >> 4) << 6;
+            }
+        }
+        s
+    }
+
+    #[test]
+    fn legacy_blocks_decode_hand_packed_values() {
+        let q = ints(32, 32);
+        let nib = |q: &[u8]| -> Vec<u8> {
+            (0..16)
+                .map(|j| (q[j] & 15) | ((q[j + 16] & 15) << 4))
+                .collect()
+        };
+        let qh = |q: &[u8]| -> [u8; 4] {
+            let bits = (0..32).fold(0u32, |a, j| a | (((q[j] >> 4) as u32 & 1) << j));
+            bits.to_le_bytes()
+        };
+        let q8: Vec<u8> = (0..32).map(|i| (i as i8 * 4 - 64) as u8).collect();
+        check_block(
+            QuantFormat::Q8_0,
+            &[&f16_bytes(0.5)[..], &q8].concat(),
+            |i| (i as f64 * 4.0 - 64.0) * 0.5,
+        );
+        let q4 = ints(32, 16);
+        check_block(
+            QuantFormat::Q4_0,
+            &[&f16_bytes(0.25)[..], &nib(&q4)].concat(),
+            |i| (q4[i] as f64 - 8.0) * 0.25,
+        );
+        let blk = [&f16_bytes(0.25)[..], &f16_bytes(-1.5), &nib(&q4)].concat();
+        check_block(QuantFormat::Q4_1, &blk, |i| q4[i] as f64 * 0.25 - 1.5);
+        let blk = [&f16_bytes(0.125)[..], &qh(&q), &nib(&q)].concat();
+        check_block(QuantFormat::Q5_0, &blk, |i| (q[i] as f64 - 16.0) * 0.125);
+        let blk = [&f16_bytes(0.125)[..], &f16_bytes(2.0), &qh(&q), &nib(&q)].concat();
+        check_block(QuantFormat::Q5_1, &blk, |i| q[i] as f64 * 0.125 + 2.0);
+    }
+
+    #[test]
+    fn k_quant_blocks_decode_hand_packed_values() {
+        // Scales and minimums that use all six bits, so the packing's top
+        // bits matter.
+        let sc = [1, 63, 17, 40, 33, 5, 62, 48];
+        let mn = [0, 9, 63, 34, 50, 21, 3, 60];
+        let (d, dmin) = (0.5, 0.25);
+        let k4 = pack_scales_k4(sc, mn);
+        // Q4_K: sub-block s (32 values) is group s/2's low (s even) or high
+        // (s odd) nibbles.
+        let q = ints(256, 16);
+        let mut qs = [0u8; 128];
+        for (i, &v) in q.iter().enumerate() {
+            let (s, l) = (i / 32, i % 32);
+            qs[32 * (s / 2) + l] |= v << (4 * (s % 2));
+        }
+        let blk = [&f16_bytes(d)[..], &f16_bytes(dmin), &k4, &qs].concat();
+        check_block(QuantFormat::Q4K, &blk, |i| {
+            d as f64 * sc[i / 32] as f64 * q[i] as f64 - dmin as f64 * mn[i / 32] as f64
+        });
+        // Q5_K: the same nibbles plus bit s of qh[l].
+        let q = ints(256, 32);
+        let (mut qs, mut qh) = ([0u8; 128], [0u8; 32]);
+        for (i, &v) in q.iter().enumerate() {
+            let (s, l) = (i / 32, i % 32);
+            qs[32 * (s / 2) + l] |= (v & 15) << (4 * (s % 2));
+            qh[l] |= (v >> 4) << s;
+        }
+        let blk = [&f16_bytes(d)[..], &f16_bytes(dmin), &k4, &qh, &qs].concat();
+        check_block(QuantFormat::Q5K, &blk, |i| {
+            d as f64 * sc[i / 32] as f64 * q[i] as f64 - dmin as f64 * mn[i / 32] as f64
+        });
+        // Q6_K: per 128 values, quarter t's value l: ql nibble (t even:
+        // low, t ≥ 2: high; byte l or l+32), qh[l] bits 2t..2t+1; signed
+        // 8-bit scale per 16 values.
+        let q = ints(256, 64);
+        let scales: Vec<i8> = (0..16).map(|j| (j as i8 - 8) * 9).collect();
+        let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+        for (i, &v) in q.iter().enumerate() {
+            let (h, t, l) = (i / 128, (i % 128) / 32, i % 32);
+            ql[64 * h + l + 32 * (t % 2)] |= (v & 15) << (4 * (t / 2));
+            qh[32 * h + l] |= (v >> 4) << (2 * t);
+        }
+        let sb: Vec<u8> = scales.iter().map(|&s| s as u8).collect();
+        let blk = [&ql[..], &qh, &sb, &f16_bytes(d)].concat();
+        check_block(QuantFormat::Q6K, &blk, |i| {
+            d as f64 * scales[i / 16] as f64 * (q[i] as f64 - 32.0)
+        });
     }
 }

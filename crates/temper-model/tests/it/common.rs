@@ -42,6 +42,9 @@ pub fn golden(name: &str) -> (serde_json::Value, HashMap<String, Tensor>) {
 }
 
 pub fn adapter(p: &Pretrained, name: &str) -> LoraAdapter {
+    if name.starts_with("wide-") {
+        return random_adapter(p);
+    }
     LoraAdapter::load_peft(
         &root().join("adapters").join(format!("{name}-lora")),
         &p.config,
@@ -49,6 +52,30 @@ pub fn adapter(p: &Pretrained, name: &str) -> LoraAdapter {
         p.model.device(),
     )
     .expect("adapter loads")
+}
+
+/// A rank-4 adapter on every target with random `A` and `B` (a fresh
+/// adapter's `B` is 0, which would leave `A` without gradients).
+pub fn random_adapter(p: &Pretrained) -> LoraAdapter {
+    let cfg = temper_model::LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        ..Default::default()
+    };
+    let a =
+        LoraAdapter::new(&p.config, cfg, 3, p.model.dtype(), p.model.device()).expect("adapter");
+    for (i, (n, v)) in a.named_vars().into_iter().enumerate() {
+        if n.contains("lora_B") {
+            let (rows, cols) = v.as_tensor().dims2().expect("matrix");
+            let vals: Vec<f32> = (0..rows * cols)
+                .map(|j| (((j * 31 + i * 17) % 23) as f32 - 11.0) * 0.01)
+                .collect();
+            let t = Tensor::from_vec(vals, (rows, cols), p.model.device()).expect("tensor");
+            v.set(&t.to_dtype(p.model.dtype()).expect("dtype"))
+                .expect("set");
+        }
+    }
+    a
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
@@ -93,12 +120,91 @@ pub fn next_token_inputs(seqs: &[Vec<u32>]) -> Vec<temper_model::ScoreInput<'_>>
         .collect()
 }
 
-/// The quantized GGUF formats the matmul reads as blocks (`--dtype gguf`).
-pub const QUANT_FORMATS: [temper_model::GgufQuant; 3] = [
-    temper_model::GgufQuant::Q8_0,
-    temper_model::GgufQuant::Q4_0,
-    temper_model::GgufQuant::Q4_1,
-];
+/// The GGUF exports every `--dtype gguf` test runs, as (model, type): each
+/// block format the matmul keeps ([`temper_model::QuantFormat`]). The
+/// fixtures' rows (64, 128 values) take the 32-value formats; K-quants need
+/// rows of 256, so they run on the `wide-*` random models ([`wide_model`]):
+/// Q4_K_M gives Q4_K and Q6_K matrices, Q5_K every matrix in Q5_K.
+pub const QUANT_CASES: [(&str, temper_model::GgufQuant); 13] = {
+    use temper_model::GgufQuant::*;
+    [
+        ("tiny-llama", Q8_0),
+        ("tiny-qwen2", Q8_0),
+        ("tiny-qwen3", Q8_0),
+        ("tiny-llama", Q4_0),
+        ("tiny-qwen2", Q4_0),
+        ("tiny-qwen3", Q4_0),
+        ("tiny-llama", Q4_1),
+        ("tiny-qwen2", Q4_1),
+        ("tiny-qwen3", Q4_1),
+        ("tiny-qwen2", Q5_0),
+        ("tiny-llama", Q5_1),
+        ("wide-llama", Q4KM),
+        ("wide-qwen3", Q5K),
+    ]
+};
+
+/// The fixture a `wide-*` model is built from (its tokenizer, family and
+/// golden inputs); any other name is its own.
+pub fn base_fixture(name: &str) -> String {
+    match name.strip_prefix("wide-") {
+        Some(family) => format!("tiny-{family}"),
+        None => name.to_string(),
+    }
+}
+
+/// The golden inputs of `name` (its base fixture's for a `wide-*` model).
+pub fn golden_inputs(name: &str) -> Vec<Vec<u32>> {
+    let (g, _) = golden(&base_fixture(name));
+    g["inputs"]
+        .as_array()
+        .expect("inputs")
+        .iter()
+        .map(ids)
+        .collect()
+}
+
+/// `wide-<family>`: the fixture `tiny-<family>` (tokenizer, vocabulary,
+/// family) with 256-wide random weights — hidden 256, MLP 512, head
+/// dimension 64 — written once per test process under the target directory
+/// (rewritten each run, so a change to the writer is never read stale).
+pub fn wide_model(name: &str) -> PathBuf {
+    static WRITTEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let base = root().join("models").join(base_fixture(name));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let mut written = WRITTEN.lock().unwrap_or_else(|e| e.into_inner());
+    if written.iter().any(|n| n == name) {
+        return dir;
+    }
+    written.push(name.to_string());
+    std::fs::create_dir_all(&dir).expect("wide model dir");
+    for entry in std::fs::read_dir(&base).expect("fixture dir") {
+        let path = entry.expect("entry").path();
+        let file = path.file_name().expect("name").to_owned();
+        if file != "config.json" && file != "model.safetensors" {
+            std::fs::copy(&path, dir.join(file)).expect("copy fixture file");
+        }
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).expect("config"))
+            .expect("config json");
+    for (k, v) in [
+        ("hidden_size", 256),
+        ("intermediate_size", 512),
+        ("head_dim", 64),
+        ("num_attention_heads", 4),
+        ("num_key_value_heads", 2),
+    ] {
+        config[k] = v.into();
+    }
+    temper_model::write_random_model(
+        &dir,
+        &config,
+        temper_model::RandomInit { std: 0.05, seed: 7 },
+    )
+    .expect("wide model");
+    dir
+}
 
 /// The fixture `name` exported to a `quant` GGUF file in `dir` (once), loaded
 /// back with `precision`: `gguf` keeps its blocks, `f32` dequantizes them.
@@ -110,7 +216,12 @@ pub fn load_quantized(
 ) -> Pretrained {
     let path = dir.join(format!("{name}-{quant:?}.gguf"));
     if !path.exists() {
-        let base = load(name);
+        let base = if name.starts_with("wide-") {
+            Pretrained::load(&wide_model(name), &LoadOptions::default())
+                .unwrap_or_else(|e| panic!("loading {name}: {e}"))
+        } else {
+            load(name)
+        };
         temper_model::save_gguf(&base, &base.model, &path, quant).expect("export gguf");
     }
     let opts = LoadOptions {

@@ -8,15 +8,16 @@ use crate::common::*;
 #[test]
 fn kept_quantized_logits_and_greedy_text_equal_the_dequantized_models() {
     let tmp = tempfile::tempdir().expect("tmp");
-    for quant in QUANT_FORMATS {
-        for name in FAMILIES {
+    let mut formats = Vec::new();
+    for (name, quant) in QUANT_CASES {
+        {
             let q = load_quantized(name, quant, tmp.path(), Precision::Gguf);
             let f = load_quantized(name, quant, tmp.path(), Precision::F32);
             assert_eq!(q.model.precision(), Precision::Gguf);
-            let (g, _) = golden(name);
-            for input in g["inputs"].as_array().expect("inputs") {
-                let input = ids(input);
-                let (a, b) = (logits_of(&q, &input, None), logits_of(&f, &input, None));
+            formats.extend(q.model.quant_formats());
+            let inputs = golden_inputs(name);
+            for input in &inputs {
+                let (a, b) = (logits_of(&q, input, None), logits_of(&f, input, None));
                 let bits = |t: &temper_model::candle_core::Tensor| -> Vec<u32> {
                     let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
                     v.iter().map(|x| x.to_bits()).collect()
@@ -25,12 +26,10 @@ fn kept_quantized_logits_and_greedy_text_equal_the_dequantized_models() {
             }
             let greedy = |p: &temper_model::Pretrained| {
                 let s = Sampler::new(&p.model, &p.tokenizer, vec![]);
-                let reqs: Vec<GenerationRequest> = g["inputs"]
-                    .as_array()
-                    .unwrap()
+                let reqs: Vec<GenerationRequest> = inputs
                     .iter()
                     .map(|i| GenerationRequest {
-                        prompt: ids(i),
+                        prompt: i.clone(),
                         n: 1,
                         params: SamplingParams {
                             max_tokens: 12,
@@ -48,6 +47,9 @@ fn kept_quantized_logits_and_greedy_text_equal_the_dequantized_models() {
             };
             assert_eq!(greedy(&q), greedy(&f), "{name} {quant:?}: greedy");
         }
+    }
+    for f in temper_model::kernels::QuantFormat::ALL {
+        assert!(formats.contains(&f), "no case keeps {f:?} matrices");
     }
 }
 

@@ -319,3 +319,160 @@ fn smollm2_q8_0_export_kept_quantized_equals_the_dequantized_model() {
     let f = load(temper_model::Precision::F32);
     assert_eq!(greedy_and_logits(&q), greedy_and_logits(&f));
 }
+
+/// How far temper's logits at one prompt are from llama.cpp's.
+#[derive(Default, Debug)]
+struct VsLlamaCpp {
+    positions: usize,
+    top1_equal: usize,
+    /// max |Δ logit| over llama.cpp's top 5 of every position.
+    logit: f64,
+    /// max |Δ log-probability| over the same tokens.
+    logprob: f64,
+    /// max over positions of temper's logit margin of its top token over
+    /// llama.cpp's (0 where they agree).
+    top1_gap: f64,
+    /// Greedy tokens equal before the texts part, per prompt.
+    greedy: Vec<usize>,
+    /// Where they part, temper's logit margin of its token over llama.cpp's.
+    parting_gap: f64,
+}
+
+/// temper's `--dtype gguf` on the files llama.cpp ran
+/// (`fixtures/smollm2/llama_cpp.json`, written by
+/// `scripts/llama_cpp_golden.sh`): SmolLM2's Q4_1 file, temper's Q8_0 and
+/// Q4_K_M exports of it (recreated here), its f32 export (the control,
+/// whose weights are the f32 load's, so that model runs), and — where
+/// `TEMPER_LLAMA_CPP_Q4_K_M` names it — llama.cpp's own Q4_K_M
+/// quantization. llama.cpp rounds each activation row to 8 bits before its
+/// integer dots, temper keeps f32 activations (`kernels::quant`), so the
+/// logits differ slightly: the tolerances below are the measured worst
+/// cases with some room. The top token at every position and 16 greedy
+/// tokens per prompt are equal.
+#[test]
+fn smollm2_gguf_logits_match_llama_cpp_on_the_same_files() {
+    let (Some(path), Some(base)) = (gguf_path(), model()) else {
+        return;
+    };
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("smollm2/llama_cpp.json")).expect("llama_cpp.json"),
+    )
+    .expect("json");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cases = golden["cases"].as_object().expect("cases");
+    let mut ran = 0;
+    for (case, prompts) in cases {
+        let file = match case.as_str() {
+            "q4_1" => path.clone(),
+            // The f32 export holds exactly the f32 load's weights: no file.
+            "f32" => path.clone(),
+            "q8_0" | "q4_k_m" => {
+                let file = tmp.path().join(format!("{case}.gguf"));
+                let quant = case.parse().expect("quant");
+                temper_model::save_gguf(base, &base.model, &file, quant).expect("export");
+                file
+            }
+            "llama.cpp-q4_k_m" => match std::env::var_os("TEMPER_LLAMA_CPP_Q4_K_M") {
+                Some(p) => PathBuf::from(p),
+                None => {
+                    eprintln!("SKIPPED {case}: set TEMPER_LLAMA_CPP_Q4_K_M to the file scripts/llama_cpp_golden.sh DIR wrote");
+                    continue;
+                }
+            },
+            other => panic!("unknown case {other}"),
+        };
+        let opts = LoadOptions {
+            precision: temper_model::Precision::Gguf,
+            ..LoadOptions::default()
+        };
+        let loaded;
+        let p = if case == "f32" {
+            base
+        } else {
+            loaded = Pretrained::load(&file, &opts).expect("gguf load");
+            &loaded
+        };
+        assert_eq!(p.model.is_quantized(), case != "f32", "{case}");
+        let formats: Vec<&str> = p.model.quant_formats().iter().map(|f| f.as_str()).collect();
+        let sampler = Sampler::new(&p.model, &p.tokenizer, vec![]);
+        let mut d = VsLlamaCpp::default();
+        for (i, want) in prompts.as_array().expect("prompts").iter().enumerate() {
+            let prompt = ids(&want["prompt"]);
+            let logits: Vec<Vec<f32>> = logits_of(p, &prompt, None).to_vec2().unwrap();
+            for (row, pos) in logits.iter().zip(want["positions"].as_array().unwrap()) {
+                let max = row.iter().fold(f32::MIN, |a, &b| a.max(b)) as f64;
+                let lse = max
+                    + row
+                        .iter()
+                        .map(|&x| (x as f64 - max).exp())
+                        .sum::<f64>()
+                        .ln();
+                let want_lse = pos["lse"].as_f64().unwrap();
+                let top = pos["top"].as_array().unwrap();
+                let argmax = (0..row.len()).fold(0, |a, j| if row[j] > row[a] { j } else { a });
+                d.positions += 1;
+                d.top1_equal += usize::from(top[0][0].as_u64() == Some(argmax as u64));
+                let theirs = top[0][0].as_u64().unwrap() as usize;
+                d.top1_gap = d.top1_gap.max((row[argmax] - row[theirs]) as f64);
+                for t in top {
+                    let (id, l) = (t[0].as_u64().unwrap() as usize, t[1].as_f64().unwrap());
+                    d.logit = d.logit.max((row[id] as f64 - l).abs());
+                    d.logprob = d
+                        .logprob
+                        .max(((row[id] as f64 - lse) - (l - want_lse)).abs());
+                }
+            }
+            let out = sampler
+                .generate(
+                    &[GenerationRequest {
+                        prompt: prompt.clone(),
+                        n: 1,
+                        params: SamplingParams {
+                            max_tokens: 16,
+                            temperature: 0.0,
+                            ignore_eos: true,
+                            ..Default::default()
+                        },
+                    }],
+                    None,
+                )
+                .expect("generate");
+            let (got, theirs) = (&out[0][0].tokens, ids(&want["greedy"]));
+            let same = got.iter().zip(&theirs).take_while(|(a, b)| a == b).count();
+            d.greedy.push(same);
+            if same < theirs.len() {
+                // Where the texts part: the two tokens' logit gap in temper.
+                let mut ctx = prompt.clone();
+                ctx.extend(&got[..same]);
+                let last: Vec<f32> = logits_of(p, &ctx, None)
+                    .get(ctx.len() - 1)
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let gap = (last[got[same] as usize] - last[theirs[same] as usize]) as f64;
+                d.parting_gap = d.parting_gap.max(gap);
+                eprintln!("{case} prompt {i}: greedy parts after {same} tokens ({} vs llama.cpp's {}, logit gap {gap:.4})", got[same], theirs[same]);
+            }
+        }
+        eprintln!("{case} ({}): {d:?}", formats.join(", "));
+        if case == "f32" {
+            // No rounding on either side: the same model to float noise.
+            assert!(formats.is_empty(), "{formats:?}");
+            assert_eq!(d.top1_equal, d.positions, "{case}: top-1 tokens");
+            assert!(d.greedy.iter().all(|&n| n == 16), "{case}: greedy {d:?}");
+            assert!(d.logit < 0.02 && d.logprob < 0.02, "{case}: {d:?}");
+        } else {
+            // llama.cpp's 8-bit activations move log-probabilities by up
+            // to TOL (logits by up to 2·TOL: part of it is a shift of the
+            // whole row); a top token or a greedy token may differ only
+            // where temper's two candidates are within TOL of each other.
+            const TOL: f64 = 1.0;
+            assert!(!formats.is_empty(), "{case}: nothing kept quantized");
+            assert!(d.logit < 2.0 * TOL && d.logprob < TOL, "{case}: {d:?}");
+            assert!(d.top1_gap < TOL && d.parting_gap < TOL, "{case}: {d:?}");
+            assert!(d.top1_equal * 10 >= d.positions * 9, "{case}: {d:?}");
+        }
+        ran += 1;
+    }
+    assert!(ran >= 4, "only {ran} cases ran");
+}

@@ -39,11 +39,9 @@ fn sampler_logprobs_equal_training_forward_for_batches_1_to_8() {
 #[test]
 fn sampler_logprobs_equal_training_forward_on_quantized_bases() {
     let tmp = tempfile::tempdir().expect("tmp");
-    for quant in QUANT_FORMATS {
-        for name in FAMILIES {
-            let p = load_quantized(name, quant, tmp.path(), temper_model::Precision::Gguf);
-            sampler_equals_trainer(&p, name, &format!("{name} {quant:?}"));
-        }
+    for (name, quant) in QUANT_CASES {
+        let p = load_quantized(name, quant, tmp.path(), temper_model::Precision::Gguf);
+        sampler_equals_trainer(&p, name, &format!("{name} {quant:?}"));
     }
 }
 
@@ -53,12 +51,11 @@ fn sampler_logprobs_equal_training_forward_on_quantized_bases() {
 #[test]
 fn lora_gradients_on_a_quantized_base_equal_the_dequantized_models() {
     let tmp = tempfile::tempdir().expect("tmp");
-    for quant in QUANT_FORMATS {
-        for name in FAMILIES {
+    for (name, quant) in QUANT_CASES {
+        {
             let q = load_quantized(name, quant, tmp.path(), temper_model::Precision::Gguf);
             let f = load_quantized(name, quant, tmp.path(), temper_model::Precision::F32);
-            let (g, _) = golden(name);
-            let seq = ids(&g["inputs"][2]);
+            let seq = golden_inputs(name)[2].clone();
             let (aq, af) = (adapter(&q, name), adapter(&f, name));
             let gq = nll(&q, &seq, Some(&aq)).backward().expect("backward");
             let gf = nll(&f, &seq, Some(&af)).backward().expect("backward");
@@ -88,8 +85,7 @@ fn lora_gradients_on_a_quantized_base_equal_the_dequantized_models() {
 fn sampler_equals_trainer(p: &temper_model::Pretrained, name: &str, label: &str) {
     {
         let a = adapter(p, name);
-        let (g, _) = golden(name);
-        let base_prompts: Vec<Vec<u32>> = g["inputs"].as_array().unwrap().iter().map(ids).collect();
+        let base_prompts = golden_inputs(name);
         let sampler = Sampler::new(&p.model, &p.tokenizer, p.generation.eos_token_ids.clone());
         let mut worst = 0f32;
         let mut compared = 0usize;
