@@ -6,8 +6,8 @@
 //! elsewhere. It speaks the protocol as the tinker SDK ([`SDK_VERSION`])
 //! does — auth header and JWT exchange, session heartbeat, future polling,
 //! retries, request chunking — and `tests/python/test_tinker_client.py`
-//! checks every request it sends against the SDK's own types. [`proto`]
-//! holds the protocol's protobuf messages, shared with the server.
+//! checks every request it sends against the SDK's own types. The
+//! protocol's messages are `temper-api`'s, shared with the server.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), temper_engine::EngineError> {
@@ -20,7 +20,6 @@
 #![deny(missing_docs)]
 
 mod conn;
-pub mod proto;
 mod remote;
 
 pub use conn::SDK_VERSION;

@@ -14,7 +14,7 @@ use temper_model::{FinishReason, SamplingParams};
 use tokio::sync::oneshot;
 
 use crate::conn::{remote, Body, Conn, Kind, Reply, SDK_VERSION};
-use crate::proto;
+use temper_api::proto;
 
 /// A training run on a Tinker-compatible training API, as a [`Trainer`]:
 /// `temper api serve`, or any service the tinker SDK drives.

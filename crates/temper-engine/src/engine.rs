@@ -9,7 +9,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll, Waker};
 
 use temper_model::{Completion, GenerationRequest, LoraConfig, Pretrained, SamplingParams};
@@ -31,6 +31,7 @@ pub struct Pending<T> {
 
 struct Promise<T> {
     shared: Arc<(Mutex<Slot<T>>, Condvar)>,
+    fulfilled: bool,
 }
 
 fn pending<T>() -> (Promise<T>, Pending<T>) {
@@ -44,13 +45,19 @@ fn pending<T>() -> (Promise<T>, Pending<T>) {
     (
         Promise {
             shared: shared.clone(),
+            fulfilled: false,
         },
         Pending { shared },
     )
 }
 
 impl<T> Promise<T> {
-    fn fulfil(self, v: Result<T>) {
+    fn fulfil(mut self, v: Result<T>) {
+        self.set(v);
+        self.fulfilled = true;
+    }
+
+    fn set(&self, v: Result<T>) {
         let (lock, cv) = &*self.shared;
         let mut slot = lock.lock().unwrap_or_else(PoisonError::into_inner);
         slot.value = Some(v);
@@ -58,6 +65,18 @@ impl<T> Promise<T> {
             w.wake();
         }
         cv.notify_all();
+    }
+}
+
+/// A promise dropped unfulfilled (a job that never ran to its end) answers
+/// its caller with an error instead of leaving it waiting forever.
+impl<T> Drop for Promise<T> {
+    fn drop(&mut self) {
+        if !self.fulfilled {
+            self.set(Err(EngineError::Dead(
+                "the engine dropped this call unanswered".into(),
+            )));
+        }
     }
 }
 
@@ -136,6 +155,8 @@ type Job = Box<dyn FnOnce(&mut State) + Send>;
 #[derive(Clone)]
 pub struct Engine {
     tx: mpsc::Sender<Job>,
+    /// Why the worker is gone, once it is.
+    dead: Arc<OnceLock<String>>,
 }
 
 impl Default for Engine {
@@ -148,17 +169,34 @@ impl Engine {
     /// Start the worker thread.
     pub fn new() -> Self {
         let (tx, rx) = mpsc::channel::<Job>();
+        let dead = Arc::new(OnceLock::new());
+        let died = dead.clone();
         std::thread::Builder::new()
             .name("temper-engine".into())
             .spawn(move || {
                 let mut state = State::default();
                 while let Ok(job) = rx.recv() {
                     job(&mut state);
+                    // A job that panicked (see `submit`) may have left a
+                    // run half updated (weights stepped, moments not): the
+                    // state cannot be trusted, so the engine stops.
+                    if died.get().is_some() {
+                        return;
+                    }
                 }
             })
             .map(|_| ())
-            .unwrap_or_else(|e| tracing::error!("cannot start the engine worker: {e}"));
-        Self { tx }
+            .unwrap_or_else(|e| {
+                let _ = dead.set(format!("cannot start the engine worker: {e}"));
+                tracing::error!("cannot start the engine worker: {e}");
+            });
+        Self { tx, dead }
+    }
+
+    /// Why the engine's worker is gone, or `None` while it runs. Every call
+    /// after that fails with [`EngineError::Dead`].
+    pub fn dead(&self) -> Option<String> {
+        self.dead.get().cloned()
     }
 
     fn submit<T: Send + 'static>(
@@ -166,7 +204,29 @@ impl Engine {
         f: impl FnOnce(&mut State) -> Result<T> + Send + 'static,
     ) -> Pending<T> {
         let (promise, pending) = pending();
-        let job: Job = Box::new(move |s| promise.fulfil(f(s)));
+        if let Some(why) = self.dead() {
+            promise.fulfil(Err(EngineError::Dead(why)));
+            return pending;
+        }
+        let dead = self.dead.clone();
+        let job: Job = Box::new(move |s| {
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                #[cfg(feature = "fault-hooks")]
+                fault::check();
+                f(s)
+            }));
+            match ran {
+                Ok(v) => promise.fulfil(v),
+                Err(payload) => {
+                    // The engine is marked dead before the caller hears
+                    // back, so whoever it tells sees `dead()` say why.
+                    let why = format!("the engine thread panicked: {}", panic_text(&*payload));
+                    tracing::error!("{why}");
+                    let _ = dead.set(why.clone());
+                    promise.fulfil(Err(EngineError::Dead(why)));
+                }
+            }
+        });
         if let Err(mpsc::SendError(job)) = self.tx.send(job) {
             // The worker is gone; run the job here so the caller gets an answer.
             let mut dead = State::default();
@@ -371,5 +431,34 @@ impl Engine {
     pub fn load_state(&self, run: &str, dir: PathBuf, with_optimizer: bool) -> Pending<()> {
         let run = run.to_string();
         self.submit(move |s| s.run(&run)?.load_state(&dir, with_optimizer))
+    }
+}
+
+/// A panic's message (`&str` or `String` payloads; others are unnamed).
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
+}
+
+/// Test hooks that make the worker panic on a real call (feature
+/// `fault-hooks`, for tests of what callers see when the engine dies).
+#[cfg(feature = "fault-hooks")]
+pub mod fault {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static PANIC_NEXT_JOB: AtomicBool = AtomicBool::new(false);
+
+    /// The next call the worker runs panics (once, process-wide).
+    pub fn panic_next_job() {
+        PANIC_NEXT_JOB.store(true, Ordering::SeqCst);
+    }
+
+    pub(super) fn check() {
+        if PANIC_NEXT_JOB.swap(false, Ordering::SeqCst) {
+            panic!("fault hook: a training call panicked");
+        }
     }
 }

@@ -29,6 +29,9 @@ pub enum EngineError {
     /// A remote training service failed or could not be reached.
     #[error("remote: {0}")]
     Remote(String),
+    /// The engine's worker thread is gone (a call panicked); says why.
+    #[error("the engine is dead: {0}")]
+    Dead(String),
     /// A checkpoint could not be parsed.
     #[error("bad checkpoint {path}: {reason}")]
     BadCheckpoint {

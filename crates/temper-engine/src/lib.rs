@@ -37,6 +37,8 @@ mod optim;
 mod run;
 mod trainer;
 
+#[cfg(feature = "fault-hooks")]
+pub use engine::fault;
 pub use engine::{Engine, Pending};
 pub use error::{EngineError, Result};
 pub use loss::{

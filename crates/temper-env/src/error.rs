@@ -122,7 +122,7 @@ pub enum TraceError {
     },
 }
 
-/// What `load_environment` tried for an unknown name, and the likely fix:
+/// What [`crate::Loader::load`] tried for an unknown name, and the likely fix:
 /// `temper init` puts environments under `envs/`, so `my-task` typed at the
 /// lab root means `envs/my-task`.
 fn unknown_hint(spec: &str) -> String {

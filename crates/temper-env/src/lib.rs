@@ -9,10 +9,13 @@
 //! - [`Env`]: dataset + [`Harness`] (single-turn, multi-turn with an
 //!   [`EnvResponder`], tool-use with [`Tool`]s) + [`Rubric`] (+ [`Parser`]).
 //!   Every built-in and every `env.toml` is one.
-//! - [`load_environment`]: a built-in name ([`BUILTIN_ENVS`]), a directory
-//!   with `env.toml` ([`manifest`]), an external command speaking the
-//!   JSON-lines protocol ([`external`]), or a verifiers environment
-//!   (`verifiers:MODULE_OR_PATH`, run by a bridge through the same protocol).
+//! - [`Loader`]: the one way to open an environment from a spec: a
+//!   registry of [`EnvKind`]s tried in order — a built-in name
+//!   ([`BUILTIN_ENVS`]), a directory with `env.toml` ([`manifest`]), a
+//!   verifiers environment (`verifiers:MODULE_OR_PATH`, run by a bridge
+//!   through the JSON-lines protocol), the kinds crates above add
+//!   ([`Loader::with`]: Harbor tasks in `temper-tasks`), and last an
+//!   external command speaking that protocol ([`external`]).
 //! - [`gate`]: a rollout's model as a loopback OpenAI endpoint, for
 //!   programs that call the model themselves.
 //! - [`openai::OpenAiChatModel`]: the [`ChatModel`] for OpenAI-compatible
@@ -31,7 +34,7 @@
 //! | [`Score`] | `reward`, `metrics`, `error` (a reward that could not score) |
 //! | [`Environment`] | `id`, `rows(Split, n, seed)`, `rollout(&dyn ChatModel, &Row, &SamplingArgs)`, `score_group(&Row, &[Rollout])`, `eval_defaults`, `services` |
 //! | [`check_services`] | every service an environment calls (sandbox, judge) answers, checked before the first rollout |
-//! | [`load_environment`] | `(spec, &serde_json::Value) -> Arc<dyn Environment>` |
+//! | [`Loader`] | `load(spec, &serde_json::Value) -> Arc<dyn Environment>` over registered [`EnvKind`]s |
 //! | [`score_and_time`] | `score_group` that also fills `timing.scoring_ms` |
 //!
 //! Key design choice: harnesses never see an HTTP client, only
@@ -41,9 +44,9 @@
 //!
 //! ```
 //! use serde_json::json;
-//! use temper_env::{load_environment, Split};
+//! use temper_env::{Loader, Split};
 //!
-//! let env = load_environment("arithmetic", &json!({"digits": 2, "ops": ["+"], "system_prompt": ""}))?;
+//! let env = Loader::new().load("arithmetic", &json!({"digits": 2, "ops": ["+"], "system_prompt": ""}))?;
 //! let rows = env.rows(Split::Eval, 3, 0)?;
 //! assert_eq!(rows.len(), 3);
 //! assert!(rows[0].prompt[0].text().starts_with("What is "));
@@ -57,6 +60,7 @@ mod error;
 pub mod external;
 pub mod gate;
 mod harness;
+mod loader;
 pub mod manifest;
 pub mod math;
 mod model;
@@ -68,9 +72,6 @@ pub mod service;
 pub mod suite;
 mod types;
 
-use std::path::Path;
-use std::sync::Arc;
-
 pub use env::{
     is_eval_question, parse_args, pass_threshold, score_and_time, stable_hash, Dataset, Env,
     Environment, Generated, PassThreshold, PromptTemplate, Task,
@@ -80,6 +81,7 @@ pub use error::{EnvError, ModelCallError, TraceError};
 pub use harness::{
     format_number, Calculator, EnvResponder, EnvResponse, Harness, PythonTool, Tool,
 };
+pub use loader::{EnvKind, Loader};
 pub use model::ChatModel;
 pub use parser::{last_boxed, last_number, FieldSpec, Parser};
 pub use rubric::{GroupReward, Reward, RewardCtx, Rubric};
@@ -92,33 +94,6 @@ pub use types::{
 
 /// Countdown's answer check, public for tests and trainers' reward shaping.
 pub use envs::countdown_valid;
-
-/// Load an environment: a built-in name, a directory with `env.toml` (or
-/// the file), a verifiers environment (`verifiers:MODULE_OR_PATH`, see
-/// [`external::ExternalEnv::verifiers`]), or an external command
-/// (`python3 my_env.py`). `args` are
-/// the environment's arguments (a JSON object; `null` for defaults).
-pub fn load_environment(
-    spec: &str,
-    args: &serde_json::Value,
-) -> Result<Arc<dyn Environment>, EnvError> {
-    if let Some(env) = envs::builtin(spec, args) {
-        return Ok(Arc::new(env?));
-    }
-    let path = Path::new(spec);
-    if path.is_dir() && path.join("env.toml").is_file()
-        || path.is_file() && path.extension().is_some_and(|e| e == "toml")
-    {
-        return manifest::load_manifest(path, args);
-    }
-    if let Some(target) = spec.strip_prefix("verifiers:") {
-        return Ok(Arc::new(external::ExternalEnv::verifiers(target, args)?));
-    }
-    if spec.contains(char::is_whitespace) || path.is_file() {
-        return Ok(Arc::new(external::ExternalEnv::spawn(spec, None, args)?));
-    }
-    Err(EnvError::Unknown(spec.to_string()))
-}
 
 /// An environment pulled from a hub, as a run records it (eval
 /// `metadata.json`, a training run's `config.toml`), so the run names the

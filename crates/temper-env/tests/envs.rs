@@ -11,8 +11,8 @@ use async_trait::async_trait;
 use common::Scripted;
 use serde_json::json;
 use temper_env::{
-    load_environment, ChatModel, ChatRequest, EnvError, Message, ModelCallError, ModelTurn,
-    Rollout, Split, Usage, BUILTIN_ENVS,
+    ChatModel, ChatRequest, EnvError, Loader, Message, ModelCallError, ModelTurn, Rollout, Split,
+    Usage, BUILTIN_ENVS,
 };
 
 fn question(r: &temper_env::Row) -> String {
@@ -23,7 +23,7 @@ fn question(r: &temper_env::Row) -> String {
 fn every_builtin_has_disjoint_deterministic_splits() {
     for name in BUILTIN_ENVS {
         let args = json!({});
-        let env = load_environment(name, &args).unwrap();
+        let env = Loader::new().load(name, &args).unwrap();
         assert_eq!(env.id(), *name);
         let eval = env.rows(Split::Eval, 30, 0).unwrap();
         let train = env.rows(Split::Train, 200, 0).unwrap();
@@ -58,11 +58,12 @@ fn every_builtin_has_disjoint_deterministic_splits() {
 
 #[test]
 fn arithmetic_args_as_the_trainer_uses_them() {
-    let env = load_environment(
-        "arithmetic",
-        &json!({"digits": 2, "ops": ["+"], "system_prompt": ""}),
-    )
-    .unwrap();
+    let env = Loader::new()
+        .load(
+            "arithmetic",
+            &json!({"digits": 2, "ops": ["+"], "system_prompt": ""}),
+        )
+        .unwrap();
     let rows = env.rows(Split::Train, 50, 7).unwrap();
     let re = regex::Regex::new(r"^What is (\d{2}) \+ (\d{2})\?$").unwrap();
     for r in &rows {
@@ -72,7 +73,8 @@ fn arithmetic_args_as_the_trainer_uses_them() {
         let sum: i64 = caps[1].parse::<i64>().unwrap() + caps[2].parse::<i64>().unwrap();
         assert_eq!(r.answer.as_deref(), Some(sum.to_string().as_str()));
     }
-    let d = load_environment("arithmetic", &json!({}))
+    let d = Loader::new()
+        .load("arithmetic", &json!({}))
         .unwrap()
         .rows(Split::Eval, 5, 0)
         .unwrap();
@@ -86,21 +88,23 @@ fn arithmetic_args_as_the_trainer_uses_them() {
     ] {
         assert!(
             matches!(
-                load_environment("arithmetic", &bad),
+                Loader::new().load("arithmetic", &bad),
                 Err(EnvError::BadArgs { .. })
             ),
             "{bad}"
         );
     }
     assert!(matches!(
-        load_environment("no-such-env", &json!({})),
+        Loader::new().load("no-such-env", &json!({})),
         Err(EnvError::Unknown(_))
     ));
 }
 
 #[tokio::test]
 async fn arithmetic_rewards_the_right_number_only() {
-    let env = load_environment("arithmetic", &json!({"digits": 3})).unwrap();
+    let env = Loader::new()
+        .load("arithmetic", &json!({"digits": 3}))
+        .unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     let a = row.answer.clone().unwrap();
     let wrong: i64 = a.parse::<i64>().unwrap() + 1;
@@ -138,7 +142,9 @@ async fn countdown_alphabet_and_reverse_rewards() {
         ..Rollout::default()
     };
 
-    let env = load_environment("countdown", &json!({"numbers": 3})).unwrap();
+    let env = Loader::new()
+        .load("countdown", &json!({"numbers": 3}))
+        .unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     assert_eq!(row.info["numbers"].as_array().unwrap().len(), 3);
     let s = env
@@ -146,7 +152,9 @@ async fn countdown_alphabet_and_reverse_rewards() {
         .await;
     assert_eq!(s[0].reward, 0.0);
 
-    let env = load_environment("alphabet-sort", &json!({"words": 4})).unwrap();
+    let env = Loader::new()
+        .load("alphabet-sort", &json!({"words": 4}))
+        .unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     let sorted = row.answer.clone().unwrap();
     let q = question(&row);
@@ -162,7 +170,9 @@ async fn countdown_alphabet_and_reverse_rewards() {
     assert_eq!(s[0].reward, 1.0);
     assert_eq!(s[1].reward, if q == sorted { 1.0 } else { 0.0 });
 
-    let env = load_environment("reverse-text", &json!({"words": 3})).unwrap();
+    let env = Loader::new()
+        .load("reverse-text", &json!({"words": 3}))
+        .unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     let text = question(&row);
     let rev: String = text.chars().rev().collect();
@@ -216,7 +226,9 @@ num_examples = 3
 max_tokens = 16
 "#,
     );
-    let env = load_environment(dir.path().to_str().unwrap(), &json!({})).unwrap();
+    let env = Loader::new()
+        .load(dir.path().to_str().unwrap(), &json!({}))
+        .unwrap();
     assert_eq!(env.id(), "double");
     let d = env.eval_defaults();
     assert_eq!((d.num_examples, d.sampling.max_tokens), (3, 16));
@@ -256,7 +268,7 @@ fn manifest_errors_name_the_problem() {
     ];
     for (text, needle) in cases {
         write(dir.path(), "env.toml", text);
-        let err = match load_environment(dir.path().to_str().unwrap(), &json!({})) {
+        let err = match Loader::new().load(dir.path().to_str().unwrap(), &json!({})) {
             Ok(_) => panic!("{text} loaded"),
             Err(e) => e.to_string(),
         };
@@ -284,11 +296,12 @@ max_turns = 3
 function = "numeric_match"
 "#,
     );
-    let env = load_environment(
-        dir.path().join("env.toml").to_str().unwrap(),
-        &json!({"digits": 3}),
-    )
-    .unwrap();
+    let env = Loader::new()
+        .load(
+            dir.path().join("env.toml").to_str().unwrap(),
+            &json!({"digits": 3}),
+        )
+        .unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     assert_eq!(row.prompt[0].text(), "Use tools.");
     assert!(
@@ -342,7 +355,9 @@ async fn parquet_datasets_load_like_jsonl() {
     rg.close().unwrap();
     w.close().unwrap();
     write(dir.path(), "env.toml", "name = \"pq\"\n[dataset]\neval = \"eval.parquet\"\ntrain = \"eval.parquet\"\n[[rubric]]\nfunction = \"exact_match\"\n");
-    let env = load_environment(dir.path().to_str().unwrap(), &json!({})).unwrap();
+    let env = Loader::new()
+        .load(dir.path().to_str().unwrap(), &json!({}))
+        .unwrap();
     let rows = env.rows(Split::Eval, 10, 0).unwrap();
     assert_eq!(rows.len(), 2);
     assert_eq!(question(&rows[1]), "3 + 3?");
@@ -394,7 +409,9 @@ fn example_dir() -> PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_external_environment_plays_multi_turn() {
-    let env = load_environment(example_dir().to_str().unwrap(), &json!({"hi": 64})).unwrap();
+    let env = Loader::new()
+        .load(example_dir().to_str().unwrap(), &json!({"hi": 64}))
+        .unwrap();
     assert_eq!(env.id(), "guess-number");
     assert_eq!(env.eval_defaults().num_examples, 10);
     let eval = env.rows(Split::Eval, 6, 0).unwrap();
@@ -458,7 +475,7 @@ serve(Broken())
         ),
     );
     let cmd = format!("python3 {}", dir.path().join("env.py").display());
-    let env = load_environment(&cmd, &json!({})).unwrap();
+    let env = Loader::new().load(&cmd, &json!({})).unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     let ro = env
         .rollout(&Scripted::texts(&["x"]), &row, &Default::default())
@@ -475,7 +492,9 @@ serve(Broken())
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn support_json_example_scores_with_json_fields_and_a_python_reward() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/envs/support-json");
-    let env = load_environment(dir.to_str().unwrap(), &json!({})).unwrap();
+    let env = Loader::new()
+        .load(dir.to_str().unwrap(), &json!({}))
+        .unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     assert!(row.prompt.last().unwrap().text().contains("#C7781"));
     let right = Scripted::texts(&[
@@ -559,7 +578,9 @@ for line in sys.stdin:
     print(json.dumps({"id": req["id"], "result": out}), flush=True)
 "#,
     );
-    let env = load_environment(&format!("python3 {}", script.display()), &json!({})).unwrap();
+    let env = Loader::new()
+        .load(&format!("python3 {}", script.display()), &json!({}))
+        .unwrap();
     let rows = env.rows(Split::Eval, 2, 0).unwrap();
     let sampling = temper_env::SamplingArgs {
         temperature: 0.7,
@@ -608,7 +629,8 @@ fn verifiers_specs_are_checked_before_any_python_runs() {
             "cannot start `/no/such/python`",
         ),
     ] {
-        let e = load_environment(spec, &args)
+        let e = Loader::new()
+            .load(spec, &args)
             .err()
             .expect("refused")
             .to_string();

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use common::{call_tools, say, Scripted};
 use serde_json::{json, Value};
 use temper_env::{
-    load_environment, stop, Calculator, ChatModel, EnvResponder, EnvResponse, Harness, Message,
+    stop, Calculator, ChatModel, EnvResponder, EnvResponse, Harness, Loader, Message,
     ModelCallError, Row, SamplingArgs, Split, Tool,
 };
 
@@ -26,7 +26,7 @@ fn row(q: &str) -> Row {
 /// turn limit.
 #[tokio::test]
 async fn single_turn_rollouts_end_completed() {
-    let env = load_environment("arithmetic", &json!({})).unwrap();
+    let env = Loader::new().load("arithmetic", &json!({})).unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     let model = Scripted::texts(&["<answer>1</answer>"]);
     let ro = env.rollout(&model, &row, &SamplingArgs::default()).await;
@@ -37,7 +37,7 @@ async fn single_turn_rollouts_end_completed() {
 
 #[tokio::test]
 async fn wordle_solved_on_the_second_guess() {
-    let env = load_environment("wordle", &json!({})).unwrap();
+    let env = Loader::new().load("wordle", &json!({})).unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     let secret = row.answer.clone().unwrap();
     let wrong = if secret == "zebra" { "apple" } else { "zebra" };
@@ -70,7 +70,9 @@ async fn wordle_solved_on_the_second_guess() {
 
 #[tokio::test]
 async fn wordle_stops_at_max_turns_and_scores_zero() {
-    let env = load_environment("wordle", &json!({"max_turns": 2})).unwrap();
+    let env = Loader::new()
+        .load("wordle", &json!({"max_turns": 2}))
+        .unwrap();
     let mut row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     row.answer = Some("crane".into());
     let model = Scripted::texts(&[
@@ -89,7 +91,7 @@ async fn wordle_stops_at_max_turns_and_scores_zero() {
 
 #[tokio::test]
 async fn model_error_mid_conversation_is_recorded_not_raised() {
-    let env = load_environment("wordle", &json!({})).unwrap();
+    let env = Loader::new().load("wordle", &json!({})).unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     let model = Scripted::new(vec![
         Ok(say("<guess>zzzzz</guess>")),
@@ -169,7 +171,9 @@ async fn environment_error_ends_the_rollout_with_has_error() {
 
 #[tokio::test]
 async fn calculator_tools_runs_calls_and_feeds_back_errors() {
-    let env = load_environment("calculator-tools", &json!({"digits": 2, "terms": 2})).unwrap();
+    let env = Loader::new()
+        .load("calculator-tools", &json!({"digits": 2, "terms": 2}))
+        .unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     let expr = row.info["expression"].as_str().unwrap().to_string();
     let answer = row.answer.clone().unwrap();
@@ -249,7 +253,7 @@ async fn tool_timeouts_are_fed_back_and_max_turns_stops_tool_loops() {
 
 #[tokio::test]
 async fn single_turn_length_finish_marks_truncated() {
-    let env = load_environment("arithmetic", &json!({})).unwrap();
+    let env = Loader::new().load("arithmetic", &json!({})).unwrap();
     let row = env.rows(Split::Eval, 1, 0).unwrap().remove(0);
     let mut turn = say("<answer>12");
     turn.finish_reason = "length".into();

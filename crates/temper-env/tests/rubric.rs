@@ -408,7 +408,9 @@ async fn code_tests_run_in_the_sandbox_service() {
     );
 
     // The code-python environment end to end: a right and a wrong answer.
-    let env = temper_env::load_environment("code-python", &json!({"sandbox_url": url})).unwrap();
+    let env = temper_env::Loader::new()
+        .load("code-python", &json!({"sandbox_url": url}))
+        .unwrap();
     let row = env
         .rows(temper_env::Split::Eval, 8, 0)
         .unwrap()
@@ -492,7 +494,9 @@ async fn humaneval_canonical_solutions_pass_and_empty_bodies_fail() {
         );
     let tmp = tempfile::tempdir().unwrap();
     std::fs::write(tmp.path().join("env.toml"), manifest).unwrap();
-    let env = temper_env::load_environment(tmp.path().to_str().unwrap(), &json!({})).unwrap();
+    let env = temper_env::Loader::new()
+        .load(tmp.path().to_str().unwrap(), &json!({}))
+        .unwrap();
     assert_eq!(env.id(), "humaneval");
     assert_eq!(env.eval_defaults().num_examples, 164);
     let rows = env.rows(temper_env::Split::Eval, 1000, 0).unwrap();

@@ -343,7 +343,9 @@ async fn a_sandboxed_reward_imports_a_package_only_when_declared() {
         let dir = env_dir.path().to_path_buf();
         async move {
             std::fs::write(dir.join("env.toml"), text).unwrap();
-            let env = temper_env::load_environment(dir.to_str().unwrap(), &Value::Null).unwrap();
+            let env = temper_env::Loader::new()
+                .load(dir.to_str().unwrap(), &Value::Null)
+                .unwrap();
             let row = env.rows(temper_env::Split::Eval, 1, 0).unwrap().remove(0);
             let rollout = Rollout {
                 completion: vec![Message::assistant("x")],
@@ -376,7 +378,8 @@ async fn a_sandboxed_reward_imports_a_package_only_when_declared() {
         manifest("[sandbox]\nrequirements = [\"--index-url=http://evil\"]\n"),
     )
     .unwrap();
-    let e = temper_env::load_environment(env_dir.path().to_str().unwrap(), &Value::Null)
+    let e = temper_env::Loader::new()
+        .load(env_dir.path().to_str().unwrap(), &Value::Null)
         .err()
         .unwrap();
     assert!(
@@ -408,7 +411,9 @@ async fn the_test_writing_example_rewards_tests_that_kill_mutants() {
     );
     assert_eq!(pointed.matches("sandbox_url").count(), 2);
     std::fs::write(dir.path().join("env.toml"), pointed).unwrap();
-    let env = temper_env::load_environment(dir.path().to_str().unwrap(), &Value::Null).unwrap();
+    let env = temper_env::Loader::new()
+        .load(dir.path().to_str().unwrap(), &Value::Null)
+        .unwrap();
     let rows = env.rows(temper_env::Split::Eval, 1000, 0).unwrap();
     assert_eq!(rows.len(), 48);
     let row = rows

@@ -22,7 +22,7 @@
 //! use temper_eval::{run_eval, EvalConfig};
 //!
 //! # async fn demo(cfg: EvalConfig) -> Result<(), Box<dyn std::error::Error>> {
-//! let env = temper_env::load_environment("arithmetic", &serde_json::json!({}))?;
+//! let env = temper_env::Loader::new().load("arithmetic", &serde_json::json!({}))?;
 //! let out = run_eval(env, &cfg).await?;
 //! println!("avg reward {}", out.metadata.avg_reward);
 //! # Ok(()) }

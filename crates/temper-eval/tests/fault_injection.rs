@@ -50,7 +50,9 @@ async fn five_hundred_rollouts_survive_every_fault_exactly_once() {
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(format!("http://{addr}/v1"), dir.path(), 250, 2);
-    let env = temper_env::load_environment("arithmetic", &cfg.env_args).unwrap();
+    let env = temper_env::Loader::new()
+        .load("arithmetic", &cfg.env_args)
+        .unwrap();
     let out = run_eval(env, &cfg).await.unwrap();
 
     let lines = read_results(&cfg.run_dir.join("results.jsonl")).unwrap();
@@ -99,7 +101,9 @@ async fn exhausted_retries_are_recorded_on_the_rollout_not_raised() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(format!("http://{addr}/v1"), dir.path(), 5, 1);
     cfg.retry.max_retries = 2;
-    let env = temper_env::load_environment("arithmetic", &cfg.env_args).unwrap();
+    let env = temper_env::Loader::new()
+        .load("arithmetic", &cfg.env_args)
+        .unwrap();
     let out = run_eval(env, &cfg).await.unwrap();
     let lines = read_results(&cfg.run_dir.join("results.jsonl")).unwrap();
     assert_eq!(lines.len(), 5);
@@ -121,7 +125,9 @@ async fn resume_runs_only_what_is_missing() {
     let (addr, stats) = mock::spawn(MockConfig::default()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(format!("http://{addr}/v1"), dir.path(), 20, 2);
-    let env = temper_env::load_environment("arithmetic", &cfg.env_args).unwrap();
+    let env = temper_env::Loader::new()
+        .load("arithmetic", &cfg.env_args)
+        .unwrap();
     run_eval(env.clone(), &cfg).await.unwrap();
     let full = read_results(&cfg.run_dir.join("results.jsonl")).unwrap();
     // Cut the file back to 7 whole groups plus half a group and a torn line.
@@ -154,7 +160,9 @@ async fn a_fresh_run_refuses_to_overwrite_results() {
     let (addr, _) = mock::spawn(MockConfig::default()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(format!("http://{addr}/v1"), dir.path(), 2, 1);
-    let env = temper_env::load_environment("arithmetic", &cfg.env_args).unwrap();
+    let env = temper_env::Loader::new()
+        .load("arithmetic", &cfg.env_args)
+        .unwrap();
     run_eval(env.clone(), &cfg).await.unwrap();
     assert!(run_eval(env, &cfg).await.is_err());
 }
@@ -173,7 +181,9 @@ async fn tool_calls_round_trip_through_the_openai_wire_format() {
     let mut cfg = config(format!("http://{addr}/v1"), dir.path(), 20, 1);
     cfg.env_spec = "calculator-tools".into();
     cfg.env_args = json!({"digits": 3, "terms": 3});
-    let env = temper_env::load_environment(&cfg.env_spec, &cfg.env_args).unwrap();
+    let env = temper_env::Loader::new()
+        .load(&cfg.env_spec, &cfg.env_args)
+        .unwrap();
     let out = run_eval(env, &cfg).await.unwrap();
     assert_eq!(out.metadata.avg_reward, 1.0);
     assert_eq!(out.metadata.avg_metrics["tool_calls"], 1.0);

@@ -86,7 +86,8 @@ fn a_packed_environment_unpacks_and_loads() {
     let m = unpack(&p.bytes, &dest, &Limits::default()).expect("unpack");
     assert_eq!(m, p.manifest);
     assert!(dest.join(MANIFEST_FILE).is_file());
-    let env = temper_env::load_environment(&dest.display().to_string(), &serde_json::Value::Null)
+    let env = temper_env::Loader::new()
+        .load(&dest.display().to_string(), &serde_json::Value::Null)
         .expect("load");
     // One data file: its rows are split by content hash; together they are all there.
     let mut rows = env.rows(temper_env::Split::Eval, 5, 0).expect("eval rows");

@@ -210,7 +210,7 @@ impl Evaluator {
         };
         // Loading may read files or start an external environment's process.
         let (s, a) = (spec.clone(), args.clone());
-        let env = tokio::task::spawn_blocking(move || temper_tasks::load_environment(&s, &a))
+        let env = tokio::task::spawn_blocking(move || temper_tasks::loader().load(&s, &a))
             .await
             .map_err(|source| RlError::Blocking {
                 what: "loading the eval environment",

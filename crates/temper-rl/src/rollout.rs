@@ -97,7 +97,8 @@ impl RolloutPlan {
             sections
                 .iter()
                 .map(|e| {
-                    let env = temper_tasks::load_environment(&e.id, &e.args)
+                    let env = temper_tasks::loader()
+                        .load(&e.id, &e.args)
                         .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
                     let share = (total_groups as f64 * e.weight / total_weight).ceil() as usize;
                     let rows = env

@@ -182,7 +182,8 @@ pub fn load_examples(cfg: &SftPlan, base: &Pretrained) -> Result<Vec<SftExample>
             teacher_noise: noise,
         } => {
             let noise = *noise;
-            let env = temper_tasks::load_environment(&e.id, &e.args)
+            let env = temper_tasks::loader()
+                .load(&e.id, &e.args)
                 .map_err(|err| RlError::Env(format!("{}: {err}", e.id)))?;
             let n = (cfg.optim.max_steps as usize * cfg.optim.batch_size).max(1);
             let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x7EAC_4E25);

@@ -322,21 +322,23 @@ fn loopback_up() {
         flags: libc::c_short,
         _pad: [u8; 22],
     }
-    // SAFETY: plain socket + ioctl on a zeroed, correctly sized ifreq.
-    unsafe {
-        let sock = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if sock < 0 {
-            return;
-        }
-        let mut req: IfReq = std::mem::zeroed();
-        req.name[0] = b'l' as c_char;
-        req.name[1] = b'o' as c_char;
-        if libc::ioctl(sock, libc::SIOCGIFFLAGS, &mut req) == 0 {
-            req.flags |= libc::IFF_UP as libc::c_short;
-            libc::ioctl(sock, libc::SIOCSIFFLAGS, &mut req);
-        }
-        libc::close(sock);
+    // SAFETY: socket takes integers; the descriptor is closed below.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if sock < 0 {
+        return;
     }
+    // SAFETY: `IfReq` is plain integers, for which all-zero bytes is valid.
+    let mut req: IfReq = unsafe { std::mem::zeroed() };
+    req.name[0] = b'l' as c_char;
+    req.name[1] = b'o' as c_char;
+    // SAFETY: SIOCGIFFLAGS reads the name from and writes the flags into a
+    // `struct ifreq`; `req` has its layout (name, flags, padding to 40 bytes).
+    if unsafe { libc::ioctl(sock, libc::SIOCGIFFLAGS, &mut req) } == 0 {
+        req.flags |= libc::IFF_UP as libc::c_short;
+        // SAFETY: as above; SIOCSIFFLAGS only reads `req`.
+        unsafe { libc::ioctl(sock, libc::SIOCSIFFLAGS, &mut req) };
+    }
+    close(sock);
 }
 
 /// What the init's `/proc/1/cmdline` and `comm` say instead of the host's.
@@ -361,191 +363,267 @@ unsafe fn blank_host_blocks(blocks: &[(u64, u64); 2]) {
             continue;
         }
         let base = start as usize as *mut u8;
-        std::ptr::write_bytes(base, 0, len);
+        // SAFETY: `[base, base + len)` is writable memory of ours that
+        // nothing reads again (the caller's contract).
+        unsafe { std::ptr::write_bytes(base, 0, len) };
         if i == 0 && len >= INIT_NAME.len() {
-            std::ptr::copy_nonoverlapping(INIT_NAME.as_ptr(), base, INIT_NAME.len());
+            // SAFETY: the block holds at least `INIT_NAME.len()` writable
+            // bytes (checked above), and a static cannot overlap it.
+            unsafe { std::ptr::copy_nonoverlapping(INIT_NAME.as_ptr(), base, INIT_NAME.len()) };
         }
     }
-    libc::prctl(libc::PR_SET_NAME, INIT_NAME.as_ptr());
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16
+    // bytes; `INIT_NAME` is one and is static.
+    unsafe { libc::prctl(libc::PR_SET_NAME, INIT_NAME.as_ptr()) };
+}
+
+/// `close(2)` on a descriptor number this child manages by hand. Nothing
+/// in the child wraps descriptors in owning Rust types (see the module
+/// doc), so closing one cannot invalidate an `OwnedFd`.
+fn close(fd: c_int) {
+    // SAFETY: close takes a plain integer; no Rust value owns `fd` here.
+    unsafe { libc::close(fd) };
+}
+
+/// `close_range(first, MAX, flags)`: everything from `first` on.
+fn close_from(first: u32, flags: libc::c_uint) {
+    // SAFETY: close_range takes integers only; no Rust value in the child
+    // owns a descriptor (see [`close`]).
+    unsafe { libc::syscall(libc::SYS_close_range, first, u32::MAX, flags) };
+}
+
+/// `dup2(from, to)`, the errno on failure.
+fn dup2(from: c_int, to: c_int) -> Result<(), i32> {
+    // SAFETY: dup2 takes integers; `to` is one of the fixed numbers this
+    // child assigns, which no Rust value owns (see [`close`]).
+    if unsafe { libc::dup2(from, to) } < 0 {
+        return Err(errno());
+    }
+    Ok(())
+}
+
+/// `prctl(option, arg)` for the options that take one integer.
+fn prctl(option: c_int, arg: libc::c_ulong) {
+    // SAFETY: every caller passes an option whose argument is an integer
+    // (PDEATHSIG, DUMPABLE), not a pointer.
+    unsafe { libc::prctl(option, arg) };
+}
+
+/// One byte from the sync pipe: `read(2)`'s return value.
+fn read_sync(byte: &mut u8) -> isize {
+    // SAFETY: `byte` is a valid, writable one-byte buffer.
+    unsafe { libc::read(FD_SYNC, (byte as *mut u8).cast(), 1) }
+}
+
+/// `chdir(2)` to a NUL-terminated path.
+fn chdir(path: &std::ffi::CStr) -> libc::c_long {
+    // SAFETY: `path` is a valid NUL-terminated string.
+    unsafe { libc::chdir(path.as_ptr()) as _ }
+}
+
+/// `waitpid(-1, .., 0)`: any child, blocking; `(pid or -1, status)`.
+fn wait_any() -> (libc::pid_t, c_int) {
+    let mut status = 0;
+    // SAFETY: `status` is a valid, writable int.
+    let r = unsafe { libc::waitpid(-1, &mut status, 0) };
+    (r, status)
 }
 
 /// The child's entry point: becomes pid 1 of the new namespaces, builds the
 /// root, forks the program, waits for it, kills what it left behind and
 /// reports the exit status. Never returns.
 pub(crate) fn main(plan: &Plan) -> ! {
-    // SAFETY: only system calls on memory prepared by the parent, and the
-    // blanking of our private copy of the host's argv/environ strings.
-    unsafe {
-        blank_host_blocks(&plan.host_blocks);
-        // Our descriptors to fixed numbers 0..=4, everything else closed
-        // (the parent's sockets and other sandboxes' pipes leak into clone).
-        let mut high = [-1 as c_int; 6];
-        for (i, fd) in plan.fds.iter().enumerate() {
-            if *fd < 0 {
-                continue;
-            }
-            high[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 64);
-            if high[i] < 0 {
-                libc::_exit(101);
-            }
+    // SAFETY: `host_blocks` are the parent's argv/environ string blocks;
+    // this child's copy of them is private (clone copied the address
+    // space) and it reads only `plan`'s own copies of those strings.
+    unsafe { blank_host_blocks(&plan.host_blocks) };
+    // Our descriptors to fixed numbers 0..=4, everything else closed
+    // (the parent's sockets and other sandboxes' pipes leak into clone).
+    let mut high = [-1 as c_int; 6];
+    for (i, fd) in plan.fds.iter().enumerate() {
+        if *fd < 0 {
+            continue;
         }
-        for (i, fd) in high.iter().enumerate() {
-            if *fd >= 0 && libc::dup2(*fd, i as c_int) < 0 {
-                libc::_exit(102);
-            }
+        // SAFETY: F_DUPFD_CLOEXEC takes an integer argument; `fd` is one
+        // of the parent's pipe ends, inherited by clone.
+        high[i] = unsafe { libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 64) };
+        if high[i] < 0 {
+            // SAFETY: `_exit` is async-signal-safe and runs no handlers.
+            unsafe { libc::_exit(101) };
         }
-        libc::fcntl(FD_SYNC, libc::F_SETFD, libc::FD_CLOEXEC);
-        libc::fcntl(FD_STATUS, libc::F_SETFD, libc::FD_CLOEXEC);
-        libc::syscall(libc::SYS_close_range, FD_BINDS as u32, u32::MAX, 0u32);
+    }
+    for (i, fd) in high.iter().enumerate() {
+        if *fd >= 0 && dup2(*fd, i as c_int).is_err() {
+            // SAFETY: as above.
+            unsafe { libc::_exit(102) };
+        }
+    }
+    for fd in [FD_SYNC, FD_STATUS] {
+        // SAFETY: F_SETFD takes an integer argument.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
+    close_from(FD_BINDS as u32, 0);
 
-        // Wait until the parent has written our uid/gid maps.
-        let mut byte = 0u8;
-        loop {
-            let n = libc::read(FD_SYNC, (&mut byte as *mut u8).cast(), 1);
-            if n == 1 {
-                break;
-            }
-            if n < 0 && errno() == libc::EINTR {
-                continue;
-            }
-            fail(0, if n < 0 { errno() } else { libc::EPIPE });
+    // Wait until the parent has written our uid/gid maps.
+    let mut byte = 0u8;
+    loop {
+        let n = read_sync(&mut byte);
+        if n == 1 {
+            break;
         }
+        if n < 0 && errno() == libc::EINTR {
+            continue;
+        }
+        fail(0, if n < 0 { errno() } else { libc::EPIPE });
+    }
 
-        check(
-            3,
-            mount(
-                NONE,
-                c"/",
-                NONE,
-                MsFlags::MS_REC | MsFlags::MS_PRIVATE,
-                NONE,
-            ),
-        );
-        for (i, source) in plan.bind_sources.iter().enumerate() {
-            let fd = libc::open(
+    check(
+        3,
+        mount(
+            NONE,
+            c"/",
+            NONE,
+            MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+            NONE,
+        ),
+    );
+    for (i, source) in plan.bind_sources.iter().enumerate() {
+        // SAFETY: `source` is a valid NUL-terminated path; the new
+        // descriptor is moved to its fixed number below.
+        let fd = unsafe {
+            libc::open(
                 source.as_ptr(),
                 libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-            );
-            check_raw(7, fd as _);
-            let want = FD_BINDS + i as c_int;
-            if fd != want {
-                if libc::dup2(fd, want) < 0 {
-                    fail(7, errno());
-                }
-                libc::close(fd);
+            )
+        };
+        check_raw(7, fd as _);
+        let want = FD_BINDS + i as c_int;
+        if fd != want {
+            if let Err(e) = dup2(fd, want) {
+                fail(7, e);
             }
+            close(fd);
         }
-
-        // Become the sandbox user. Capabilities in our namespace survive
-        // (we were not uid 0 *inside* it) until `execve` drops them.
-        // Raw system calls: glibc's wrappers broadcast the change to every
-        // thread of the parent (setxid), which do not exist here, and hang.
-        let id = INNER_ID as libc::c_long;
-        let _ = libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>());
-        check_raw(1, libc::syscall(libc::SYS_setresgid, id, id, id));
-        check_raw(2, libc::syscall(libc::SYS_setresuid, id, id, id));
-        // One-shot runs die with the thread blocked in `run` (set after the
-        // uid change, which clears it). Pool workers must not: the thread
-        // that started one may be gone long before the worker.
-        if plan.die_with_thread {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-        }
-
-        for step in plan.system_steps.iter().chain(plan.request_steps.iter()) {
-            run_step(plan, step);
-        }
-        libc::syscall(libc::SYS_close_range, FD_BINDS as u32, u32::MAX, 0u32);
-        check_raw(12, libc::chdir(plan.staging.as_ptr()) as _);
-        check(12, pivot_root(c".", c"."));
-        check(13, umount2(c".", MntFlags::MNT_DETACH));
-        check_raw(13, libc::chdir(c"/".as_ptr()) as _);
-        if let Err(e) = make_read_only(c"/", false) {
-            fail(14, e);
-        }
-        let _ = nix::unistd::sethostname(plan.hostname);
-        loopback_up();
-        // Our memory holds the parent's environment: keep /proc/1/* closed.
-        libc::prctl(libc::PR_SET_DUMPABLE, 0);
-
-        let pid = libc::syscall(libc::SYS_clone, libc::SIGCHLD as libc::c_ulong, 0, 0, 0, 0);
-        if pid < 0 {
-            fail(15, errno());
-        }
-        if pid == 0 {
-            program(plan);
-        }
-        let pid = pid as libc::pid_t;
-
-        // Init: close the output pipes so the parent sees EOF once the
-        // program tree is gone, reap until the program exits.
-        libc::close(0);
-        libc::close(1);
-        libc::close(2);
-        libc::close(FD_EXTRA);
-        let mut status = 0;
-        loop {
-            let mut s = 0;
-            let r = libc::waitpid(-1, &mut s, 0);
-            if r == pid {
-                status = s;
-                break;
-            }
-            if r < 0 && errno() != libc::EINTR {
-                break;
-            }
-        }
-        // Whatever the program left behind dies now.
-        libc::kill(-1, libc::SIGKILL);
-        loop {
-            let mut s = 0;
-            let r = libc::waitpid(-1, &mut s, 0);
-            if r < 0 && errno() != libc::EINTR {
-                break;
-            }
-        }
-        // Nothing of the program is left: let an unprivileged parent (same
-        // uid) read /work through /proc/PID/root again.
-        libc::prctl(libc::PR_SET_DUMPABLE, 1);
-        let mut msg = [0u8; MSG_LEN];
-        msg[0] = MSG_EXITED;
-        msg[1..5].copy_from_slice(&status.to_le_bytes());
-        let _ = write_all(FD_STATUS, &msg);
-        // Stay alive (keeping /work readable through /proc/PID/root) until
-        // the parent closes the sync pipe.
-        loop {
-            let n = libc::read(FD_SYNC, (&mut byte as *mut u8).cast(), 1);
-            if n == 0 || (n < 0 && errno() != libc::EINTR) {
-                break;
-            }
-        }
-        libc::_exit(0)
     }
+
+    // Become the sandbox user. Capabilities in our namespace survive
+    // (we were not uid 0 *inside* it) until `execve` drops them.
+    // Raw system calls: glibc's wrappers broadcast the change to every
+    // thread of the parent (setxid), which do not exist here, and hang.
+    let id = INNER_ID as libc::c_long;
+    // SAFETY: setgroups with size 0 reads no list (a null pointer is allowed).
+    let _ = unsafe { libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) };
+    // SAFETY: setresgid/setresuid take integers only.
+    check_raw(1, unsafe { libc::syscall(libc::SYS_setresgid, id, id, id) });
+    // SAFETY: as above.
+    check_raw(2, unsafe { libc::syscall(libc::SYS_setresuid, id, id, id) });
+    // One-shot runs die with the thread blocked in `run` (set after the
+    // uid change, which clears it). Pool workers must not: the thread
+    // that started one may be gone long before the worker.
+    if plan.die_with_thread {
+        prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong);
+    }
+
+    for step in plan.system_steps.iter().chain(plan.request_steps.iter()) {
+        run_step(plan, step);
+    }
+    close_from(FD_BINDS as u32, 0);
+    check_raw(12, chdir(&plan.staging));
+    check(12, pivot_root(c".", c"."));
+    check(13, umount2(c".", MntFlags::MNT_DETACH));
+    check_raw(13, chdir(c"/"));
+    if let Err(e) = make_read_only(c"/", false) {
+        fail(14, e);
+    }
+    let _ = nix::unistd::sethostname(plan.hostname);
+    loopback_up();
+    // Our memory holds the parent's environment: keep /proc/1/* closed.
+    prctl(libc::PR_SET_DUMPABLE, 0);
+
+    // A raw clone, not fork(3): glibc's fork runs atfork handlers that
+    // take locks the parent's other threads may have held.
+    // SAFETY: clone with SIGCHLD only and no stack behaves like fork; the
+    // new process calls only `program`, which issues system calls on
+    // `plan` and never returns.
+    let pid = unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD as libc::c_ulong, 0, 0, 0, 0) };
+    if pid < 0 {
+        fail(15, errno());
+    }
+    if pid == 0 {
+        program(plan);
+    }
+    let pid = pid as libc::pid_t;
+
+    // Init: close the output pipes so the parent sees EOF once the
+    // program tree is gone, reap until the program exits.
+    for fd in [0, 1, 2, FD_EXTRA] {
+        close(fd);
+    }
+    let mut status = 0;
+    loop {
+        let (r, s) = wait_any();
+        if r == pid {
+            status = s;
+            break;
+        }
+        if r < 0 && errno() != libc::EINTR {
+            break;
+        }
+    }
+    // Whatever the program left behind dies now.
+    // SAFETY: kill takes integers; -1 signals every process this init
+    // may signal, i.e. only those inside its pid namespace.
+    unsafe { libc::kill(-1, libc::SIGKILL) };
+    loop {
+        let (r, _) = wait_any();
+        if r < 0 && errno() != libc::EINTR {
+            break;
+        }
+    }
+    // Nothing of the program is left: let an unprivileged parent (same
+    // uid) read /work through /proc/PID/root again.
+    prctl(libc::PR_SET_DUMPABLE, 1);
+    let mut msg = [0u8; MSG_LEN];
+    msg[0] = MSG_EXITED;
+    msg[1..5].copy_from_slice(&status.to_le_bytes());
+    let _ = write_all(FD_STATUS, &msg);
+    // Stay alive (keeping /work readable through /proc/PID/root) until
+    // the parent closes the sync pipe.
+    loop {
+        let n = read_sync(&mut byte);
+        if n == 0 || (n < 0 && errno() != libc::EINTR) {
+            break;
+        }
+    }
+    // SAFETY: `_exit` is async-signal-safe and runs no handlers.
+    unsafe { libc::_exit(0) }
 }
 
-/// The program process: limits, seccomp, exec.
-unsafe fn program(plan: &Plan) -> ! {
-    libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    let mut empty: libc::sigset_t = std::mem::zeroed();
-    libc::sigemptyset(&mut empty);
-    libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-    libc::prctl(libc::PR_SET_PDEATHSIG, 0);
-    libc::setsid();
+/// The program process (the init's forked child): limits, seccomp, exec.
+fn program(plan: &Plan) -> ! {
+    // SAFETY: SIG_DFL installs no handler code.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    // SAFETY: sigset_t is plain data for which all-zero bytes is valid;
+    // sigemptyset then initialises it properly.
+    let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `empty` is a valid, writable sigset_t.
+    unsafe { libc::sigemptyset(&mut empty) };
+    // SAFETY: `empty` is an initialised sigset_t; no old set is asked for.
+    unsafe { libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) };
+    prctl(libc::PR_SET_PDEATHSIG, 0);
+    // SAFETY: setsid takes no arguments.
+    unsafe { libc::setsid() };
     for (resource, soft, hard) in &plan.rlimits {
         check(16, setrlimit(*resource, *soft, *hard));
     }
-    check_raw(17, libc::chdir(plan.work_dir.as_ptr()) as _);
-    libc::syscall(
-        libc::SYS_close_range,
-        3u32,
-        u32::MAX,
-        libc::CLOSE_RANGE_CLOEXEC,
-    );
+    check_raw(17, chdir(&plan.work_dir));
+    close_from(3, libc::CLOSE_RANGE_CLOEXEC);
     if plan.fds[5] >= 0 {
         // The extra descriptor becomes fd 3 and survives execve.
-        if libc::dup2(FD_EXTRA, 3) < 0 {
-            fail(19, errno());
+        if let Err(e) = dup2(FD_EXTRA, 3) {
+            fail(19, e);
         }
-        libc::close(FD_EXTRA);
+        close(FD_EXTRA);
     }
     for filter in plan.filters {
         if let Err(e) = seccompiler::apply_filter(filter) {
@@ -558,6 +636,9 @@ unsafe fn program(plan: &Plan) -> ! {
             fail(18, code);
         }
     }
-    libc::execve(plan.exe.as_ptr(), plan.argv.as_ptr(), plan.envp.as_ptr());
+    // SAFETY: `exe` is NUL-terminated, and the parent built `argv` and
+    // `envp` as null-terminated arrays of pointers into strings `plan`
+    // keeps alive until after this call.
+    unsafe { libc::execve(plan.exe.as_ptr(), plan.argv.as_ptr(), plan.envp.as_ptr()) };
     fail(19, errno())
 }

@@ -39,4 +39,3 @@ pub mod structured;
 pub mod training_api;
 
 pub use error::ApiError;
-pub use temper_client::proto;

@@ -10,8 +10,8 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use prost::Message;
 use serde_json::{json, Value};
+use temper_api::proto;
 use temper_model::{LoadOptions, Pretrained};
-use temper_server::proto;
 use temper_server::training_api::{app, ApiConfig, ApiState, BaseModel};
 use tower::ServiceExt;
 

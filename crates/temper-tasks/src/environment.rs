@@ -38,8 +38,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use temper_env::gate::{answer_calls, Gate, MODEL_NAME};
 use temper_env::{
-    stable_hash, stop, ChatModel, EnvError, Environment, EvalDefaults, Message, ModelTurn, Rollout,
-    Row, SamplingArgs, Score, Split, TokenUsage,
+    stable_hash, stop, ChatModel, EnvError, EnvKind, Environment, EvalDefaults, Loader, Message,
+    ModelTurn, Rollout, Row, SamplingArgs, Score, Split, TokenUsage,
 };
 
 use crate::agent::{Agent, Nop, Oracle};
@@ -121,15 +121,26 @@ pub fn is_tasks_path(path: &Path) -> bool {
             .unwrap_or(false)
 }
 
-/// [`temper_env::load_environment`], plus Harbor task directories: a
-/// task directory or a directory of them loads as a [`TasksEnv`] with
-/// `args` as [`TasksEnvArgs`]. Everything else goes to temper-env.
-pub fn load_environment(spec: &str, args: &Value) -> Result<Arc<dyn Environment>, EnvError> {
-    let path = Path::new(spec);
-    if is_tasks_path(path) {
-        return Ok(Arc::new(TasksEnv::load(path, args)?));
+/// Harbor tasks as a kind of environment: a task directory or a directory
+/// of them loads as a [`TasksEnv`] with `args` as [`TasksEnvArgs`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TasksKind;
+
+impl EnvKind for TasksKind {
+    fn name(&self) -> &'static str {
+        "Harbor tasks"
     }
-    temper_env::load_environment(spec, args)
+    fn load(&self, spec: &str, args: &Value) -> Option<Result<Arc<dyn Environment>, EnvError>> {
+        let path = Path::new(spec);
+        is_tasks_path(path).then(|| TasksEnv::load(path, args).map(|e| Arc::new(e) as _))
+    }
+}
+
+/// The loader of every kind of environment the workspace has: temper-env's
+/// own plus Harbor tasks. The CLI and the training loops load through it;
+/// a new kind is added here.
+pub fn loader() -> Loader {
+    Loader::new().with(TasksKind)
 }
 
 fn bad(env: &str, message: impl Into<String>) -> EnvError {
@@ -481,18 +492,21 @@ mod tests {
 
     #[test]
     fn a_directory_of_tasks_loads_as_an_environment_with_its_args_checked() {
-        let env = load_environment(
-            &examples().display().to_string(),
-            &json!({"agent": "oracle", "tasks": ["hello-file", "write-config"]}),
-        )
-        .expect("load");
+        let env = loader()
+            .load(
+                &examples().display().to_string(),
+                &json!({"agent": "oracle", "tasks": ["hello-file", "write-config"]}),
+            )
+            .expect("load");
         let rows = env.rows(Split::Eval, 10, 0).expect("rows");
         let names: Vec<_> = rows.iter().map(|r| r.info["task"].clone()).collect();
         assert_eq!(names, vec![json!("hello-file"), json!("write-config")]);
         assert_eq!(env.eval_defaults().num_examples, 2);
         // One task directory is an environment of one task.
         let one = examples().join("hello-file");
-        let env = load_environment(&one.display().to_string(), &Value::Null).expect("one");
+        let env = loader()
+            .load(&one.display().to_string(), &Value::Null)
+            .expect("one");
         assert_eq!(env.rows(Split::Train, 5, 3).expect("rows").len(), 1);
         for (args, want) in [
             (json!({"agent": "claude"}), "unknown agent"),
@@ -501,14 +515,15 @@ mod tests {
             (json!({"max_turn": 3}), "max_turn"),
             (json!({"max_turns": 0}), "max_turns"),
         ] {
-            let e = load_environment(&examples().display().to_string(), &args)
+            let e = loader()
+                .load(&examples().display().to_string(), &args)
                 .err()
                 .expect("refused")
                 .to_string();
             assert!(e.contains(want), "{args}: {e}");
         }
         // Other specs still load through temper-env.
-        assert!(load_environment("arithmetic", &Value::Null).is_ok());
+        assert!(loader().load("arithmetic", &Value::Null).is_ok());
     }
 
     #[test]

@@ -56,8 +56,9 @@ fn refused(task_dir: &Path, reason: String) -> TaskError {
 }
 
 fn stat_of(fd: &OwnedFd) -> std::io::Result<libc::stat> {
-    // SAFETY: fstat on a descriptor we own into a zeroed struct.
+    // SAFETY: `stat` is plain integers, for which all-zero bytes is valid.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat on a descriptor we own into a valid, writable struct.
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -77,8 +78,10 @@ fn open_at(
         .map_err(|_| refused(task_dir, format!("{}: a NUL byte in a path", rel.display())))?;
     // Look first (no open of a device or FIFO), then open and check that
     // what was opened is what was looked at.
-    // SAFETY: fstatat on a valid directory descriptor and C string.
+    // SAFETY: `stat` is plain integers, for which all-zero bytes is valid.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatat on a valid directory descriptor, a NUL-terminated
+    // name and a valid, writable struct.
     let r = unsafe {
         libc::fstatat(
             dir.as_raw_fd(),

@@ -15,7 +15,8 @@
 //!
 //! The same trials are a temper environment ([`environment`]): a task
 //! directory given to `temper eval` or as an `[[env]] id` loads through
-//! [`load_environment`] as a [`TasksEnv`], whose rollouts record the
+//! [`loader`] (temper-env's [`temper_env::Loader`] with [`TasksKind`]
+//! added) as a [`TasksEnv`], whose rollouts record the
 //! agent's model calls with their token traces, so RL trains on them.
 //!
 //! Key design choice: no image build and no container daemon. A trial's
@@ -61,7 +62,7 @@ pub mod traces;
 pub mod trial;
 
 pub use agent::{Agent, AgentContext, AgentOutcome, Nop, Oracle};
-pub use environment::{load_environment, TasksEnv, TasksEnvArgs};
+pub use environment::{loader, TasksEnv, TasksEnvArgs, TasksKind};
 pub use error::TaskError;
 pub use job::{load_job, plan_job, run_job, summary_table, AgentSpec, JobConfig, JobResult};
 pub use task::{discover, Task, TaskConfig};

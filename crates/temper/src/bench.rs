@@ -178,8 +178,9 @@ mod rss {
     /// one thread, the work a step costs even while other processes share
     /// the cores.
     pub fn cpu_seconds() -> f64 {
-        // SAFETY: `usage` is a valid rusage for the call to fill.
+        // SAFETY: `rusage` is plain integers, for which all-zero bytes is valid.
         let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `usage` is a valid rusage for the call to fill.
         unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
         let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
         tv(usage.ru_utime) + tv(usage.ru_stime)

@@ -209,7 +209,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             let m = read_metadata(dir).with_context(|| format!("resume {}", dir.display()))?;
             let (load, env_package) =
                 crate::hub_cmd::resolve_env(&m.env_spec, m.env_package.as_ref())?;
-            let env = temper_tasks::load_environment(&load, &m.env_args)?;
+            let env = temper_tasks::loader().load(&load, &m.env_args)?;
             let api_key = match &m.api_key_env {
                 Some(v) => Some(std::env::var(v).with_context(|| format!("${v} is not set"))?),
                 None => None,
@@ -244,7 +244,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
                 .context("ENV is required (an argument or `env` in --config)")?;
             let env_args = json_arg("--env-args", &a.env_args)?;
             let (load, env_package) = crate::hub_cmd::resolve_env(&spec, None)?;
-            let env = temper_tasks::load_environment(&load, &env_args)?;
+            let env = temper_tasks::loader().load(&load, &env_args)?;
             let d = env.eval_defaults();
             let mut sampling = d.sampling.clone();
             if let Some(t) = a.max_tokens {

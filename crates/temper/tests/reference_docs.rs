@@ -656,7 +656,7 @@ fn config_md_documents_every_key() {
     }
     for env in temper_env::BUILTIN_ENVS {
         let probe = serde_json::json!({"__probe": 1});
-        let Err(e) = temper_env::load_environment(env, &probe) else {
+        let Err(e) = temper_env::Loader::new().load(env, &probe) else {
             panic!("built-in environment {env} accepted an unknown argument");
         };
         let args = expected_fields(&e.to_string())

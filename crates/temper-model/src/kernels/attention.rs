@@ -182,11 +182,16 @@ pub(super) fn row_forward(
 ) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if super::use_avx2() {
-        // SAFETY: the CPU has AVX2 (checked at run time).
+        // Each arm: the CPU has AVX2 (checked at run time), and
+        // `row_forward::<V>` asserts the lengths it reads for `d.hd = 8·V`.
         match d.hd {
+            // SAFETY: see above.
             32 => return unsafe { avx2_rows::row_forward::<4>(d, q, k, v, h, i, o) },
+            // SAFETY: see above.
             64 => return unsafe { avx2_rows::row_forward::<8>(d, q, k, v, h, i, o) },
+            // SAFETY: see above.
             96 => return unsafe { avx2_rows::row_forward::<12>(d, q, k, v, h, i, o) },
+            // SAFETY: see above.
             128 => return unsafe { avx2_rows::row_forward::<16>(d, q, k, v, h, i, o) },
             _ => {}
         }
@@ -211,6 +216,9 @@ mod avx2_rows {
     use super::{exp, Dims, KEY_BLOCK};
 
     /// `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`, [`super::dot`]'s tree.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn tree(a: __m256) -> f32 {
@@ -232,51 +240,57 @@ mod avx2_rows {
         i: usize,
         o: &mut [f32],
     ) -> f32 {
-        let hd = 8 * V;
-        assert!(d.hd == hd && q.len() >= hd && o.len() >= hd);
-        let p_end = d.pos(i) + 1;
-        assert!(d.k_at(h, p_end - 1) + hd <= k.len() && d.v_at(h, p_end - 1) + hd <= v.len());
-        let qv: [__m256; V] = std::array::from_fn(|c| _mm256_loadu_ps(q.as_ptr().add(8 * c)));
-        let mut acc = [_mm256_setzero_ps(); V];
-        let mut m = f32::NEG_INFINITY;
-        let mut l = 0f32;
-        let mut s = [0f32; KEY_BLOCK];
-        for b0 in (0..p_end).step_by(KEY_BLOCK) {
-            let b1 = (b0 + KEY_BLOCK).min(p_end);
-            let mut bm = f32::NEG_INFINITY;
-            for j in b0..b1 {
-                let kp = k.as_ptr().add(d.k_at(h, j));
-                let mut a = _mm256_setzero_ps();
-                for (c, qc) in qv.iter().enumerate() {
-                    a = _mm256_add_ps(a, _mm256_mul_ps(*qc, _mm256_loadu_ps(kp.add(8 * c))));
+        // SAFETY: AVX2 is the caller's contract. The asserts keep every access in
+        // bounds: `q` and `o` hold `hd = 8·V` floats; key (value) row `j` starts
+        // at `d.k_at(h, j)` (`d.v_at(h, j)`), which grows with `j`, and the last
+        // row read, `p_end - 1`, ends inside `k` (`v`).
+        unsafe {
+            let hd = 8 * V;
+            assert!(d.hd == hd && q.len() >= hd && o.len() >= hd);
+            let p_end = d.pos(i) + 1;
+            assert!(d.k_at(h, p_end - 1) + hd <= k.len() && d.v_at(h, p_end - 1) + hd <= v.len());
+            let qv: [__m256; V] = std::array::from_fn(|c| _mm256_loadu_ps(q.as_ptr().add(8 * c)));
+            let mut acc = [_mm256_setzero_ps(); V];
+            let mut m = f32::NEG_INFINITY;
+            let mut l = 0f32;
+            let mut s = [0f32; KEY_BLOCK];
+            for b0 in (0..p_end).step_by(KEY_BLOCK) {
+                let b1 = (b0 + KEY_BLOCK).min(p_end);
+                let mut bm = f32::NEG_INFINITY;
+                for j in b0..b1 {
+                    let kp = k.as_ptr().add(d.k_at(h, j));
+                    let mut a = _mm256_setzero_ps();
+                    for (c, qc) in qv.iter().enumerate() {
+                        a = _mm256_add_ps(a, _mm256_mul_ps(*qc, _mm256_loadu_ps(kp.add(8 * c))));
+                    }
+                    let x = tree(a) * d.scale;
+                    s[j - b0] = x;
+                    bm = bm.max(x);
                 }
-                let x = tree(a) * d.scale;
-                s[j - b0] = x;
-                bm = bm.max(x);
-            }
-            let m_new = m.max(bm);
-            let c = exp(m - m_new);
-            l *= c;
-            let cv = _mm256_set1_ps(c);
-            for a in acc.iter_mut() {
-                *a = _mm256_mul_ps(*a, cv);
-            }
-            let s = &mut s[..b1 - b0];
-            s.iter_mut().for_each(|x| *x = exp(*x - m_new));
-            for (j, &p) in (b0..b1).zip(s.iter()) {
-                l += p;
-                let (pv, vp) = (_mm256_set1_ps(p), v.as_ptr().add(d.v_at(h, j)));
-                for (c, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(pv, _mm256_loadu_ps(vp.add(8 * c))));
+                let m_new = m.max(bm);
+                let c = exp(m - m_new);
+                l *= c;
+                let cv = _mm256_set1_ps(c);
+                for a in acc.iter_mut() {
+                    *a = _mm256_mul_ps(*a, cv);
                 }
+                let s = &mut s[..b1 - b0];
+                s.iter_mut().for_each(|x| *x = exp(*x - m_new));
+                for (j, &p) in (b0..b1).zip(s.iter()) {
+                    l += p;
+                    let (pv, vp) = (_mm256_set1_ps(p), v.as_ptr().add(d.v_at(h, j)));
+                    for (c, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(pv, _mm256_loadu_ps(vp.add(8 * c))));
+                    }
+                }
+                m = m_new;
             }
-            m = m_new;
+            let inv = _mm256_set1_ps(1.0 / l);
+            for (c, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), _mm256_mul_ps(*a, inv));
+            }
+            m + l.ln()
         }
-        let inv = _mm256_set1_ps(1.0 / l);
-        for (c, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), _mm256_mul_ps(*a, inv));
-        }
-        m + l.ln()
     }
 }
 

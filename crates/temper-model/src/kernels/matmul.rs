@@ -214,6 +214,8 @@ pub(crate) fn matmul_nt_f32(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, 
 pub(super) struct SendPtr(pub(super) *mut f32);
 // SAFETY: used only to hand disjoint output columns to worker threads.
 unsafe impl Send for SendPtr {}
+// SAFETY: shared only to be copied out (`get`); each worker writes its own
+// disjoint outputs through the copy.
 unsafe impl Sync for SendPtr {}
 impl SendPtr {
     pub(super) fn get(self) -> *mut f32 {
@@ -254,10 +256,14 @@ mod portable {
         n1: usize,
         y: *mut f32,
     ) {
-        for i in 0..m {
-            let xr = &x[i * k..(i + 1) * k];
-            for j in n0..n1 {
-                *y.add(i * n + j) = dot(xr, &w[j * k..(j + 1) * k]);
+        // SAFETY: `i < m` and `n0 ≤ j < n1 ≤ n`, so `i·n + j < m·n`: inside the
+        // `m·n` floats the caller guarantees at `y`.
+        unsafe {
+            for i in 0..m {
+                let xr = &x[i * k..(i + 1) * k];
+                for j in n0..n1 {
+                    *y.add(i * n + j) = dot(xr, &w[j * k..(j + 1) * k]);
+                }
             }
         }
     }
@@ -271,6 +277,9 @@ mod avx2 {
 
     /// Lanes summed as `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`, the
     /// portable kernel's order.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn hsum(v: __m256) -> f32 {
@@ -280,16 +289,30 @@ mod avx2 {
     }
 
     /// Loads `k % 8` trailing floats at `p`, zeros in the other lanes.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `p` must point to `rem` (at most 8)
+    /// readable floats.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn load_tail(p: *const f32, rem: usize) -> __m256 {
-        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem as i32), idx);
-        _mm256_maskload_ps(p, mask)
+        // SAFETY: AVX2 is the caller's contract; the mask enables only the first `rem`
+        // lanes, readable by the caller's contract, and masked-off lanes are
+        // never accessed.
+        unsafe {
+            let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem as i32), idx);
+            _mm256_maskload_ps(p, mask)
+        }
     }
 
     /// One `R×C` tile of outputs: rows `x[0..R]` (stride `k`) against
     /// weight rows `w[0..C]` (stride `k`), written to `y` (row stride `ldy`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `x` must point to `R` rows and `w` to
+    /// `C` rows of `k` readable floats (stride `k`), `y` to `R` rows (stride
+    /// `ldy`) of `C` writable floats.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn tile<const R: usize, const C: usize>(
@@ -299,43 +322,54 @@ mod avx2 {
         y: *mut f32,
         ldy: usize,
     ) {
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        let k8 = k - k % 8;
-        let mut kk = 0;
-        while kk < k8 {
-            let mut wv = [_mm256_setzero_ps(); C];
-            for (c, v) in wv.iter_mut().enumerate() {
-                *v = _mm256_loadu_ps(w.add(c * k + kk));
+        // SAFETY: AVX2/FMA are the caller's contract; each load reads 8 floats at
+        // column `kk` with `kk + 8 ≤ k` (or the tail, masked to `k - k8` lanes)
+        // of a row `r < R` of `x` or `c < C` of `w`, and each store writes
+        // `y[r·ldy + c]`: all inside the caller's ranges.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); C]; R];
+            let k8 = k - k % 8;
+            let mut kk = 0;
+            while kk < k8 {
+                let mut wv = [_mm256_setzero_ps(); C];
+                for (c, v) in wv.iter_mut().enumerate() {
+                    *v = _mm256_loadu_ps(w.add(c * k + kk));
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let xv = _mm256_loadu_ps(x.add(r * k + kk));
+                    for (a, v) in row.iter_mut().zip(&wv) {
+                        *a = _mm256_fmadd_ps(xv, *v, *a);
+                    }
+                }
+                kk += 8;
             }
-            for (r, row) in acc.iter_mut().enumerate() {
-                let xv = _mm256_loadu_ps(x.add(r * k + kk));
-                for (a, v) in row.iter_mut().zip(&wv) {
-                    *a = _mm256_fmadd_ps(xv, *v, *a);
+            if k8 < k {
+                let rem = k - k8;
+                let mut wv = [_mm256_setzero_ps(); C];
+                for (c, v) in wv.iter_mut().enumerate() {
+                    *v = load_tail(w.add(c * k + k8), rem);
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let xv = load_tail(x.add(r * k + k8), rem);
+                    for (a, v) in row.iter_mut().zip(&wv) {
+                        *a = _mm256_fmadd_ps(xv, *v, *a);
+                    }
                 }
             }
-            kk += 8;
-        }
-        if k8 < k {
-            let rem = k - k8;
-            let mut wv = [_mm256_setzero_ps(); C];
-            for (c, v) in wv.iter_mut().enumerate() {
-                *v = load_tail(w.add(c * k + k8), rem);
-            }
-            for (r, row) in acc.iter_mut().enumerate() {
-                let xv = load_tail(x.add(r * k + k8), rem);
-                for (a, v) in row.iter_mut().zip(&wv) {
-                    *a = _mm256_fmadd_ps(xv, *v, *a);
+            for (r, row) in acc.iter().enumerate() {
+                for (c, a) in row.iter().enumerate() {
+                    *y.add(r * ldy + c) = hsum(*a);
                 }
-            }
-        }
-        for (r, row) in acc.iter().enumerate() {
-            for (c, a) in row.iter().enumerate() {
-                *y.add(r * ldy + c) = hsum(*a);
             }
         }
     }
 
     /// Rows `R` of one tile row against weight rows `n0..n1`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `x` must point to `R` rows of `k`
+    /// readable floats (stride `k`), `w` to weight rows `0..n1` (stride `k`), `y`
+    /// to `R` rows (stride `ldy`) whose columns `n0..n1` are writable.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
@@ -349,30 +383,37 @@ mod avx2 {
         ldy: usize,
         narrow: bool,
     ) {
-        let mut j = n0;
-        if narrow {
-            // One weight row at a time: a single linear stream through
-            // memory (see `STREAM_ROWS`).
-            while j < n1 {
-                tile::<R, 1>(x, w.add(j * k), k, y.add(j), ldy);
-                j += 1;
+        // SAFETY: AVX2/FMA are the caller's contract; each `tile::<R, C>` gets
+        // weight rows `j..j + C` and output columns `j..j + C` with `j + C ≤ n1`,
+        // which is what `tile` requires.
+        unsafe {
+            let mut j = n0;
+            if narrow {
+                // One weight row at a time: a single linear stream through
+                // memory (see `STREAM_ROWS`).
+                while j < n1 {
+                    tile::<R, 1>(x, w.add(j * k), k, y.add(j), ldy);
+                    j += 1;
+                }
+                return;
             }
-            return;
-        }
-        while j + NR <= n1 {
-            tile::<R, NR>(x, w.add(j * k), k, y.add(j), ldy);
-            j += NR;
-        }
-        match n1 - j {
-            2 => tile::<R, 2>(x, w.add(j * k), k, y.add(j), ldy),
-            1 => tile::<R, 1>(x, w.add(j * k), k, y.add(j), ldy),
-            _ => {}
+            while j + NR <= n1 {
+                tile::<R, NR>(x, w.add(j * k), k, y.add(j), ldy);
+                j += NR;
+            }
+            match n1 - j {
+                2 => tile::<R, 2>(x, w.add(j * k), k, y.add(j), ldy),
+                1 => tile::<R, 1>(x, w.add(j * k), k, y.add(j), ldy),
+                _ => {}
+            }
         }
     }
 
     /// # Safety
     /// The CPU must have AVX2 and FMA; `y` must point to `m·n` writable
     /// floats; no other thread writes columns `n0..n1`.
+    ///
+    /// `x` must hold `m·k` floats and `w` `n1·k` (they are read unchecked).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn block(
@@ -385,29 +426,35 @@ mod avx2 {
         n1: usize,
         y: *mut f32,
     ) {
-        let (x, w) = (x.as_ptr(), w.as_ptr());
-        let narrow = m <= STREAM_ROWS;
-        let mut i = 0;
-        while i + MR <= m {
-            // The first row tile reads this block of `W` from memory: one
-            // linear stream (see `STREAM_ROWS`); later ones find it in cache.
-            tile_row::<MR>(
-                x.add(i * k),
-                w,
-                k,
-                n0,
-                n1,
-                y.add(i * n),
-                n,
-                narrow || i == 0,
-            );
-            i += MR;
-        }
-        match m - i {
-            3 => tile_row::<3>(x.add(i * k), w, k, n0, n1, y.add(i * n), n, narrow),
-            2 => tile_row::<2>(x.add(i * k), w, k, n0, n1, y.add(i * n), n, narrow),
-            1 => tile_row::<1>(x.add(i * k), w, k, n0, n1, y.add(i * n), n, narrow),
-            _ => {}
+        // SAFETY: AVX2/FMA are the caller's contract; row tile `i..i + R`
+        // (`i + R ≤ m`) gets `x` at row `i` (inside its `m·k` floats), `w`
+        // (rows up to `n1`) and `y` at row `i` with stride `n`, which is what
+        // `tile_row` requires.
+        unsafe {
+            let (x, w) = (x.as_ptr(), w.as_ptr());
+            let narrow = m <= STREAM_ROWS;
+            let mut i = 0;
+            while i + MR <= m {
+                // The first row tile reads this block of `W` from memory: one
+                // linear stream (see `STREAM_ROWS`); later ones find it in cache.
+                tile_row::<MR>(
+                    x.add(i * k),
+                    w,
+                    k,
+                    n0,
+                    n1,
+                    y.add(i * n),
+                    n,
+                    narrow || i == 0,
+                );
+                i += MR;
+            }
+            match m - i {
+                3 => tile_row::<3>(x.add(i * k), w, k, n0, n1, y.add(i * n), n, narrow),
+                2 => tile_row::<2>(x.add(i * k), w, k, n0, n1, y.add(i * n), n, narrow),
+                1 => tile_row::<1>(x.add(i * k), w, k, n0, n1, y.add(i * n), n, narrow),
+                _ => {}
+            }
         }
     }
 }

@@ -338,24 +338,29 @@ mod portable_packed {
         y: *mut f32,
         low: Option<LowRank<'_>>,
     ) {
-        let (n, k2) = (w.n, w.k.div_ceil(2));
-        let data = &w.data[p * k2 * PANEL * 2..(p + 1) * k2 * PANEL * 2];
-        let cols = PANEL.min(n - p * PANEL);
-        let ld = padded_cols(n);
-        for i in rows {
-            let xr = &x[i * k2 * 2..(i + 1) * k2 * 2];
-            for c in 0..cols {
-                let mut acc = 0f32;
-                for t in 0..k2 {
-                    let wp = &data[t * PANEL * 2 + c * 2..];
-                    acc += f(xr[2 * t]) * f(wp[0]) + f(xr[2 * t + 1]) * f(wp[1]);
-                }
-                if let Some(l) = &low {
-                    for j in 0..l.rank {
-                        acc = l.e[i * l.rank + j].mul_add(l.ft[j * ld + p * PANEL + c], acc);
+        // SAFETY: `i` runs over `rows` and `p·PANEL + c < n`: each write is in a row
+        // and a column of panel `p` that the caller guarantees writable and
+        // ours alone.
+        unsafe {
+            let (n, k2) = (w.n, w.k.div_ceil(2));
+            let data = &w.data[p * k2 * PANEL * 2..(p + 1) * k2 * PANEL * 2];
+            let cols = PANEL.min(n - p * PANEL);
+            let ld = padded_cols(n);
+            for i in rows {
+                let xr = &x[i * k2 * 2..(i + 1) * k2 * 2];
+                for c in 0..cols {
+                    let mut acc = 0f32;
+                    for t in 0..k2 {
+                        let wp = &data[t * PANEL * 2 + c * 2..];
+                        acc += f(xr[2 * t]) * f(wp[0]) + f(xr[2 * t + 1]) * f(wp[1]);
                     }
+                    if let Some(l) = &low {
+                        for j in 0..l.rank {
+                            acc = l.e[i * l.rank + j].mul_add(l.ft[j * ld + p * PANEL + c], acc);
+                        }
+                    }
+                    *y.add(i * n + p * PANEL + c) = acc;
                 }
-                *y.add(i * n + p * PANEL + c) = acc;
             }
         }
     }
@@ -377,15 +382,20 @@ mod avx512_packed {
     /// The CPU must have AVX-512 BF16.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vl")]
     pub(super) unsafe fn round_row(x: &[f32], out: &mut [u16]) {
-        let n = out.len().min(x.len());
-        let mut i = 0;
-        while i < n {
-            let lanes = (n - i).min(16);
-            let mask = ((1u32 << lanes) - 1) as __mmask16;
-            let v = _mm512_maskz_loadu_ps(mask, x.as_ptr().add(i));
-            let b = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v));
-            _mm256_mask_storeu_epi16(out.as_mut_ptr().add(i) as *mut i16, mask, b);
-            i += lanes;
+        // SAFETY: AVX-512 BF16 is the caller's contract; loads and stores are
+        // masked to the `lanes ≤ n - i` elements left, `n` being at most both
+        // lengths; the transmute is between 256-bit vectors of the same size.
+        unsafe {
+            let n = out.len().min(x.len());
+            let mut i = 0;
+            while i < n {
+                let lanes = (n - i).min(16);
+                let mask = ((1u32 << lanes) - 1) as __mmask16;
+                let v = _mm512_maskz_loadu_ps(mask, x.as_ptr().add(i));
+                let b = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v));
+                _mm256_mask_storeu_epi16(out.as_mut_ptr().add(i) as *mut i16, mask, b);
+                i += lanes;
+            }
         }
     }
 
@@ -399,6 +409,12 @@ mod avx512_packed {
         ld: usize,
     }
 
+    /// # Safety
+    /// The CPU must have AVX-512 BF16; `x` must point to `R` rows of `k2`
+    /// readable bf16 pairs (stride `k2`), `w` to `k2` packed rows of `PANEL`
+    /// pairs (stride `2·PANEL` u16), `y` to `R` rows (stride `ldy`) of `cols ≤
+    /// PANEL` writable floats, and `low`'s `e` to `R` rows of `rank` floats,
+    /// its `ft` to `rank` rows of `PANEL` floats (stride `ld`).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     unsafe fn tile<const R: usize>(
@@ -410,43 +426,50 @@ mod avx512_packed {
         cols: usize,
         low: Option<TileLow>,
     ) {
-        let mut acc = [[_mm512_setzero_ps(); 4]; R];
-        for t in 0..k2 {
-            let wp = w.add(t * PANEL * 2);
-            let wv: [__m512bh; 4] = std::array::from_fn(|v| {
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                    wp.add(v * 32) as *const __m512i
-                ))
-            });
-            for (r, row) in acc.iter_mut().enumerate() {
-                let xp = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
-                    *x.add(r * k2 + t) as i32,
-                ));
-                for (a, v) in row.iter_mut().zip(&wv) {
-                    *a = _mm512_dpbf16_ps(*a, xp, *v);
-                }
-            }
-        }
-        if let Some(l) = low {
-            for j in 0..l.rank {
-                let fp = l.ft.add(j * l.ld);
-                let fv: [__m512; 4] = std::array::from_fn(|v| _mm512_loadu_ps(fp.add(v * 16)));
+        // SAFETY: AVX-512 BF16 is the caller's contract; loads read pair row `t < k2`
+        // of `w` (4 × 32 u16, one `PANEL`-wide row), `x[r·k2 + t]` and `low`'s
+        // `R × rank` and `rank × PANEL` floats, stores are masked to `cols`
+        // columns: all inside the caller's ranges. The transmutes reinterpret
+        // 512-bit vectors of equal size.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); 4]; R];
+            for t in 0..k2 {
+                let wp = w.add(t * PANEL * 2);
+                let wv: [__m512bh; 4] = std::array::from_fn(|v| {
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                        wp.add(v * 32) as *const __m512i
+                    ))
+                });
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let ev = _mm512_set1_ps(*l.e.add(r * l.rank + j));
-                    for (a, f) in row.iter_mut().zip(&fv) {
-                        *a = _mm512_fmadd_ps(ev, *f, *a);
+                    let xp = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+                        *x.add(r * k2 + t) as i32,
+                    ));
+                    for (a, v) in row.iter_mut().zip(&wv) {
+                        *a = _mm512_dpbf16_ps(*a, xp, *v);
                     }
                 }
             }
-        }
-        for (r, row) in acc.iter().enumerate() {
-            for (v, a) in row.iter().enumerate() {
-                let lanes = cols.saturating_sub(v * 16).min(16);
-                if lanes == 0 {
-                    break;
+            if let Some(l) = low {
+                for j in 0..l.rank {
+                    let fp = l.ft.add(j * l.ld);
+                    let fv: [__m512; 4] = std::array::from_fn(|v| _mm512_loadu_ps(fp.add(v * 16)));
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let ev = _mm512_set1_ps(*l.e.add(r * l.rank + j));
+                        for (a, f) in row.iter_mut().zip(&fv) {
+                            *a = _mm512_fmadd_ps(ev, *f, *a);
+                        }
+                    }
                 }
-                let mask = ((1u32 << lanes) - 1) as __mmask16;
-                _mm512_mask_storeu_ps(y.add(r * ldy + v * 16), mask, *a);
+            }
+            for (r, row) in acc.iter().enumerate() {
+                for (v, a) in row.iter().enumerate() {
+                    let lanes = cols.saturating_sub(v * 16).min(16);
+                    if lanes == 0 {
+                        break;
+                    }
+                    let mask = ((1u32 << lanes) - 1) as __mmask16;
+                    _mm512_mask_storeu_ps(y.add(r * ldy + v * 16), mask, *a);
+                }
             }
         }
     }
@@ -462,33 +485,41 @@ mod avx512_packed {
         y: *mut f32,
         low: Option<LowRank<'_>>,
     ) {
-        let (n, k2) = (w.n, w.k.div_ceil(2));
-        let data = w.data.as_ptr().add(p * k2 * PANEL * 2);
-        let cols = PANEL.min(n - p * PANEL);
-        let x = x.as_ptr() as *const u32;
-        let y = y.add(p * PANEL);
-        let ld = padded_cols(n);
-        let at = |i: usize| {
-            low.map(|l| TileLow {
-                e: l.e.as_ptr().add(i * l.rank),
-                ft: l.ft.as_ptr().add(p * PANEL),
-                rank: l.rank,
-                ld,
-            })
-        };
-        let mut i = rows.start;
-        while i + MR <= rows.end {
-            tile::<MR>(x.add(i * k2), k2, data, y.add(i * n), n, cols, at(i));
-            i += MR;
-        }
-        let (xr, yr, lr) = (x.add(i * k2), y.add(i * n), at(i));
-        match rows.end - i {
-            5 => tile::<5>(xr, k2, data, yr, n, cols, lr),
-            4 => tile::<4>(xr, k2, data, yr, n, cols, lr),
-            3 => tile::<3>(xr, k2, data, yr, n, cols, lr),
-            2 => tile::<2>(xr, k2, data, yr, n, cols, lr),
-            1 => tile::<1>(xr, k2, data, yr, n, cols, lr),
-            _ => {}
+        // SAFETY: AVX-512 BF16 is the caller's contract. Panel `p`'s packed data starts
+        // at `p·k2·2·PANEL` inside `w.data`; a row tile `i..i + R` (`R ≤ rows.end - i`)
+        // gets `x` at row `i` (rows of `k2` pairs, as `rows_as_pairs` builds them),
+        // `y` at row `i`, column `p·PANEL` (stride `n`, `cols` columns to the
+        // panel's end) and `low` at row `i` of `e` and column `p·PANEL` of `ft`
+        // (padded to whole panels, asserted by `packed_into`): what `tile` requires.
+        unsafe {
+            let (n, k2) = (w.n, w.k.div_ceil(2));
+            let data = w.data.as_ptr().add(p * k2 * PANEL * 2);
+            let cols = PANEL.min(n - p * PANEL);
+            let x = x.as_ptr() as *const u32;
+            let y = y.add(p * PANEL);
+            let ld = padded_cols(n);
+            let at = |i: usize| {
+                low.map(|l| TileLow {
+                    e: l.e.as_ptr().add(i * l.rank),
+                    ft: l.ft.as_ptr().add(p * PANEL),
+                    rank: l.rank,
+                    ld,
+                })
+            };
+            let mut i = rows.start;
+            while i + MR <= rows.end {
+                tile::<MR>(x.add(i * k2), k2, data, y.add(i * n), n, cols, at(i));
+                i += MR;
+            }
+            let (xr, yr, lr) = (x.add(i * k2), y.add(i * n), at(i));
+            match rows.end - i {
+                5 => tile::<5>(xr, k2, data, yr, n, cols, lr),
+                4 => tile::<4>(xr, k2, data, yr, n, cols, lr),
+                3 => tile::<3>(xr, k2, data, yr, n, cols, lr),
+                2 => tile::<2>(xr, k2, data, yr, n, cols, lr),
+                1 => tile::<1>(xr, k2, data, yr, n, cols, lr),
+                _ => {}
+            }
         }
     }
 }

@@ -211,16 +211,21 @@ mod portable {
         ldy: usize,
         first: bool,
     ) {
-        for i in m0..m1 {
-            let yr = std::slice::from_raw_parts_mut(y.add(i * ldy), cols);
-            if first {
-                yr.fill(0.0);
-            }
-            for j in 0..nc {
-                let a = *g.add(i * ldg + j);
-                let wr = std::slice::from_raw_parts(w.add(j * ldw), cols);
-                for (o, x) in yr.iter_mut().zip(wr) {
-                    *o += a * x;
+        // SAFETY: rows `m0..m1` of `y` (`cols` floats each) and of `g` (`nc` terms),
+        // and `nc` rows of `w` (`cols` floats each), are the caller's ranges;
+        // no other thread writes these outputs, so the `&mut` slice is exclusive.
+        unsafe {
+            for i in m0..m1 {
+                let yr = std::slice::from_raw_parts_mut(y.add(i * ldy), cols);
+                if first {
+                    yr.fill(0.0);
+                }
+                for j in 0..nc {
+                    let a = *g.add(i * ldg + j);
+                    let wr = std::slice::from_raw_parts(w.add(j * ldw), cols);
+                    for (o, x) in yr.iter_mut().zip(wr) {
+                        *o += a * x;
+                    }
                 }
             }
         }
@@ -272,6 +277,11 @@ type Chunk<T = f32> = unsafe fn(
 
 /// Rows `m0..m1`, columns `k0..k1` of `g·W`, chunk by chunk, `W` read in
 /// place (`chunk` loads its element type).
+///
+/// # Safety
+/// `chunk` must run on this CPU; `g` must hold `m1` rows of `n` terms, `w`
+/// `n` rows of `k` elements, and `y` must point to `m1` rows of `k` writable
+/// floats; no other thread writes rows `m0..m1`, columns `k0..k1` of `y`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn strided_block<T>(
     chunk: Chunk<T>,
@@ -286,24 +296,29 @@ unsafe fn strided_block<T>(
     y: *mut f32,
     accumulate: bool,
 ) {
-    let (gp, wp) = (g.as_ptr(), w.as_ptr());
-    let mut n0 = 0;
-    while n0 < n {
-        let nc = (n0 + N_CHUNK).min(n) - n0;
-        chunk(
-            gp.add(n0),
-            n,
-            wp.add(n0 * k + k0),
-            k,
-            nc,
-            m0,
-            m1,
-            k1 - k0,
-            y.add(k0),
-            k,
-            n0 == 0 && !accumulate,
-        );
-        n0 += nc;
+    // SAFETY: chunk `n0..n0 + nc` gets `g` at term `n0` (stride `n`), `w` at row
+    // `n0`, column `k0` (stride `k`) and `y` at column `k0` (stride `k`) for
+    // `k1 - k0` columns: inside the caller's ranges, as `chunk` requires.
+    unsafe {
+        let (gp, wp) = (g.as_ptr(), w.as_ptr());
+        let mut n0 = 0;
+        while n0 < n {
+            let nc = (n0 + N_CHUNK).min(n) - n0;
+            chunk(
+                gp.add(n0),
+                n,
+                wp.add(n0 * k + k0),
+                k,
+                nc,
+                m0,
+                m1,
+                k1 - k0,
+                y.add(k0),
+                k,
+                n0 == 0 && !accumulate,
+            );
+            n0 += nc;
+        }
     }
 }
 
@@ -311,6 +326,9 @@ unsafe fn strided_block<T>(
 /// weights (widening is exact): the AVX-512 tiles widen each vector as they
 /// load it; elsewhere each chunk's panel of `W` is widened into a buffer
 /// and run through the f32 tiles.
+///
+/// # Safety
+/// As [`strided_block`] (with `w` as bf16 bits), which picks its own `chunk`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn bf16_block(
     g: &[f32],
@@ -324,50 +342,56 @@ unsafe fn bf16_block(
     y: *mut f32,
     accumulate: bool,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if matmul_nn_isa() == "avx512" {
-        strided_block(
-            avx512::chunk::<u16>,
-            g,
-            w,
-            n,
-            k,
-            m0,
-            m1,
-            k0,
-            k1,
-            y,
-            accumulate,
-        );
-        return;
-    }
-    let chunk = chunk_kernel();
-    let cols = k1 - k0;
-    let mut panel = vec![0f32; N_CHUNK.min(n) * cols];
-    let gp = g.as_ptr();
-    let mut n0 = 0;
-    while n0 < n {
-        let nc = (n0 + N_CHUNK).min(n) - n0;
-        for (j, row) in panel.chunks_exact_mut(cols).take(nc).enumerate() {
-            let src = &w[(n0 + j) * k + k0..(n0 + j) * k + k1];
-            for (o, &b) in row.iter_mut().zip(src) {
-                *o = f32::from_bits((b as u32) << 16);
-            }
+    // SAFETY: `avx512::chunk` runs only where `matmul_nn_isa` detected AVX-512;
+    // otherwise `chunk_kernel` picked one this CPU runs, over a widened
+    // panel of `nc` rows of `cols` floats (stride `cols`); `g` and `y` as in
+    // `strided_block`.
+    unsafe {
+        #[cfg(target_arch = "x86_64")]
+        if matmul_nn_isa() == "avx512" {
+            strided_block(
+                avx512::chunk::<u16>,
+                g,
+                w,
+                n,
+                k,
+                m0,
+                m1,
+                k0,
+                k1,
+                y,
+                accumulate,
+            );
+            return;
         }
-        chunk(
-            gp.add(n0),
-            n,
-            panel.as_ptr(),
-            cols,
-            nc,
-            m0,
-            m1,
-            cols,
-            y.add(k0),
-            k,
-            n0 == 0 && !accumulate,
-        );
-        n0 += nc;
+        let chunk = chunk_kernel();
+        let cols = k1 - k0;
+        let mut panel = vec![0f32; N_CHUNK.min(n) * cols];
+        let gp = g.as_ptr();
+        let mut n0 = 0;
+        while n0 < n {
+            let nc = (n0 + N_CHUNK).min(n) - n0;
+            for (j, row) in panel.chunks_exact_mut(cols).take(nc).enumerate() {
+                let src = &w[(n0 + j) * k + k0..(n0 + j) * k + k1];
+                for (o, &b) in row.iter_mut().zip(src) {
+                    *o = f32::from_bits((b as u32) << 16);
+                }
+            }
+            chunk(
+                gp.add(n0),
+                n,
+                panel.as_ptr(),
+                cols,
+                nc,
+                m0,
+                m1,
+                cols,
+                y.add(k0),
+                k,
+                n0 == 0 && !accumulate,
+            );
+            n0 += nc;
+        }
     }
 }
 
@@ -382,26 +406,42 @@ mod avx512 {
     /// bf16 bits (exactly, by a shift), so a bf16 weight needs no f32 copy.
     pub(super) trait Elem: Copy {
         /// Sixteen elements at `p` as f32, lanes outside `mask` zero.
+        ///
+        /// # Safety
+        /// The CPU must have AVX-512F/BW; every lane `mask` enables must be
+        /// readable at `p`.
         unsafe fn load16(p: *const Self, mask: __mmask16) -> __m512;
     }
 
     impl Elem for f32 {
         #[inline(always)]
         unsafe fn load16(p: *const f32, mask: __mmask16) -> __m512 {
-            _mm512_maskz_loadu_ps(mask, p)
+            // SAFETY: the trait's contract: AVX-512F, and the lanes `mask` enables are
+            // readable; masked-off lanes are not accessed.
+            unsafe { _mm512_maskz_loadu_ps(mask, p) }
         }
     }
 
     impl Elem for u16 {
         #[inline(always)]
         unsafe fn load16(p: *const u16, mask: __mmask16) -> __m512 {
-            let h = _mm256_maskz_loadu_epi16(mask, p as *const i16);
-            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+            // SAFETY: as for f32: the lanes `mask` enables are readable, the rest are
+            // not accessed.
+            unsafe {
+                let h = _mm256_maskz_loadu_epi16(mask, p as *const i16);
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+            }
         }
     }
 
     /// One `R × 16V` tile over `nc` terms: `y = (first ? 0 : y) + Σ g·w`,
     /// in term order. The last vector keeps only `tail` lanes.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F/BW/VL; `g` must point to `R` rows of `nc` terms (stride
+    /// `ldg`), `w` to `nc` rows (stride `ldw`) and `y` to `R` rows (stride `ldy`),
+    /// the rows of `w` and `y` holding the tile's columns up to its last
+    /// vector's `tail` lanes.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[allow(clippy::too_many_arguments)]
@@ -416,42 +456,49 @@ mod avx512 {
         tail: usize,
         first: bool,
     ) {
-        let last: __mmask16 = if tail >= 16 {
-            0xFFFF
-        } else {
-            ((1u32 << tail) - 1) as __mmask16
-        };
-        let mut acc = [[_mm512_setzero_ps(); V]; R];
-        if !first {
-            for (r, row) in acc.iter_mut().enumerate() {
-                for (v, a) in row.iter_mut().enumerate() {
+        // SAFETY: the CPU features are the caller's contract; every load and store is
+        // in row `r < R`, term `j < nc`, and a lane below the tile's width (the
+        // last vector masked to `tail`), which the caller guarantees.
+        unsafe {
+            let last: __mmask16 = if tail >= 16 {
+                0xFFFF
+            } else {
+                ((1u32 << tail) - 1) as __mmask16
+            };
+            let mut acc = [[_mm512_setzero_ps(); V]; R];
+            if !first {
+                for (r, row) in acc.iter_mut().enumerate() {
+                    for (v, a) in row.iter_mut().enumerate() {
+                        let mask = if v + 1 == V { last } else { 0xFFFF };
+                        *a = _mm512_maskz_loadu_ps(mask, y.add(r * ldy + v * 16));
+                    }
+                }
+            }
+            for j in 0..nc {
+                let wp = w.add(j * ldw);
+                let mut wv = [_mm512_setzero_ps(); V];
+                for (v, x) in wv.iter_mut().enumerate() {
                     let mask = if v + 1 == V { last } else { 0xFFFF };
-                    *a = _mm512_maskz_loadu_ps(mask, y.add(r * ldy + v * 16));
+                    *x = T::load16(wp.add(v * 16), mask);
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let a = _mm512_set1_ps(*g.add(r * ldg + j));
+                    for (x, s) in row.iter_mut().zip(&wv) {
+                        *x = _mm512_fmadd_ps(a, *s, *x);
+                    }
                 }
             }
-        }
-        for j in 0..nc {
-            let wp = w.add(j * ldw);
-            let mut wv = [_mm512_setzero_ps(); V];
-            for (v, x) in wv.iter_mut().enumerate() {
-                let mask = if v + 1 == V { last } else { 0xFFFF };
-                *x = T::load16(wp.add(v * 16), mask);
-            }
-            for (r, row) in acc.iter_mut().enumerate() {
-                let a = _mm512_set1_ps(*g.add(r * ldg + j));
-                for (x, s) in row.iter_mut().zip(&wv) {
-                    *x = _mm512_fmadd_ps(a, *s, *x);
+            for (r, row) in acc.iter().enumerate() {
+                for (v, a) in row.iter().enumerate() {
+                    let mask = if v + 1 == V { last } else { 0xFFFF };
+                    _mm512_mask_storeu_ps(y.add(r * ldy + v * 16), mask, *a);
                 }
-            }
-        }
-        for (r, row) in acc.iter().enumerate() {
-            for (v, a) in row.iter().enumerate() {
-                let mask = if v + 1 == V { last } else { 0xFFFF };
-                _mm512_mask_storeu_ps(y.add(r * ldy + v * 16), mask, *a);
             }
         }
     }
 
+    /// # Safety
+    /// As [`tile`] with `R = r` (1 to 6) and `V = v` (1 to 4).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[allow(clippy::too_many_arguments)]
@@ -468,7 +515,9 @@ mod avx512 {
         tail: usize,
         first: bool,
     ) {
-        macro_rules! go {
+        // SAFETY: forwards the caller's contract to the `tile` of its `r` and `v`.
+        unsafe {
+            macro_rules! go {
             ($($r:literal),*) => {
                 match (r, v) {
                     $(
@@ -481,7 +530,8 @@ mod avx512 {
                 }
             };
         }
-        go!(1, 2, 3, 4, 5, 6)
+            go!(1, 2, 3, 4, 5, 6)
+        }
     }
 
     /// # Safety
@@ -501,23 +551,29 @@ mod avx512 {
         ldy: usize,
         first: bool,
     ) {
-        tiled_chunk!(
-            dispatch::<T>,
-            MR,
-            16,
-            VMAX,
-            g,
-            ldg,
-            w,
-            ldw,
-            nc,
-            m0,
-            m1,
-            cols,
-            y,
-            ldy,
-            first
-        );
+        // SAFETY: the CPU features are the caller's contract; `tiled_chunk!` hands
+        // each tile of rows `i..i + r` (`r ≤ MR`, `i + r ≤ m1`) and columns
+        // `c..c + width` (`width ≤ lanes·VMAX`, `c + width ≤ cols`) pointers inside
+        // the caller's `g`, `w` and `y` ranges, as `dispatch` requires.
+        unsafe {
+            tiled_chunk!(
+                dispatch::<T>,
+                MR,
+                16,
+                VMAX,
+                g,
+                ldg,
+                w,
+                ldw,
+                nc,
+                m0,
+                m1,
+                cols,
+                y,
+                ldy,
+                first
+            );
+        }
     }
 }
 
@@ -528,6 +584,8 @@ mod avx2 {
     const MR: usize = 4;
     const VMAX: usize = 3;
 
+    /// # Safety
+    /// The CPU must have AVX2.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn mask(lanes: usize) -> __m256i {
@@ -536,6 +594,12 @@ mod avx2 {
     }
 
     /// One `R × 8V` tile; see the AVX-512 tile.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `g` must point to `R` rows of `nc` terms (stride
+    /// `ldg`), `w` to `nc` rows (stride `ldw`) and `y` to `R` rows (stride `ldy`),
+    /// the rows of `w` and `y` holding the tile's columns up to its last
+    /// vector's `tail` lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
@@ -550,39 +614,46 @@ mod avx2 {
         tail: usize,
         first: bool,
     ) {
-        let full = mask(8);
-        let last = mask(tail);
-        let mut acc = [[_mm256_setzero_ps(); V]; R];
-        if !first {
-            for (r, row) in acc.iter_mut().enumerate() {
-                for (v, a) in row.iter_mut().enumerate() {
+        // SAFETY: the CPU features are the caller's contract; every load and store is
+        // in row `r < R`, term `j < nc`, and a lane below the tile's width (the
+        // last vector masked to `tail`), which the caller guarantees.
+        unsafe {
+            let full = mask(8);
+            let last = mask(tail);
+            let mut acc = [[_mm256_setzero_ps(); V]; R];
+            if !first {
+                for (r, row) in acc.iter_mut().enumerate() {
+                    for (v, a) in row.iter_mut().enumerate() {
+                        let m = if v + 1 == V { last } else { full };
+                        *a = _mm256_maskload_ps(y.add(r * ldy + v * 8), m);
+                    }
+                }
+            }
+            for j in 0..nc {
+                let wp = w.add(j * ldw);
+                let mut wv = [_mm256_setzero_ps(); V];
+                for (v, x) in wv.iter_mut().enumerate() {
                     let m = if v + 1 == V { last } else { full };
-                    *a = _mm256_maskload_ps(y.add(r * ldy + v * 8), m);
+                    *x = _mm256_maskload_ps(wp.add(v * 8), m);
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let a = _mm256_set1_ps(*g.add(r * ldg + j));
+                    for (x, s) in row.iter_mut().zip(&wv) {
+                        *x = _mm256_fmadd_ps(a, *s, *x);
+                    }
                 }
             }
-        }
-        for j in 0..nc {
-            let wp = w.add(j * ldw);
-            let mut wv = [_mm256_setzero_ps(); V];
-            for (v, x) in wv.iter_mut().enumerate() {
-                let m = if v + 1 == V { last } else { full };
-                *x = _mm256_maskload_ps(wp.add(v * 8), m);
-            }
-            for (r, row) in acc.iter_mut().enumerate() {
-                let a = _mm256_set1_ps(*g.add(r * ldg + j));
-                for (x, s) in row.iter_mut().zip(&wv) {
-                    *x = _mm256_fmadd_ps(a, *s, *x);
+            for (r, row) in acc.iter().enumerate() {
+                for (v, a) in row.iter().enumerate() {
+                    let m = if v + 1 == V { last } else { full };
+                    _mm256_maskstore_ps(y.add(r * ldy + v * 8), m, *a);
                 }
-            }
-        }
-        for (r, row) in acc.iter().enumerate() {
-            for (v, a) in row.iter().enumerate() {
-                let m = if v + 1 == V { last } else { full };
-                _mm256_maskstore_ps(y.add(r * ldy + v * 8), m, *a);
             }
         }
     }
 
+    /// # Safety
+    /// As [`tile`] with `R = r` (1 to 4) and `V = v` (1 to 3).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
@@ -599,7 +670,9 @@ mod avx2 {
         tail: usize,
         first: bool,
     ) {
-        macro_rules! go {
+        // SAFETY: forwards the caller's contract to the `tile` of its `r` and `v`.
+        unsafe {
+            macro_rules! go {
             ($($r:literal),*) => {
                 match (r, v) {
                     $(
@@ -611,7 +684,8 @@ mod avx2 {
                 }
             };
         }
-        go!(1, 2, 3, 4)
+            go!(1, 2, 3, 4)
+        }
     }
 
     /// # Safety
@@ -631,7 +705,13 @@ mod avx2 {
         ldy: usize,
         first: bool,
     ) {
-        tiled_chunk!(dispatch, MR, 8, VMAX, g, ldg, w, ldw, nc, m0, m1, cols, y, ldy, first);
+        // SAFETY: the CPU features are the caller's contract; `tiled_chunk!` hands
+        // each tile of rows `i..i + r` (`r ≤ MR`, `i + r ≤ m1`) and columns
+        // `c..c + width` (`width ≤ lanes·VMAX`, `c + width ≤ cols`) pointers inside
+        // the caller's `g`, `w` and `y` ranges, as `dispatch` requires.
+        unsafe {
+            tiled_chunk!(dispatch, MR, 8, VMAX, g, ldg, w, ldw, nc, m0, m1, cols, y, ldy, first);
+        }
     }
 }
 

@@ -26,6 +26,8 @@ macro_rules! twice_compiled {
         pub(super) fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
+                /// # Safety
+                /// The CPU must have AVX2.
                 #[target_feature(enable = "avx2")]
                 #[allow(clippy::too_many_arguments)]
                 unsafe fn wide($($arg: $ty),*) $(-> $ret)? {

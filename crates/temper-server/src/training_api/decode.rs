@@ -10,7 +10,7 @@ use serde_json::json;
 use temper_engine::{Datum, Loss, LossInputs};
 
 use crate::error::ApiError;
-use temper_client::proto;
+use temper_api::proto;
 
 pub(super) fn parse<T: for<'de> Deserialize<'de>>(
     body: &Bytes,

@@ -45,10 +45,7 @@ use training::{forward_backward, optim_step};
 /// The router: every route under `/api/v1`, API-key checked.
 pub fn app(state: ApiState) -> Router {
     Router::new()
-        .route(
-            "/api/v1/healthz",
-            get(|| async { Json(json!({"status": "ok"})) }),
-        )
+        .route("/api/v1/healthz", get(healthz))
         .route("/api/v1/get_server_capabilities", get(capabilities))
         .route("/api/v1/client/config", post(client_config))
         .route(
@@ -85,6 +82,20 @@ pub fn app(state: ApiState) -> Router {
         ))
         .layer(middleware::from_fn_with_state(state.clone(), check_api_key))
         .with_state(state)
+}
+
+/// `ok` while the engine's worker runs; 503 with the reason once it is
+/// gone (every training and sampling call would fail), as `/health` does
+/// for the inference server.
+async fn healthz(State(s): State<ApiState>) -> Response {
+    match s.0.engine.dead() {
+        None => Json(json!({"status": "ok"})).into_response(),
+        Some(why) => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "engine_dead", "reason": why})),
+        )
+            .into_response(),
+    }
 }
 
 async fn check_api_key(State(s): State<ApiState>, req: Request, next: Next) -> Response {

@@ -14,7 +14,7 @@ use super::decode::parse;
 use super::futures::FutureState;
 use super::state::{over_limit, ApiState, Sampler};
 use crate::error::ApiError;
-use temper_client::proto;
+use temper_api::proto;
 
 #[derive(Deserialize)]
 struct CreateSamplingSession {

@@ -12,7 +12,7 @@ use super::decode::{datum_from_proto, forward_output_proto, loss_from_proto, par
 use super::futures::FutureState;
 use super::state::{over_limit, ApiState};
 use crate::error::ApiError;
-use temper_client::proto;
+use temper_api::proto;
 
 pub(super) async fn forward_backward(
     State(s): State<ApiState>,
