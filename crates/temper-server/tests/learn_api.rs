@@ -232,7 +232,12 @@ async fn stream(r: &Router, ep: &str, token: &str, path: &str, body: Value) -> V
         .body(Body::from(body.to_string()))
         .expect("request");
     let (status, bytes) = send(r, req).await;
-    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&bytes));
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&bytes)
+    );
     // Each event's `data:` line (the Responses API's events also have an
     // `event:` line).
     let text = String::from_utf8(bytes).expect("utf8");
@@ -280,17 +285,22 @@ async fn streamed_responses_name_their_episode_and_version() {
         let (ep, tok) = episode(&r, true).await;
         let events = stream(&r, &ep, &tok, path, body).await;
         if path == "/v1/responses" {
-            let objects: Vec<&Value> = events
-                .iter()
-                .filter_map(|e| e.get("response"))
-                .collect();
+            let objects: Vec<&Value> = events.iter().filter_map(|e| e.get("response")).collect();
             assert!(objects.len() >= 2, "{events:?}");
             for o in objects {
-                assert_eq!((&o["episode"], &o["version"]), (&json!(ep), &json!(0)), "{o}");
+                assert_eq!(
+                    (&o["episode"], &o["version"]),
+                    (&json!(ep), &json!(0)),
+                    "{o}"
+                );
             }
         } else {
             for e in &events {
-                assert_eq!((&e["episode"], &e["version"]), (&json!(ep), &json!(0)), "{e}");
+                assert_eq!(
+                    (&e["episode"], &e["version"]),
+                    (&json!(ep), &json!(0)),
+                    "{e}"
+                );
             }
         }
         eps.push((ep, tok));
@@ -320,9 +330,17 @@ async fn streamed_responses_name_their_episode_and_version() {
         )
         .await;
         assert_eq!(st, StatusCode::OK, "{v}");
-        assert_eq!((v["stored"].clone(), v["n"].clone()), (json!(true), json!(i)));
+        assert_eq!(
+            (v["stored"].clone(), v["n"].clone()),
+            (json!(true), json!(i))
+        );
     }
-    let stored = s.learning().expect("learning").rewards.since(0).expect("since");
+    let stored = s
+        .learning()
+        .expect("learning")
+        .rewards
+        .since(0)
+        .expect("since");
     assert!(stored.iter().all(|e| !e.records.is_empty()
         && e.records[0].completion_token_ids.len() == e.records[0].logprobs.len()));
 }
