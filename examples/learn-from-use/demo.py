@@ -69,6 +69,9 @@ def start(temper, model, extra, log):
             raise SystemExit("the server exited")
         log.write(line)
         log.flush()
+        if "learn: training on" in line:
+            # The learner's own threads and their priority ([learn] threads, nice).
+            print("  " + line.split("learn: ")[1].strip())
         if "listening on http://" in line:
             addr = line.split("listening on http://")[1].split()[0]
             break

@@ -166,8 +166,23 @@ impl Default for Engine {
 }
 
 impl Engine {
-    /// Start the worker thread.
+    /// Start the worker thread; kernels run on the process's (global)
+    /// thread pool.
     pub fn new() -> Self {
+        Self::start(None)
+    }
+
+    /// Start the worker thread with every call run inside `pool`
+    /// (`ThreadPool::install`): the kernels' parallel work then uses only
+    /// `pool`'s threads, and whatever those threads are (how many, their OS
+    /// priority) bounds this engine's share of the CPU. Results do not
+    /// depend on the pool: the kernels split work the same way for any
+    /// thread count.
+    pub fn on_pool(pool: Arc<rayon::ThreadPool>) -> Self {
+        Self::start(Some(pool))
+    }
+
+    fn start(pool: Option<Arc<rayon::ThreadPool>>) -> Self {
         let (tx, rx) = mpsc::channel::<Job>();
         let dead = Arc::new(OnceLock::new());
         let died = dead.clone();
@@ -176,7 +191,10 @@ impl Engine {
             .spawn(move || {
                 let mut state = State::default();
                 while let Ok(job) = rx.recv() {
-                    job(&mut state);
+                    match &pool {
+                        Some(pool) => pool.install(|| job(&mut state)),
+                        None => job(&mut state),
+                    }
                     // A job that panicked (see `submit`) may have left a
                     // run half updated (weights stepped, moments not): the
                     // state cannot be trusted, so the engine stops.
@@ -460,5 +478,36 @@ pub mod fault {
         if PANIC_NEXT_JOB.swap(false, Ordering::SeqCst) {
             panic!("fault hook: a training call panicked");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every call of an engine on a pool runs inside that pool, so the
+    /// kernels' `par_iter`s use its threads and no others.
+    #[test]
+    fn calls_run_inside_the_engines_pool() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(5)
+            .thread_name(|i| format!("test-pool-{i}"))
+            .build()
+            .unwrap();
+        let engine = Engine::on_pool(Arc::new(pool));
+        let seen = engine
+            .submit(|_| {
+                let name = std::thread::current().name().map(str::to_string);
+                Ok((rayon::current_num_threads(), name))
+            })
+            .wait()
+            .unwrap();
+        assert_eq!(seen.0, 5);
+        assert!(
+            seen.1
+                .as_deref()
+                .is_some_and(|n| n.starts_with("test-pool-")),
+            "{seen:?}"
+        );
     }
 }

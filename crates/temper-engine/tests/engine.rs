@@ -693,3 +693,58 @@ fn a_packed_batch_reports_each_datums_numbers_as_scored_alone() {
         assert_eq!(bits(&p.entropy), bits(&a.entropy), "datum {i}: entropy");
     }
 }
+
+/// An engine on its own thread pool (the learning server's learner) trains
+/// and samples bit-identically to one on the global pool, at any pool size:
+/// bounding the learner's threads cannot move the sampler/trainer mismatch
+/// off 0.
+#[test]
+fn engine_on_its_own_pool_matches_the_global_pool_bit_for_bit() {
+    use temper_engine::Engine;
+    let b = base("tiny-qwen3");
+    let data = sft_batch(&b);
+    let adam = AdamParams {
+        learning_rate: 2e-3,
+        ..Default::default()
+    };
+    let trace = |engine: Engine| {
+        engine.add_base_model("tiny", b.clone()).wait().unwrap();
+        let run = engine.create_lora_run("tiny", lora(4), 0).wait().unwrap();
+        let mut losses = Vec::new();
+        for _ in 0..2 {
+            let fb = engine.forward_backward(&run, data.clone(), Loss::CrossEntropy);
+            losses.push(fb.wait().unwrap().metrics["loss:sum"].to_bits());
+            engine.optim_step(&run, adam).wait().unwrap();
+        }
+        engine.save_weights_for_sampler(&run, "s").wait().unwrap();
+        let params = SamplingParams {
+            max_tokens: 6,
+            seed: Some(3),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let out = engine
+            .sample("s", data[0].model_input.clone(), 2, params)
+            .wait()
+            .unwrap();
+        let sampled: Vec<(Vec<u32>, Vec<u32>)> = out
+            .iter()
+            .map(|c| {
+                let lp = c.logprobs.as_deref().unwrap().iter().map(|x| x.to_bits());
+                (c.tokens.clone(), lp.collect())
+            })
+            .collect();
+        (losses, sampled)
+    };
+    let pool = |n| {
+        Arc::new(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap(),
+        )
+    };
+    let global = trace(Engine::new());
+    assert_eq!(trace(Engine::on_pool(pool(1))), global);
+    assert_eq!(trace(Engine::on_pool(pool(3))), global);
+}

@@ -46,13 +46,23 @@ pub fn local_trainer_of(
     seed: u64,
     run_dir: &Path,
 ) -> Result<(Arc<Pretrained>, Arc<LocalTrainer>)> {
+    local_trainer_on(model, seed, run_dir, Engine::new())
+}
+
+/// [`local_trainer_of`] on `engine` (e.g. one on its own thread pool,
+/// [`Engine::on_pool`]).
+pub fn local_trainer_on(
+    model: &ModelPlan,
+    seed: u64,
+    run_dir: &Path,
+    engine: Engine,
+) -> Result<(Arc<Pretrained>, Arc<LocalTrainer>)> {
     let dir = model_dir(&model.source, run_dir)?;
     let opts = LoadOptions {
         precision: model.precision,
         ..LoadOptions::default()
     };
     let base = Arc::new(Pretrained::load(&dir, &opts)?);
-    let engine = Engine::new();
     engine.add_base_model("base", base.clone()).wait()?;
     let run = match (&model.adapter, &model.lora) {
         (Some(adapter), _) => {

@@ -224,6 +224,127 @@ async fn rewards_are_authorized_by_the_episode_token_and_stored_only_when_opted_
     assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
 }
 
+/// The events of a streamed call under episode `ep`.
+async fn stream(r: &Router, ep: &str, token: &str, path: &str, body: Value) -> Vec<Value> {
+    let req = Request::post(format!("/episodes/{ep}{path}"))
+        .header("Authorization", format!("Bearer {token}"))
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let (status, bytes) = send(r, req).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&bytes)
+    );
+    // Each event's `data:` line (the Responses API's events also have an
+    // `event:` line).
+    let text = String::from_utf8(bytes).expect("utf8");
+    let payloads: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert!(payloads.len() > 1, "{text}");
+    payloads
+        .iter()
+        .filter(|p| **p != "[DONE]")
+        .map(|p| serde_json::from_str(p).expect("a JSON event"))
+        .collect()
+}
+
+/// Issue 36: streamed chat completions, completions and responses name
+/// their episode and the version that answered as the unstreamed ones do
+/// (every chunk; the Responses API on its response object), and a
+/// streamed, opted-in call is rewarded and stored like any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_responses_name_their_episode_and_version() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let s = learning_server(dir.path());
+    let r = app(s.clone());
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let calls = [
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": msgs, "max_tokens": 4, "stream": true,
+                   "temperature": 1.0, "seed": 1}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": true,
+                   "temperature": 1.0, "seed": 1}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": MODEL, "input": "hi", "max_output_tokens": 4, "stream": true,
+                   "temperature": 1.0}),
+        ),
+    ];
+    let mut eps = Vec::new();
+    for (path, body) in calls {
+        let (ep, tok) = episode(&r, true).await;
+        let events = stream(&r, &ep, &tok, path, body).await;
+        if path == "/v1/responses" {
+            let objects: Vec<&Value> = events.iter().filter_map(|e| e.get("response")).collect();
+            assert!(objects.len() >= 2, "{events:?}");
+            for o in objects {
+                assert_eq!(
+                    (&o["episode"], &o["version"]),
+                    (&json!(ep), &json!(0)),
+                    "{o}"
+                );
+            }
+        } else {
+            for e in &events {
+                assert_eq!(
+                    (&e["episode"], &e["version"]),
+                    (&json!(ep), &json!(0)),
+                    "{e}"
+                );
+            }
+        }
+        eps.push((ep, tok));
+    }
+    // Not under an episode: no field.
+    let (_, bytes) = send(
+        &r,
+        Request::post("/v1/chat/completions")
+            .header("content-type", "application/json")
+            .body(Body::from(
+                json!({"model": MODEL, "messages": msgs, "max_tokens": 2, "stream": true})
+                    .to_string(),
+            ))
+            .expect("request"),
+    )
+    .await;
+    let first: Value = serde_json::from_str(&sse_payloads(&bytes)[0]).expect("chunk");
+    assert!(first.get("episode").is_none(), "{first}");
+    // The streamed calls were captured: their rewards are stored.
+    for (i, (ep, tok)) in eps.iter().enumerate() {
+        let (st, v) = request(
+            &r,
+            "POST",
+            &format!("/v1/episodes/{ep}/reward"),
+            Some(tok),
+            Some(json!({"reward": 1.0})),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(
+            (v["stored"].clone(), v["n"].clone()),
+            (json!(true), json!(i))
+        );
+    }
+    let stored = s
+        .learning()
+        .expect("learning")
+        .rewards
+        .since(0)
+        .expect("since");
+    assert!(stored.iter().all(|e| !e.records.is_empty()
+        && e.records[0].completion_token_ids.len() == e.records[0].logprobs.len()));
+}
+
 fn stage(root: &Path, name: &str) -> std::path::PathBuf {
     let d = root.join(name);
     std::fs::create_dir_all(d.join("adapter")).expect("mkdir");

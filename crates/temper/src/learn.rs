@@ -41,14 +41,17 @@ use temper_rl::config::{
     SamplingSection,
 };
 use temper_rl::datum::TrainTurns;
+use temper_rl::dpo::PrefPair;
 use temper_rl::eval::{EvalResult, Evaluator};
 use temper_rl::policy::{Batcher, EnginePolicy, Renderer};
 use temper_rl::rollout::Group;
+use temper_rl::runlog::{MetricsLog, RunRecord};
 use temper_rl::step::train_step;
 use temper_rl::RlPlan;
+use temper_server::openai::capture::CaptureRecord;
 use temper_server::openai::feedback::{RewardLimits, StoredEpisode};
 use temper_server::openai::versions::write_atomic;
-use temper_server::openai::{Learning, OpenAiState};
+use temper_server::openai::{EpisodeRubric, Learning, OpenAiState};
 
 /// `[learn]`: how the server learns.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -77,8 +80,32 @@ pub struct LearnSection {
     pub max_mib: usize,
     /// Largest share (0..=1] of wall time training and evaluating may take.
     pub duty_cycle: f64,
+    /// Threads training and evaluating run on: the learner's own thread
+    /// pool, apart from serving's, so it never occupies more than this many
+    /// cores. 0: half the cores (at least 1).
+    pub threads: usize,
+    /// The OS priority (nice, 0..=19) of the learner's threads on Linux:
+    /// where serving and learning want the same core, the scheduler gives
+    /// serving's threads (nice 0) the larger share (10: ~90%, 19: ~98%;
+    /// on SmolLM2, 19 keeps serving's p50/p99 within 5% of no learning).
+    pub nice: i32,
     /// Rejected candidates kept on disk (older ones are deleted).
     pub keep_rejected: usize,
+    /// An environment (as `[eval] env`: a built-in name, a directory with
+    /// `env.toml`, ...) whose rubric the server runs on an episode's
+    /// conversation when a client posts `{"rubric": {"answer": ...}}` as
+    /// its reward. None: clients post rewards themselves.
+    pub rubric: Option<String>,
+    /// The rubric environment's arguments.
+    pub rubric_args: Option<Value>,
+    /// What a learning step trains: `rl` (every rewarded episode, with
+    /// group-relative or baseline advantages) or `dpo` (pairs of episodes
+    /// that answered the same prompt and got different rewards: the
+    /// better answer chosen, the worse rejected; DPO's loss against the
+    /// live version's weights).
+    pub objective: String,
+    /// DPO's β (`objective = "dpo"`).
+    pub dpo_beta: f64,
     /// Most tokens per held-out answer.
     pub eval_max_tokens: usize,
 }
@@ -95,8 +122,14 @@ impl Default for LearnSection {
             max_episodes: 10_000,
             max_mib: 256,
             duty_cycle: 0.5,
+            threads: 0,
+            nice: 19,
             keep_rejected: 8,
             eval_max_tokens: 64,
+            rubric: None,
+            rubric_args: None,
+            objective: "rl".into(),
+            dpo_beta: 0.1,
         }
     }
 }
@@ -150,6 +183,15 @@ impl LearnPlan {
         if !(l.duty_cycle > 0.0 && l.duty_cycle <= 1.0) {
             bail!("learn.duty_cycle must be in (0, 1], got {}", l.duty_cycle);
         }
+        if !matches!(l.objective.as_str(), "rl" | "dpo") {
+            bail!("learn.objective {:?}: use \"rl\" or \"dpo\"", l.objective);
+        }
+        if !(l.dpo_beta.is_finite() && l.dpo_beta > 0.0) {
+            bail!("learn.dpo_beta must be > 0, got {}", l.dpo_beta);
+        }
+        if !(0..=19).contains(&l.nice) {
+            bail!("learn.nice must be in 0..=19, got {}", l.nice);
+        }
         if !(l.margin.is_finite() && l.interval_minutes.is_finite() && l.interval_minutes >= 0.0) {
             bail!("learn.margin must be finite and learn.interval_minutes >= 0");
         }
@@ -166,7 +208,7 @@ impl LearnPlan {
             env: vec![EnvSection {
                 id: env,
                 weight: 1.0,
-                args: cfg.eval.args.clone().unwrap_or(Value::Null),
+                args: cfg.eval.args.clone().unwrap_or_else(|| json!({})),
                 package: None,
             }],
             sampling: SamplingSection {
@@ -194,10 +236,19 @@ impl LearnPlan {
         })
     }
 
-    /// Opens the server's learning state (rewarded episodes, versions).
+    /// Opens the server's learning state (rewarded episodes, versions)
+    /// with the `[learn] rubric` environment loaded.
     pub fn open_state(&self) -> Result<Learning> {
-        Learning::open(&self.learn.dir, &self.learn.adapter_name, self.limits)
-            .with_context(|| format!("learning state in {}", self.learn.dir.display()))
+        let mut state = Learning::open(&self.learn.dir, &self.learn.adapter_name, self.limits)
+            .with_context(|| format!("learning state in {}", self.learn.dir.display()))?;
+        if let Some(spec) = &self.learn.rubric {
+            let args = self.learn.rubric_args.clone().unwrap_or(Value::Null);
+            let env = temper_tasks::loader()
+                .load(spec, &args)
+                .with_context(|| format!("learn.rubric {spec:?}"))?;
+            state.rubric = Some(Arc::new(EnvRubric { env }));
+        }
+        Ok(state)
     }
 
     /// The state directory.
@@ -250,6 +301,11 @@ pub struct Learner {
     progress: Progress,
     /// The version the trainer's weights are.
     trained_from: u64,
+    /// `metrics.jsonl`: one record per decision, so `temper view DIR`
+    /// charts the learning server like a training run.
+    metrics: MetricsLog,
+    /// `run.json`: running while the server learns.
+    run: Option<RunRecord>,
 }
 
 fn now_secs() -> u64 {
@@ -279,8 +335,16 @@ impl Learner {
             .cloned()
             .context("the server was not started with learning state")?;
         let dir = plan.learn.dir.clone();
-        let (base, trainer) =
-            temper_rl::trainer::trainer_for(&plan.rl.model, None, plan.rl.seed, &dir).await?;
+        let (threads, nice) = (plan.learn.threads, plan.learn.nice);
+        let (model, seed, run_dir) = (plan.rl.model.clone(), plan.rl.seed, dir.clone());
+        let (base, trainer) = tokio::task::spawn_blocking(move || -> Result<_> {
+            let engine = temper_engine::Engine::on_pool(learner_pool(threads, nice)?);
+            Ok(temper_rl::trainer::local_trainer_on(
+                &model, seed, &run_dir, engine,
+            )?)
+        })
+        .await??;
+        let trainer: Arc<dyn Trainer> = trainer;
         let renderer = Renderer::new(base)?;
         let batcher = Batcher::spawn(trainer.clone());
         let evaluator = Evaluator::for_rl(&plan.rl)
@@ -297,6 +361,15 @@ impl Learner {
         taken.extend(candidate_numbers(&dir)?);
         let floor = taken.into_iter().max().map_or(1, |m| m + 1);
         progress.next_candidate = progress.next_candidate.max(floor);
+        // What `temper view` reads of a run: its config (model, held-out
+        // environment, max_steps), run.json, metrics.jsonl (a step
+        // recorded past learner.json's, from a kill, is dropped).
+        write_atomic(
+            &dir.join("config.toml"),
+            temper_rl::config::to_toml(plan.rl.config())?.as_bytes(),
+        )?;
+        let run = Some(RunRecord::start(&dir, "learn")?);
+        let metrics = MetricsLog::open(&dir, Some(progress.steps))?;
         let mut me = Self {
             plan,
             server,
@@ -307,6 +380,8 @@ impl Learner {
             evaluator,
             progress,
             trained_from: 0,
+            metrics,
+            run,
         };
         match me.learning.versions.live() {
             Some(v) => {
@@ -354,6 +429,11 @@ impl Learner {
         write_json(&self.plan.learn.dir.join("learner.json"), &self.progress)?;
         self.log(json!({"event": "promoted", "version": c, "parent": null,
             "eval": self.summary(&meta.eval), "reason": "the untrained adapter: the first live version"}))?;
+        if self.progress.steps == 0 {
+            self.record(json!({"step": 0, "event": "promoted", "candidate": c,
+                "eval/pass@1": meta.eval.pass_at_1, "eval/reward": meta.eval.reward,
+                "live/version": c, "live/pass@1": meta.eval.pass_at_1}))?;
+        }
         Ok(())
     }
 
@@ -425,12 +505,23 @@ impl Learner {
         Ok(())
     }
 
-    /// Learns until the process ends; an error stops learning (logged),
-    /// never serving.
+    /// Appends a record to `metrics.jsonl`.
+    fn record(&mut self, v: Value) -> Result<()> {
+        match v {
+            Value::Object(m) => Ok(self.metrics.write(m)?),
+            _ => bail!("a metrics record must be an object"),
+        }
+    }
+
+    /// Learns until the process ends; an error stops learning (logged,
+    /// and `run.json` says failed), never serving.
     pub async fn run(mut self) {
         if let Err(e) = self.run_inner().await {
             tracing::error!("learning stopped: {e:#}");
             eprintln!("learn: stopped: {e:#} (the server keeps serving)");
+            if let Some(run) = self.run.take() {
+                let _ = run.end(Err(format!("{e:#}")));
+            }
         }
     }
 
@@ -492,22 +583,41 @@ impl Learner {
             _ => return Ok(()),
         };
         let t_train = Instant::now();
-        let (groups_g, advantages_g, skipped) = advantages(
-            batch,
-            &mut self.progress.recent,
-            self.plan.learn.baseline_window,
-            self.plan.rl.trainer.normalize_std,
-        );
-        let turns = TrainTurns::of(&groups_g, &advantages_g);
-        let trained = train_step(
-            &*self.trainer,
-            &self.plan.rl.optim,
-            &self.plan.rl.loss,
-            parent,
-            turns.datums(),
-            turns.seqs_d(),
-        )
-        .await?;
+        let trained = if self.plan.learn.objective == "dpo" {
+            let pairs = dpo_pairs(batch);
+            if pairs.is_empty() {
+                // Nothing to prefer: the episodes are consumed, no step.
+                self.log(json!({"event": "skipped", "episodes": [first, last],
+                    "reason": "no two episodes answered one prompt with different rewards"}))?;
+                self.progress.cursor = last + 1;
+                write_json(&self.plan.learn.dir.join("learner.json"), &self.progress)?;
+                return Ok(());
+            }
+            self.dpo_step(&pairs).await?
+        } else {
+            let (groups_g, advantages_g, skipped) = advantages(
+                batch,
+                &mut self.progress.recent,
+                self.plan.learn.baseline_window,
+                self.plan.rl.trainer.normalize_std,
+            );
+            let turns = TrainTurns::of(&groups_g, &advantages_g);
+            let out = train_step(
+                &*self.trainer,
+                &self.plan.rl.optim,
+                &self.plan.rl.loss,
+                parent,
+                turns.datums(),
+                turns.seqs_d(),
+            )
+            .await?;
+            json!({
+                "sequences": turns.seqs_d().len(), "tokens": turns.tokens(),
+                "skipped_episodes": skipped, "zero_advantage_groups": turns.zero_advantage_groups,
+                "loss": out.loss_sum, "grad_norm": out.grad_norm,
+                "mismatch_max": out.mismatch_max, "mismatch_tokens": out.mismatch_tokens,
+            })
+        };
         let train_s = t_train.elapsed().as_secs_f64();
         let staged = self.stage(c).await?;
         let eval = self.evaluate(c).await?;
@@ -517,14 +627,14 @@ impl Learner {
         let margin = self.plan.learn.margin;
         let mut line = json!({
             "candidate": c, "parent": parent, "episodes": [first, last],
-            "sequences": turns.seqs_d().len(), "tokens": turns.tokens(),
-            "skipped_episodes": skipped, "zero_advantage_groups": turns.zero_advantage_groups,
-            "loss": trained.loss_sum, "grad_norm": trained.grad_norm,
-            "mismatch_max": trained.mismatch_max, "mismatch_tokens": trained.mismatch_tokens,
+            "objective": self.plan.learn.objective,
             "train_s": train_s, "eval": self.summary(&eval),
             "live_eval": self.summary(&live_meta.eval), "metric": self.plan.learn.metric,
             "margin": margin,
         });
+        if let (Some(line), Value::Object(t)) = (line.as_object_mut(), trained) {
+            line.extend(t);
+        }
         let mut rejected = if cand >= bar - margin {
             None
         } else {
@@ -559,8 +669,12 @@ impl Learner {
                 line["event"] = "promoted".into();
                 line["version"] = c.into();
                 eprintln!(
-                    "learn: candidate {c} PROMOTED: {} {cand:.3} vs live {bar:.3} (episodes {first}..={last}, mismatch {:.1e})",
-                    self.plan.learn.metric, trained.mismatch_max
+                    "learn: candidate {c} PROMOTED: {} {cand:.3} vs live {bar:.3} (episodes {first}..={last}, {})",
+                    self.plan.learn.metric,
+                    match line["mismatch_max"].as_f64() {
+                        Some(m) => format!("mismatch {m:.1e}"),
+                        None => format!("{} DPO pairs", line["pairs"]),
+                    }
                 );
             }
             Some(reason) => {
@@ -578,12 +692,67 @@ impl Learner {
                 eprintln!("learn: candidate {c} REJECTED: {reason}");
             }
         }
+        let live_eval = if rejected.is_none() {
+            &eval
+        } else {
+            &live_meta.eval
+        };
+        let rewards: Vec<f64> = batch.iter().map(|e| e.reward).collect();
+        let mut rec = json!({
+            "step": self.progress.steps + 1, "event": line["event"], "candidate": c,
+            "episodes": batch.len(),
+            "reward/mean": rewards.iter().sum::<f64>() / rewards.len().max(1) as f64,
+            "eval/pass@1": eval.pass_at_1, "eval/reward": eval.reward,
+            "live/version": self.trained_from, "live/pass@1": live_eval.pass_at_1,
+            "loss": line["loss"], "grad_norm": line["grad_norm"], "train_s": train_s,
+            "eval_s": eval.time_s,
+        });
+        if let Some(m) = line["mismatch_max"].as_f64() {
+            rec["mismatch/max"] = m.into();
+        }
+        if let Some(reason) = &rejected {
+            rec["alerts"] = json!([format!("candidate {c} rejected: {reason}")]);
+        }
+        self.record(rec)?;
         self.log(line)?;
         self.progress.cursor = last + 1;
         self.progress.next_candidate = c + 1;
         self.progress.steps += 1;
         write_json(&self.plan.learn.dir.join("learner.json"), &self.progress)?;
         Ok(())
+    }
+
+    /// One DPO step on `pairs`: the reference is the weights the step
+    /// starts from (the live version's), the loss and its gradient
+    /// `temper_rl::dpo`'s, then one optimizer step.
+    async fn dpo_step(&mut self, pairs: &[PrefPair]) -> Result<Value> {
+        let hp = &self.plan.rl.optim;
+        let refs_p: Vec<&PrefPair> = pairs.iter().collect();
+        let micro = hp.micro_batch_of(2 * pairs.len());
+        let refs = temper_rl::dpo::policy_logps(&*self.trainer, &refs_p, micro).await?;
+        let metrics = temper_rl::dpo::accumulate(
+            &*self.trainer,
+            temper_rl::plan::DpoLoss::Sigmoid,
+            self.plan.learn.dpo_beta,
+            &refs_p,
+            &refs,
+            micro,
+        )
+        .await?;
+        let stats = self
+            .trainer
+            .optim_step(temper_engine::AdamParams {
+                learning_rate: hp.learning_rate(self.progress.steps),
+                weight_decay: hp.weight_decay,
+                grad_clip_norm: hp.grad_clip,
+                ..Default::default()
+            })
+            .await?;
+        Ok(json!({
+            "pairs": pairs.len(), "loss": metrics.get("loss"), "grad_norm": stats.grad_norm,
+            "tokens": pairs.iter().map(|p| p.chosen.len() + p.rejected.len()).sum::<usize>(),
+            "dpo": metrics,
+        }))
     }
 
     /// Keeps the newest `keep_rejected` rejected candidates.
@@ -598,6 +767,104 @@ impl Learner {
             }
         }
         Ok(())
+    }
+}
+
+/// `[learn] rubric`: an environment's rubric on an episode's conversation —
+/// the last chat call's messages as the prompt, its answer as the
+/// completion, the client's reference `answer` and `info` as the row's.
+struct EnvRubric {
+    env: Arc<dyn temper_env::Environment>,
+}
+
+impl EpisodeRubric for EnvRubric {
+    fn score(
+        &self,
+        records: Vec<CaptureRecord>,
+        answer: Option<String>,
+        info: Value,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<f64, String>> + Send>> {
+        let env = self.env.clone();
+        Box::pin(async move {
+            let last = records.last().ok_or("the episode has no calls")?;
+            let Some(messages) = &last.messages else {
+                return Err(format!(
+                    "the rubric scores chat conversations; the episode's last call was {}",
+                    last.endpoint
+                ));
+            };
+            let prompt: Vec<Message> = serde_json::from_value(messages.clone())
+                .map_err(|e| format!("the episode's messages: {e}"))?;
+            let reply: Message = serde_json::from_value(last.response.clone())
+                .map_err(|e| format!("the episode's answer: {e}"))?;
+            let row = Row {
+                example_id: 0,
+                prompt,
+                answer,
+                info,
+            };
+            let rollout = Rollout {
+                completion: vec![reply],
+                is_completed: true,
+                is_truncated: last.finish_reason == "length",
+                ..Default::default()
+            };
+            let score = env
+                .score_group(&row, std::slice::from_ref(&rollout))
+                .await
+                .into_iter()
+                .next()
+                .ok_or("the rubric returned no score")?;
+            match score.error {
+                Some(e) => Err(format!("{}: {e}", env.id())),
+                None => Ok(score.reward),
+            }
+        })
+    }
+}
+
+/// The learner's thread pool: `threads` threads (0: half the cores, at
+/// least 1), each at OS priority `nice`. Training and the gate's evaluation
+/// run inside it (their engine installs it), so their kernels use these
+/// threads only; serving keeps the process's global pool.
+fn learner_pool(threads: usize, nice: i32) -> Result<Arc<rayon::ThreadPool>> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let n = if threads == 0 {
+        (cores / 2).max(1)
+    } else {
+        threads
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("temper-learn-{i}"))
+        .start_handler(move |_| lower_priority(nice))
+        .build()
+        .context("starting the learner's threads")?;
+    eprintln!("learn: training on {n} thread(s) at nice {nice} ({cores} cores)");
+    Ok(Arc::new(pool))
+}
+
+/// Sets the calling thread's nice value (Linux: per thread).
+#[cfg(target_os = "linux")]
+fn lower_priority(nice: i32) {
+    // SAFETY: plain syscalls on the calling thread's own id.
+    let r = unsafe {
+        let tid = libc::gettid() as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, nice)
+    };
+    if r != 0 {
+        tracing::warn!(
+            "learner thread: setpriority({nice}): {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// Elsewhere a nice value is per process: it would slow serving too.
+#[cfg(not(target_os = "linux"))]
+fn lower_priority(nice: i32) {
+    if nice != 0 {
+        tracing::warn!("learn.nice is applied on Linux only; the learner runs at normal priority");
     }
 }
 
@@ -623,6 +890,40 @@ fn candidate_numbers(dir: &Path) -> Result<Vec<u64>> {
 fn trainable(sampling: &Value) -> bool {
     let is = |k: &str, v: f64| sampling[k].as_f64().is_none_or(|x| x == v);
     is("presence_penalty", 0.0) && is("frequency_penalty", 0.0) && is("repetition_penalty", 1.0)
+}
+
+/// DPO pairs from a batch: among single-call episodes whose prompt is the
+/// same token for token, the best-rewarded answer is chosen over the
+/// worst, the second best over the second worst, and so on while their
+/// rewards differ (each episode in at most one pair).
+fn dpo_pairs(batch: &[Arc<StoredEpisode>]) -> Vec<PrefPair> {
+    let mut by_prompt: BTreeMap<&[u32], Vec<(f64, &[u32])>> = BTreeMap::new();
+    for ep in batch {
+        if let [r] = ep.records.as_slice() {
+            if trainable(&r.sampling) && !r.completion_token_ids.is_empty() {
+                by_prompt
+                    .entry(&r.prompt_token_ids)
+                    .or_default()
+                    .push((ep.reward, &r.completion_token_ids));
+            }
+        }
+    }
+    let mut pairs = Vec::new();
+    for (prompt, mut answers) in by_prompt {
+        // Best first; ties keep arrival order.
+        answers.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let (mut i, mut j) = (0, answers.len());
+        while i + 1 < j && answers[i].0 > answers[j - 1].0 {
+            pairs.push(PrefPair {
+                prompt: prompt.to_vec(),
+                chosen: answers[i].1.to_vec(),
+                rejected: answers[j - 1].1.to_vec(),
+            });
+            i += 1;
+            j -= 1;
+        }
+    }
+    pairs
 }
 
 /// The stored episodes of a batch as RL groups with their advantages:
@@ -734,6 +1035,59 @@ mod tests {
             created: 0,
             records: vec![rec],
         })
+    }
+
+    /// The learner's pool has the threads asked for, each at the nice
+    /// value asked for, and leaves the calling thread's priority alone.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn learner_threads_are_bounded_and_deprioritised() {
+        // SAFETY: errno is this thread's own; getpriority reads the
+        // calling thread's priority and touches no memory of ours.
+        let prio = || unsafe {
+            *libc::__errno_location() = 0;
+            libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t)
+        };
+        let before = prio();
+        let pool = learner_pool(3, 7).expect("pool");
+        assert_eq!(pool.current_num_threads(), 3);
+        let seen = pool.broadcast(|_| (prio(), rayon::current_num_threads()));
+        // A thread cannot go below the nice value it started with.
+        assert_eq!(seen, vec![(before.max(7), 3); 3]);
+        assert_eq!(prio(), before);
+    }
+
+    /// DPO pairs: within a prompt, best over worst while rewards differ,
+    /// each episode once; lone prompts, equal rewards, multi-call and
+    /// penalised episodes make none.
+    #[test]
+    fn dpo_pairs_prefer_the_better_answer_to_one_prompt() {
+        let t = json!({"temperature": 1.0});
+        let with = |n, prompt: Vec<u32>, reward, completion: Vec<u32>, sampling: &Value| {
+            let mut e = (*ep(n, prompt, reward, sampling.clone())).clone();
+            e.records[0].completion_token_ids = completion;
+            Arc::new(e)
+        };
+        let pen = json!({"temperature": 1.0, "frequency_penalty": 1.0});
+        let batch = vec![
+            with(0, vec![1, 2], 0.5, vec![10], &t),
+            with(1, vec![1, 2], 1.0, vec![11], &t),
+            with(2, vec![1, 2], 0.0, vec![12], &t),
+            with(3, vec![1, 2], 0.5, vec![13], &t),
+            with(4, vec![1, 2], 2.0, vec![14], &pen),
+            with(5, vec![1, 3], 1.0, vec![15], &t),
+            with(6, vec![1, 4], 1.0, vec![16], &t),
+            with(7, vec![1, 4], 1.0, vec![17], &t),
+        ];
+        let pairs = dpo_pairs(&batch);
+        assert_eq!(
+            pairs,
+            vec![PrefPair {
+                prompt: vec![1, 2],
+                chosen: vec![11],
+                rejected: vec![12]
+            }]
+        );
     }
 
     /// Episodes sharing a prompt are a group (reward minus the group

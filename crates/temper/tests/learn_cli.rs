@@ -294,3 +294,218 @@ fn a_learning_server_promotes_gates_rolls_back_and_survives_kill_9() {
     assert_eq!(answer["version"], 1, "{answer}");
     wait_for(&state, "rollback", n);
 }
+
+/// Issue 36, rewards from a rubric configured on the server: `[learn]
+/// rubric` names an environment whose rubric scores an episode's
+/// conversation when the client posts `{"rubric": {"answer": ...}}`; the
+/// reward is recorded and stored like a client's; a conversation the
+/// rubric cannot score is a counted 422 and records nothing (a later
+/// reward still goes in).
+#[test]
+fn the_servers_rubric_rewards_episodes_and_counts_its_failures() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let env_dir = tmp.path().join("contains-env");
+    std::fs::create_dir_all(&env_dir).expect("env dir");
+    std::fs::write(
+        env_dir.join("env.toml"),
+        r#"name = "contains"
+version = "0.1.0"
+[dataset]
+generator = "arithmetic"
+args = { digits = 1, ops = ["+"] }
+[[rubric]]
+function = "contains"
+weight = 1.0
+"#,
+    )
+    .expect("env.toml");
+    let state = tmp.path().join("state");
+    let cfg = tmp.path().join("learn.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[lora]\nrank = 2\n[trainer]\nmax_steps = 0\n[eval]\nenv = \"arithmetic\"\n\
+             num_examples = 1\n[learn]\ndir = \"{}\"\neval_max_tokens = 2\nrubric = \"{}\"\n",
+            state.display(),
+            env_dir.display()
+        ),
+    )
+    .expect("config");
+    let (_server, addr) = serve(&cfg);
+    let episode = || {
+        let (_, ep) = http(&addr, "POST", "/v1/episodes", None, r#"{"train": true}"#);
+        (
+            ep["id"].as_str().expect("id").to_string(),
+            ep["token"].as_str().expect("token").to_string(),
+        )
+    };
+    let chat = |id: &str, token: &str| {
+        let body = json!({"model": "live", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 6, "temperature": 1.0, "seed": 3});
+        let (st, a) = http(
+            &addr,
+            "POST",
+            &format!("/episodes/{id}/v1/chat/completions"),
+            Some(token),
+            &body.to_string(),
+        );
+        assert_eq!(st, 200, "{a}");
+        a["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("content")
+            .to_string()
+    };
+    let reward = |id: &str, token: &str, body: Value| {
+        http(
+            &addr,
+            "POST",
+            &format!("/v1/episodes/{id}/reward"),
+            Some(token),
+            &body.to_string(),
+        )
+    };
+    // The reference occurs in the answer: 1; it does not: 0.
+    let (a, tok_a) = episode();
+    let said = chat(&a, &tok_a);
+    assert!(!said.trim().is_empty(), "{said:?}");
+    let (st, v) = reward(&a, &tok_a, json!({"rubric": {"answer": said.trim()}}));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        (v["reward"].clone(), v["stored"].clone()),
+        (json!(1.0), json!(true))
+    );
+    let (b, tok_b) = episode();
+    chat(&b, &tok_b);
+    let (st, v) = reward(
+        &b,
+        &tok_b,
+        json!({"rubric": {"answer": "\u{2603}never said"}}),
+    );
+    assert_eq!((st, v["reward"].clone()), (200, json!(0.0)), "{v}");
+    // Both, or neither: a 400.
+    let (c, tok_c) = episode();
+    let (st, v) = reward(&c, &tok_c, json!({"reward": 1.0, "rubric": {}}));
+    assert_eq!(st, 400, "{v}");
+    // A completions call has no conversation: a counted 422, no reward.
+    let (st, v) = http(
+        &addr,
+        "POST",
+        &format!("/episodes/{c}/v1/completions"),
+        Some(&tok_c),
+        &json!({"model": "live", "prompt": "hi", "max_tokens": 2}).to_string(),
+    );
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = reward(&c, &tok_c, json!({"rubric": {"answer": "x"}}));
+    assert_eq!(st, 422, "{v}");
+    assert_eq!(v["error"]["code"], "rubric_failed");
+    let msg = v["error"]["message"].as_str().expect("message");
+    assert!(
+        msg.contains("chat conversations") && msg.contains("1 rubric error"),
+        "{msg}"
+    );
+    let (st, v) = reward(&c, &tok_c, json!({"reward": 0.5}));
+    assert_eq!((st, v["stored"].clone()), (200, json!(true)), "{v}");
+    let stored: Vec<f64> = std::fs::read_to_string(state.join("rewarded.jsonl"))
+        .expect("rewarded")
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).expect("line")["reward"]
+                .as_f64()
+                .expect("reward")
+        })
+        .collect();
+    assert_eq!(stored, vec![1.0, 0.0, 0.5]);
+}
+
+/// Issue 36, DPO pairs from feedback: with `objective = "dpo"`, two
+/// answers to one prompt rewarded differently are a pair (the better one
+/// chosen) and a DPO step trains on it against the live version's weights
+/// (loss ln 2 at the start: the policy is the reference), gated and
+/// promoted like an RL step; a batch whose rewards are all equal has no
+/// pair and is skipped with the reason.
+#[test]
+fn a_dpo_learning_server_trains_on_pairs_of_differently_rewarded_answers() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let state = tmp.path().join("state");
+    let cfg = tmp.path().join("learn.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "seed = 0\n[lora]\nrank = 2\n[trainer]\nlr = 0.01\nbatch_size = 2\n[eval]\n\
+             env = \"arithmetic\"\nnum_examples = 2\n[learn]\ndir = \"{}\"\nmargin = 10.0\n\
+             duty_cycle = 1.0\neval_max_tokens = 4\nobjective = \"dpo\"\n",
+            state.display()
+        ),
+    )
+    .expect("config");
+    let (_server, addr) = serve(&cfg);
+    // Equal rewards: nothing to prefer.
+    rewarded_call(&addr, 0.5, 1);
+    rewarded_call(&addr, 0.5, 2);
+    let skipped = wait_for(&state, "skipped", 1);
+    assert_eq!(skipped["episodes"], json!([0, 1]), "{skipped}");
+    // Different rewards: one pair, one step.
+    rewarded_call(&addr, 1.0, 3);
+    rewarded_call(&addr, 0.0, 4);
+    let step = wait_for(&state, "promoted", 1);
+    assert_eq!(
+        (
+            step["objective"].clone(),
+            step["pairs"].clone(),
+            step["episodes"].clone()
+        ),
+        (json!("dpo"), json!(1), json!([2, 3])),
+        "{step}"
+    );
+    let loss = step["loss"].as_f64().expect("loss");
+    assert!((loss - std::f64::consts::LN_2).abs() < 1e-6, "{step}");
+    assert!(
+        step["grad_norm"].as_f64().expect("grad_norm") > 0.0,
+        "{step}"
+    );
+    assert_eq!(live(&addr), step["candidate"].as_u64().expect("candidate"));
+    view_shows_the_learning_server(&state, &step);
+}
+
+/// Issue 36: `temper view STATE_DIR` lists the learning server as a
+/// running `learn` run at its last step, with the held-out score of its
+/// last candidate, and charts it.
+fn view_shows_the_learning_server(state: &Path, step: &Value) {
+    let mut view = Command::new(env!("CARGO_BIN_EXE_temper"))
+        .args(["view", "--port", "0"])
+        .arg(state)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("view starts");
+    let mut out = BufReader::new(view.stdout.take().expect("stdout")).lines();
+    let addr = loop {
+        let line = out.next().expect("view's address").expect("line");
+        if let Some(a) = line.strip_prefix("listening on ") {
+            break a.trim().to_string();
+        }
+    };
+    let _view = Served(view);
+    let (st, v) = http(&addr, "GET", "/api/runs", None, "");
+    assert_eq!(st, 200, "{v}");
+    let run = &v["runs"][0];
+    assert_eq!(
+        (
+            run["id"].clone(),
+            run["kind"].clone(),
+            run["status"].clone()
+        ),
+        (json!("."), json!("learn"), json!("running")),
+        "{v}"
+    );
+    assert_eq!(run["step"], 1, "{v}");
+    assert_eq!(run["env"], "arithmetic", "{v}");
+    assert_eq!(run["heldout"], step["eval"]["pass@1"], "{v}");
+    let (st, metrics) = http(&addr, "GET", "/api/metrics?id=.", None, "");
+    assert_eq!(st, 200, "{metrics}");
+    let text = metrics.to_string();
+    assert!(
+        text.contains("live/pass@1") && text.contains("\"promoted\""),
+        "{text}"
+    );
+}

@@ -538,6 +538,26 @@ impl CaptureStore {
 
     /// Takes back a reward [`set_reward`](Self::set_reward) gave (storing it
     /// failed, so the client may retry).
+    /// The calls of episode `id` so far (`None`: no such episode), for
+    /// the server's rubric; an error when some were dropped.
+    pub(super) fn calls(&self, id: &str) -> Result<Option<Vec<CaptureRecord>>, OpenAiError> {
+        let st = self.lock();
+        let Some(ep) = st.episodes.get(id) else {
+            return Ok(None);
+        };
+        if ep.dropped > 0 {
+            return Err(OpenAiError::bad(format!(
+                "some of episode {id:?}'s calls were dropped (capture store full): \
+                 the rubric cannot see its conversation"
+            )));
+        }
+        let parsed: Result<Vec<CaptureRecord>, _> =
+            ep.records.iter().map(|r| serde_json::from_str(r)).collect();
+        parsed
+            .map(Some)
+            .map_err(|e| OpenAiError::Internal(format!("capture record: {e}")))
+    }
+
     pub(super) fn clear_reward(&self, id: &str) -> Result<(), OpenAiError> {
         if let Some(ep) = self.lock().episodes.get_mut(id) {
             ep.reward = None;

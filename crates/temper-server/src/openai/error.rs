@@ -34,6 +34,10 @@ pub enum OpenAiError {
     /// second reward for one episode.
     #[error("{0}")]
     Conflict(String),
+    /// The server's rubric could not score an episode (422, with why; no
+    /// reward was recorded).
+    #[error("{0}")]
+    RubricFailed(String),
     /// The queue is full (503); retry later.
     #[error("{0}")]
     Overloaded(String),
@@ -96,6 +100,7 @@ impl OpenAiError {
             OpenAiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             OpenAiError::NotFound(_) | OpenAiError::EpisodeNotFound(_) => StatusCode::NOT_FOUND,
             OpenAiError::Conflict(_) => StatusCode::CONFLICT,
+            OpenAiError::RubricFailed(_) => StatusCode::UNPROCESSABLE_ENTITY,
             OpenAiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             OpenAiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             OpenAiError::Internal(_) | OpenAiError::Engine(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -131,6 +136,7 @@ impl IntoResponse for OpenAiError {
                 Some("episode_not_found"),
             ),
             OpenAiError::Conflict(m) => (m, "invalid_request_error", None, Some("conflict")),
+            OpenAiError::RubricFailed(m) => (m, "server_error", None, Some("rubric_failed")),
             OpenAiError::Overloaded(m) => (m, "server_error", None, Some("overloaded")),
             OpenAiError::Engine(m) => (m, "server_error", None, Some("engine_error")),
             OpenAiError::Unavailable(m) => (m, "server_error", None, Some("engine_unavailable")),

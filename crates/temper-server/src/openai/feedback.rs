@@ -29,7 +29,7 @@ use axum::extract::{Path as UrlPath, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::sync::watch;
 
 use super::capture::{check_id, CaptureRecord};
@@ -272,15 +272,71 @@ impl RewardStore {
     }
 }
 
-/// The body of `POST /v1/episodes/{id}/reward`.
+/// The body of `POST /v1/episodes/{id}/reward`: a reward, or the task's
+/// reference for the server's rubric to compute one.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RewardBody {
-    reward: f64,
+    reward: Option<f64>,
+    rubric: Option<RubricRequest>,
+}
+
+/// `{"rubric": {"answer": ..., "info": ...}}`: what the environment's
+/// rubric compares the conversation with (both optional).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RubricRequest {
+    answer: Option<String>,
+    #[serde(default)]
+    info: Value,
+}
+
+/// The reward of episode `id` by the server's rubric.
+async fn rubric_reward(s: &OpenAiState, id: &str, req: RubricRequest) -> Result<f64, OpenAiError> {
+    let Some(l) = s.inner.learning.as_ref() else {
+        return Err(OpenAiError::invalid(
+            "rubric",
+            "this server has no rubric (start it with --learn and [learn] rubric)",
+        ));
+    };
+    let Some(rubric) = l.rubric.clone() else {
+        return Err(OpenAiError::invalid(
+            "rubric",
+            "this server has no rubric ([learn] rubric is not set)",
+        ));
+    };
+    let Some(records) = s.inner.captures.calls(id)? else {
+        return Err(OpenAiError::EpisodeNotFound(id.to_string()));
+    };
+    if records.is_empty() {
+        return Err(OpenAiError::bad(format!(
+            "episode {id:?} has no calls yet: reward it after the model answered"
+        )));
+    }
+    match rubric.score(records, req.answer, req.info).await {
+        Ok(r) if r.is_finite() => Ok(r),
+        Ok(r) => Err(rubric_failed(l, id, &format!("the rubric returned {r}"))),
+        Err(e) => Err(rubric_failed(l, id, &e)),
+    }
+}
+
+/// A rubric that could not score: counted, logged, answered with a 422 (no
+/// reward is recorded, so the client may retry or post its own).
+fn rubric_failed(l: &super::Learning, id: &str, why: &str) -> OpenAiError {
+    let n = l
+        .rubric_errors
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        + 1;
+    tracing::warn!(episode = %id, errors = n, "rubric could not score: {why}");
+    OpenAiError::RubricFailed(format!(
+        "the server's rubric could not score episode {id:?}: {why} ({n} rubric error(s) so far)"
+    ))
 }
 
 /// `POST /v1/episodes/{id}/reward` (with the episode's token): `{"reward":
-/// R}`; answers whether the reward was stored for training.
+/// R}`, or `{"rubric": {"answer": A, "info": I}}` for the server's rubric
+/// (`[learn] rubric`) to score the episode's conversation; answers the
+/// reward and whether it was stored for training.
 pub(super) async fn reward_episode(
     State(s): State<OpenAiState>,
     UrlPath(id): UrlPath<String>,
@@ -292,16 +348,29 @@ pub(super) async fn reward_episode(
     let req: RewardBody = serde_json::from_slice(&body).map_err(|e| {
         OpenAiError::invalid(
             "reward",
-            format!("invalid request body: {e} (send {{\"reward\": NUMBER}})"),
+            format!(
+                "invalid request body: {e} (send {{\"reward\": NUMBER}} or \
+                 {{\"rubric\": {{\"answer\": ...}}}})"
+            ),
         )
     })?;
-    if !req.reward.is_finite() {
-        return Err(OpenAiError::invalid(
-            "reward",
-            "reward must be a finite number",
-        ));
-    }
-    let Some(ep) = s.inner.captures.set_reward(&id, req.reward)? else {
+    let reward = match (req.reward, req.rubric) {
+        (Some(r), None) if r.is_finite() => r,
+        (Some(_), None) => {
+            return Err(OpenAiError::invalid(
+                "reward",
+                "reward must be a finite number",
+            ))
+        }
+        (None, Some(rubric)) => rubric_reward(&s, &id, rubric).await?,
+        _ => {
+            return Err(OpenAiError::invalid(
+                "reward",
+                "send exactly one of \"reward\" and \"rubric\"",
+            ))
+        }
+    };
+    let Some(ep) = s.inner.captures.set_reward(&id, reward)? else {
         return Err(OpenAiError::EpisodeNotFound(id));
     };
     let (stored, reason) = match (&s.inner.learning, ep.train, ep.records) {
@@ -313,7 +382,7 @@ pub(super) async fn reward_episode(
         ),
         (Some(l), true, Some(records)) => {
             let store = l.rewards.clone();
-            let (eid, reward) = (id.clone(), req.reward);
+            let eid = id.clone();
             let appended =
                 tokio::task::spawn_blocking(move || store.append(&eid, reward, records)).await;
             match appended {
@@ -330,7 +399,7 @@ pub(super) async fn reward_episode(
         }
     };
     Ok(axum::Json(json!({
-        "object": "episode.reward", "id": id, "reward": req.reward,
+        "object": "episode.reward", "id": id, "reward": reward,
         "stored": stored.is_some(), "n": stored, "reason": reason,
     }))
     .into_response())

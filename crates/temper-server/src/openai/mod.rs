@@ -64,7 +64,7 @@ use serde_json::json;
 
 pub use error::OpenAiError;
 pub use grammars::GrammarLimits;
-pub use state::{Learning, OpenAiState, ServeConfig};
+pub use state::{EpisodeRubric, Learning, OpenAiState, ServeConfig};
 
 use adapters::{list_models, load_lora, unload_lora};
 use chat::chat_completions;

@@ -500,6 +500,8 @@ pub(super) struct ResponseShape {
     model: String,
     fingerprint: String,
     version: u64,
+    /// The captured episode (a reward goes to it), as chat's `episode`.
+    episode: Option<String>,
     echo: Map<String, Value>,
 }
 
@@ -513,6 +515,7 @@ impl ResponseShape {
             model: p.model_name.clone(),
             fingerprint: p.fingerprint(),
             version: p.version,
+            episode: p.capture.as_ref().map(|c| c.episode.clone()),
             echo,
         }
     }
@@ -529,6 +532,9 @@ impl ResponseShape {
             "incomplete_details": null, "system_fingerprint": self.fingerprint,
             "version": self.version,
         });
+        if let Some(e) = &self.episode {
+            v["episode"] = json!(e);
+        }
         if status == "incomplete" {
             v["incomplete_details"] = json!({"reason": "max_output_tokens"});
         }

@@ -82,6 +82,25 @@ pub struct Learning {
     pub rewards: Arc<RewardStore>,
     /// Promoted versions (`versions/`, `live.json`).
     pub versions: Arc<PolicyVersions>,
+    /// The server's own reward (`[learn] rubric`): an environment's rubric
+    /// run on an episode's conversation when a client asks for it
+    /// (`POST /v1/episodes/ID/reward {"rubric": {...}}`).
+    pub rubric: Option<Arc<dyn EpisodeRubric>>,
+    /// Rubric runs that could not score (no reward was recorded for them).
+    pub rubric_errors: Arc<AtomicU64>,
+}
+
+/// A reward the server computes from an episode's captured calls.
+pub trait EpisodeRubric: Send + Sync {
+    /// The reward of the episode whose calls are `records` (in order),
+    /// given the task's reference `answer` and `info` from the client; an
+    /// error when the rubric could not score it (never a made-up 0).
+    fn score(
+        &self,
+        records: Vec<super::capture::CaptureRecord>,
+        answer: Option<String>,
+        info: serde_json::Value,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<f64, String>> + Send>>;
 }
 
 impl Learning {
@@ -96,6 +115,8 @@ impl Learning {
         Ok(Self {
             rewards: Arc::new(RewardStore::open(&dir.join("rewarded.jsonl"), limits)?),
             versions: Arc::new(PolicyVersions::open(dir, adapter_name)?),
+            rubric: None,
+            rubric_errors: Arc::new(AtomicU64::new(0)),
         })
     }
 }

@@ -110,6 +110,10 @@ impl StreamState {
             self.prompt_ids_sent = true;
             v["prompt_token_ids"] = json!(self.p.prompts.first());
         }
+        if let Some(c) = &self.p.capture {
+            // As the unstreamed body: the episode a reward goes to.
+            v["episode"] = json!(c.episode);
+        }
         if let Some(u) = usage {
             v["usage"] = u;
         }
