@@ -341,7 +341,7 @@ impl Loss {
                     "loss {self:?}: scale must be finite"
                 )));
             }
-            if n % 2 != 0 {
+            if !n.is_multiple_of(2) {
                 return Err(EngineError::InvalidRequest(format!(
                     "loss {self:?} takes pairs (chosen, rejected), got {n} datums"
                 )));
