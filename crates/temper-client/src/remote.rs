@@ -415,6 +415,12 @@ fn encode_forward_backward(
             "a custom loss has no server-side forward; use forward_backward".into(),
         ));
     }
+    if loss.is_pair() {
+        return Err(EngineError::InvalidRequest(format!(
+            "loss {loss:?} is a pair loss, which the tinker wire does not carry \
+             (Trainer::takes_pair_loss is false here); compute it client-side"
+        )));
+    }
     let (name, mut config) = (loss.name(), loss.config());
     // The wire carries one scoring temperature per request, in
     // loss_fn_config (temper's extension, see the server): every datum must

@@ -42,7 +42,7 @@ pub use engine::fault;
 pub use engine::{Engine, Pending};
 pub use error::{EngineError, Result};
 pub use loss::{
-    CustomLoss, Loss, LossInputs, DEFAULT_CLIP_HIGH, DEFAULT_CLIP_LOW, DEFAULT_DRO_BETA,
+    CustomLoss, Loss, LossInputs, PairLoss, DEFAULT_CLIP_HIGH, DEFAULT_CLIP_LOW, DEFAULT_DRO_BETA,
 };
 pub use optim::{AdamParams, AdamState, StepStats};
 pub use run::{Datum, DatumOutput, ForwardOutput, RunKind, SamplerWeights, TrainingRun};

@@ -22,6 +22,26 @@
 //!
 //! A [`Loss::Custom`] receives each datum's logprob tensor and returns a
 //! scalar loss built from differentiable ops.
+//!
+//! [`Loss::Dpo`] is a PAIR loss (DPO, Rafailov et al. 2023, as TRL's
+//! `DPOTrainer` computes it): the datums of a call come in pairs, chosen at
+//! an even index and rejected right after it, and a pair's term couples its
+//! two sequences. With `Δ = Σ w·(p − q)` a sequence's log-ratio to the
+//! reference (`w` the `weights`, 1 on completion tokens and 0 on the
+//! prompt's; `q` the reference's logprobs in `logprobs`, of which only the
+//! weighted sum enters, so a caller that kept only the reference's summed
+//! logprob may put it at one weighted position) and `n = Σ w`:
+//!
+//! | kind | per pair |
+//! | --- | --- |
+//! | `sigmoid` | `−s · log σ(β (Δ_c − Δ_r))` |
+//! | `ipo` | `s · (Δ_c / n_c − Δ_r / n_r − 1 / (2β))²` |
+//!
+//! `s` is the call's `scale` (`1 / pairs` in the optimiser step gives
+//! TRL's mean). It is computed in-process only: the tinker wire has no pair
+//! loss, and its client splits a request's datums by size, which could part
+//! a pair; a remote trainer says so with [`crate::Trainer::takes_pair_loss`]
+//! and a DPO loop falls back to a forward plus a weighted cross-entropy.
 
 use std::sync::Arc;
 
@@ -94,8 +114,27 @@ pub enum Loss {
         /// Upper clip of the sequence ratio.
         clip_high: f64,
     },
+    /// DPO's pair loss (see the module docs): datums `2i` and `2i + 1` are a
+    /// pair's chosen and rejected sequences.
+    Dpo {
+        /// `sigmoid` or `ipo`.
+        kind: PairLoss,
+        /// DPO's β (> 0).
+        beta: f64,
+        /// Every pair's term is multiplied by it (`1 / pairs` for a mean).
+        scale: f64,
+    },
     /// A user function.
     Custom(CustomLoss),
+}
+
+/// Which pair loss [`Loss::Dpo`] computes (TRL's `loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairLoss {
+    /// `−log σ(β (Δ_c − Δ_r))`.
+    Sigmoid,
+    /// `(Δ_c / n_c − Δ_r / n_r − 1 / (2β))²`.
+    Ipo,
 }
 
 impl std::fmt::Debug for Loss {
@@ -137,6 +176,14 @@ impl Loss {
             Loss::Cispo { .. } => "cispo",
             Loss::Dro { .. } => "dro",
             Loss::Gspo { .. } => "gspo",
+            Loss::Dpo {
+                kind: PairLoss::Sigmoid,
+                ..
+            } => "dpo_sigmoid",
+            Loss::Dpo {
+                kind: PairLoss::Ipo,
+                ..
+            } => "dpo_ipo",
             Loss::Custom(_) => "custom",
         }
     }
@@ -161,6 +208,7 @@ impl Loss {
                 ("clip_high_threshold", *clip_high),
             ],
             Loss::Dro { beta } => vec![("beta", *beta)],
+            Loss::Dpo { beta, scale, .. } => vec![("beta", *beta), ("scale", *scale)],
             Loss::CrossEntropy | Loss::ImportanceSampling | Loss::Custom(_) => vec![],
         }
     }
@@ -250,6 +298,13 @@ impl Loss {
                         .into(),
                 ))
             }
+            "dpo_sigmoid" | "dpo_ipo" => {
+                return Err(EngineError::InvalidRequest(format!(
+                    "loss {name:?} (DPO's pair loss) is computed in-process only: the tinker \
+                     wire has no pair loss; compute DPO client-side (a forward, then a \
+                     cross_entropy forward_backward weighted by the loss's gradient)"
+                )))
+            }
             "custom" => {
                 return Err(EngineError::InvalidRequest(
                     "loss \"custom\" (a loss traced and uploaded to the server) is not \
@@ -264,6 +319,35 @@ impl Loss {
                 )))
             }
         })
+    }
+
+    /// Whether this loss couples the datums of a pair (chosen at an even
+    /// index, rejected after it) rather than scoring each datum alone.
+    pub fn is_pair(&self) -> bool {
+        matches!(self, Loss::Dpo { .. })
+    }
+
+    /// Check a pair loss's settings and its batch of `n` datums (an even
+    /// number; a no-op for the other losses).
+    pub fn validate_pairs(&self, n: usize) -> Result<()> {
+        if let Loss::Dpo { beta, scale, .. } = self {
+            if !(*beta > 0.0 && beta.is_finite()) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "loss {self:?}: beta must be a finite number > 0"
+                )));
+            }
+            if !scale.is_finite() {
+                return Err(EngineError::InvalidRequest(format!(
+                    "loss {self:?}: scale must be finite"
+                )));
+            }
+            if !n.is_multiple_of(2) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "loss {self:?} takes pairs (chosen, rejected), got {n} datums"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Check that `inputs` carries what this loss needs, for `len` positions.
@@ -308,6 +392,16 @@ impl Loss {
             Loss::Dro { .. } => {
                 need("logprobs", &inputs.logprobs)?;
                 need("advantages", &inputs.advantages)
+            }
+            Loss::Dpo { .. } => {
+                need("weights", &inputs.weights)?;
+                need("logprobs", &inputs.logprobs)?;
+                match &inputs.weights {
+                    Some(w) if w.iter().all(|&x| x == 0.0) => Err(EngineError::InvalidRequest(
+                        "a pair loss's weights mark no completion token".into(),
+                    )),
+                    _ => Ok(()),
+                }
             }
             Loss::Gspo { .. } => {
                 need("logprobs", &inputs.logprobs)?;
@@ -391,7 +485,63 @@ impl Loss {
                 (m * &w)?.sum_all()?.neg()?
             }
             Loss::Custom(f) => f(p, inputs)?,
+            Loss::Dpo { .. } => {
+                return Err(EngineError::InvalidRequest(format!(
+                    "loss {self:?} is a pair loss: compute it with compute_pair"
+                )))
+            }
         };
         Ok(loss)
+    }
+
+    /// A pair loss's term for one pair from the learner's logprobs of its
+    /// chosen (`pc`) and rejected (`pr`) sequences; see the module docs.
+    pub fn compute_pair(
+        &self,
+        pc: &Tensor,
+        chosen: &LossInputs,
+        pr: &Tensor,
+        rejected: &LossInputs,
+    ) -> Result<Tensor> {
+        let Loss::Dpo { kind, beta, scale } = *self else {
+            return Err(EngineError::InvalidRequest(format!(
+                "loss {self:?} is not a pair loss"
+            )));
+        };
+        // Δ = Σ w·(p − q) as a [1] tensor, and n = Σ w.
+        let log_ratio = |p: &Tensor, inputs: &LossInputs| -> Result<(Tensor, f64)> {
+            let need = |v: &Option<Vec<f32>>, what: &str| -> Result<Tensor> {
+                let v = v.as_ref().ok_or_else(|| {
+                    EngineError::InvalidRequest(format!("loss {self:?} needs {what}"))
+                })?;
+                Ok(Tensor::new(v.as_slice(), p.device())?.to_dtype(p.dtype())?)
+            };
+            let (w, q) = (
+                need(&inputs.weights, "weights")?,
+                need(&inputs.logprobs, "logprobs")?,
+            );
+            let n: f64 = inputs.weights.iter().flatten().map(|&x| f64::from(x)).sum();
+            Ok((((p - q)? * w)?.sum_keepdim(0)?, n))
+        };
+        let (dc, nc) = log_ratio(pc, chosen)?;
+        let (dr, nr) = log_ratio(pr, rejected)?;
+        let term = match kind {
+            PairLoss::Sigmoid => {
+                // −log σ(h) = log(1 + exp(−h)), with −h clamped where exp
+                // would overflow f32 and the linear tail added back (not
+                // relu(−h) + log(1 + exp(−|h|)): its gradient at h = 0, where
+                // a new adapter's first step is, would be 0, not −β/2).
+                let x = (dc - dr)?.affine(-beta, 0.0)?;
+                let soft = x.clamp(-80f32, 80f32)?.exp()?.affine(1.0, 1.0)?.log()?;
+                (soft + x.affine(1.0, -80.0)?.relu()?)?
+            }
+            PairLoss::Ipo => {
+                let e = (dc.affine(1.0 / nc.max(1.0), 0.0)?
+                    - dr.affine(1.0 / nr.max(1.0), 0.0)?)?
+                .affine(1.0, -1.0 / (2.0 * beta))?;
+                e.sqr()?
+            }
+        };
+        Ok(term.affine(scale, 0.0)?.sum_all()?)
     }
 }

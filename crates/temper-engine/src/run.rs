@@ -225,6 +225,19 @@ impl TrainingRun {
         if data.is_empty() {
             return Err(EngineError::InvalidRequest("empty batch".into()));
         }
+        loss.validate_pairs(data.len())?;
+        if loss.is_pair() {
+            if let Some(i) = data
+                .chunks(2)
+                .position(|p| p[0].loss_fn_inputs.temperature != p[1].loss_fn_inputs.temperature)
+            {
+                return Err(EngineError::InvalidRequest(format!(
+                    "datums {} and {}: a pair is scored at one temperature",
+                    2 * i,
+                    2 * i + 1
+                )));
+            }
+        }
         let vocab = self.base.config.vocab_size;
         let max_len = self.base.config.max_position_embeddings;
         for (i, d) in data.iter().enumerate() {
@@ -319,7 +332,7 @@ impl TrainingRun {
         let mut outputs = Vec::with_capacity(data.len());
         let mut total: Option<Tensor> = None;
         let mut tokens = 0usize;
-        for pack in packs(data) {
+        for pack in packs(data, loss.is_pair()) {
             let data = &data[pack];
             let inputs: Vec<ScoreInput<'_>> = data
                 .iter()
@@ -333,12 +346,31 @@ impl TrainingRun {
                 .model()
                 .score_batch(&inputs, self.adapter(), temperature)?;
             let mut pack_loss: Option<Tensor> = None;
-            for (d, s) in data.iter().zip(&scores) {
-                let l = loss.compute(&s.logprobs, &d.loss_fn_inputs)?;
-                pack_loss = Some(match pack_loss {
+            let mut add = |l: Tensor| -> Result<()> {
+                pack_loss = Some(match pack_loss.take() {
                     None => l,
                     Some(t) => (t + l)?,
                 });
+                Ok(())
+            };
+            if loss.is_pair() {
+                // A pack holds whole pairs (see `packs`): chosen, rejected.
+                for (d, s) in data.chunks(2).zip(scores.chunks(2)) {
+                    if let ([c, r], [sc, sr]) = (d, s) {
+                        add(loss.compute_pair(
+                            &sc.logprobs,
+                            &c.loss_fn_inputs,
+                            &sr.logprobs,
+                            &r.loss_fn_inputs,
+                        )?)?;
+                    }
+                }
+            } else {
+                for (d, s) in data.iter().zip(&scores) {
+                    add(loss.compute(&s.logprobs, &d.loss_fn_inputs)?)?;
+                }
+            }
+            for (d, s) in data.iter().zip(&scores) {
                 tokens += d.model_input.len();
                 outputs.push(DatumOutput {
                     logprobs: s.logprobs.to_dtype(DType::F32)?.to_vec1()?,
@@ -681,9 +713,11 @@ fn sample_with(
 /// Consecutive datums that share a scoring temperature, in packs of at most
 /// [`temper_model::PACK_TOKENS`] rows beside their longest shared prefix
 /// (see [`temper_model::pack_batch`]: a prefix that consecutive datums
-/// share, such as an RL group's prompt, runs once).
-fn packs(data: &[Datum]) -> Vec<std::ops::Range<usize>> {
-    let mut out = Vec::new();
+/// share, such as an RL group's prompt, runs once). With `pairs`, a pack
+/// ends only after a pair's second datum (it may then run one sequence over
+/// the budget; `validate` has checked that a pair shares a temperature).
+fn packs(data: &[Datum], pairs: bool) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
     let mut start = 0;
     while start < data.len() {
         let t = data[start].loss_fn_inputs.scoring_temperature();
@@ -699,11 +733,17 @@ fn packs(data: &[Datum]) -> Vec<std::ops::Range<usize>> {
                 targets: &d.loss_fn_inputs.target_tokens,
             })
             .collect();
-        out.extend(
-            temper_model::pack_batch(&inputs, temper_model::PACK_TOKENS)
-                .into_iter()
-                .map(|r| start + r.start..start + r.end),
-        );
+        for r in temper_model::pack_batch(&inputs, temper_model::PACK_TOKENS) {
+            let (mut a, mut b) = (start + r.start, start + r.end);
+            if pairs {
+                // Round both ends up to a pair boundary (`start` is one).
+                a += a % 2;
+                b = (b + b % 2).min(end);
+            }
+            if a < b {
+                out.push(a..b);
+            }
+        }
         start = end;
     }
     out

@@ -118,6 +118,14 @@ pub trait Trainer: Send + Sync {
             )))
         })
     }
+    /// Whether `forward`/`forward_backward` compute a pair loss
+    /// ([`Loss::Dpo`]) with every pair in one call. The in-process engine
+    /// does; the tinker wire has no pair loss, so a remote trainer does not,
+    /// and a DPO loop then trains with a forward plus a weighted
+    /// cross-entropy `forward_backward` instead.
+    fn takes_pair_loss(&self) -> bool {
+        false
+    }
     /// Save weights + optimizer state; resolves to the checkpoint's path.
     fn save_state(&self, name: &str) -> TrainerFuture<String>;
     /// Restore a checkpoint saved by [`save_state`](Trainer::save_state).
@@ -174,6 +182,10 @@ impl Trainer for LocalTrainer {
 
     fn optim_step(&self, params: AdamParams) -> TrainerFuture<StepStats> {
         Box::pin(self.engine.optim_step(&self.run, params))
+    }
+
+    fn takes_pair_loss(&self) -> bool {
+        true
     }
 
     fn save_weights_for_sampler(&self, name: &str) -> TrainerFuture<String> {

@@ -748,3 +748,121 @@ fn engine_on_its_own_pool_matches_the_global_pool_bit_for_bit() {
     assert_eq!(trace(Engine::on_pool(pool(1))), global);
     assert_eq!(trace(Engine::on_pool(pool(3))), global);
 }
+
+/// DPO's pair loss on hand-made logprobs: TRL's formulas, the gradient
+/// −β·σ(−h)·scale on each chosen token (also at h = 0, where a new
+/// adapter's first step is), and the checks on its batch.
+#[test]
+fn the_dpo_pair_loss_has_trls_value_and_gradient() {
+    use temper_engine::PairLoss;
+    let inputs = |n: usize, reference: f32| LossInputs {
+        target_tokens: vec![0; n],
+        // The first target is the prompt's; the rest are the completion's.
+        weights: Some((0..n).map(|i| if i == 0 { 0.0 } else { 1.0 }).collect()),
+        logprobs: Some(
+            (0..n)
+                .map(|i| if i + 1 == n { reference } else { 0.0 })
+                .collect(),
+        ),
+        ..Default::default()
+    };
+    let (ci, ri) = (inputs(3, -2.0), inputs(4, -3.5));
+    let dev = Device::Cpu;
+    for (pc, pr) in [
+        (vec![-9.0f32, -1.0, -0.5], vec![-7.0f32, -1.0, -1.5, -1.25]),
+        (vec![-9.0f32, -1.0, -1.0], vec![-7.0f32, -1.0, -1.5, -1.0]),
+    ] {
+        let (vc, vr) = (
+            Var::from_tensor(&Tensor::new(pc.as_slice(), &dev).unwrap()).unwrap(),
+            Var::from_tensor(&Tensor::new(pr.as_slice(), &dev).unwrap()).unwrap(),
+        );
+        // Δ_c = (−1 − 0.5) + 2 or 0, Δ_r = (−1 − 1.5 − 1.25) + 3.5 or 0.
+        let dc = pc[1..].iter().sum::<f32>() as f64 + 2.0;
+        let dr = pr[1..].iter().sum::<f32>() as f64 + 3.5;
+        let (beta, scale) = (0.1, 0.25);
+        let sig = Loss::Dpo {
+            kind: PairLoss::Sigmoid,
+            beta,
+            scale,
+        };
+        let l = sig
+            .compute_pair(vc.as_tensor(), &ci, vr.as_tensor(), &ri)
+            .unwrap();
+        let h = beta * (dc - dr);
+        let want = scale * (1.0 + (-h).exp()).ln();
+        let got = l.to_scalar::<f32>().unwrap() as f64;
+        assert!((got - want).abs() < 1e-6, "sigmoid: {got} vs {want}");
+        let grads = l.backward().unwrap();
+        let gc: Vec<f32> = grads.get(vc.as_tensor()).unwrap().to_vec1().unwrap();
+        let gr: Vec<f32> = grads.get(vr.as_tensor()).unwrap().to_vec1().unwrap();
+        let g = -beta * scale / (1.0 + h.exp());
+        assert_eq!(gc[0], 0.0, "a prompt token has no gradient");
+        for x in &gc[1..] {
+            assert!(
+                (*x as f64 - g).abs() < 1e-7,
+                "chosen grad {x} vs {g} (h {h})"
+            );
+        }
+        for x in &gr[1..] {
+            assert!((*x as f64 + g).abs() < 1e-7, "rejected grad {x} vs {}", -g);
+        }
+        let ipo = Loss::Dpo {
+            kind: PairLoss::Ipo,
+            beta: 0.5,
+            scale,
+        };
+        let got = ipo
+            .compute_pair(vc.as_tensor(), &ci, vr.as_tensor(), &ri)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap() as f64;
+        let want = scale * (dc / 2.0 - dr / 3.0 - 1.0).powi(2);
+        assert!((got - want).abs() < 1e-6, "ipo: {got} vs {want}");
+    }
+    // Far from the reference the loss stays finite and linear.
+    let far = Tensor::new(&[0f32, -2000.0], &dev).unwrap();
+    let near = Tensor::new(&[0f32, 0.0], &dev).unwrap();
+    let two = LossInputs {
+        target_tokens: vec![0, 0],
+        weights: Some(vec![0.0, 1.0]),
+        logprobs: Some(vec![0.0, 0.0]),
+        ..Default::default()
+    };
+    let sig = Loss::Dpo {
+        kind: PairLoss::Sigmoid,
+        beta: 1.0,
+        scale: 1.0,
+    };
+    let l = sig.compute_pair(&far, &two, &near, &two).unwrap();
+    assert!((l.to_scalar::<f32>().unwrap() - 2000.0).abs() < 1e-3);
+
+    // The wire refuses it by name; a run refuses an odd batch.
+    let e = Loss::from_name("dpo_sigmoid", &serde_json::Map::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("pair loss"), "{e}");
+    let mut run = TrainingRun::lora(base("tiny-qwen2"), lora(2), 0).unwrap();
+    let d = Datum {
+        model_input: vec![1, 2, 3],
+        loss_fn_inputs: LossInputs {
+            target_tokens: vec![2, 3, 4],
+            ..two.clone()
+        },
+    };
+    let d = Datum {
+        loss_fn_inputs: LossInputs {
+            weights: Some(vec![0.0, 1.0, 1.0]),
+            logprobs: Some(vec![0.0, 0.0, -3.0]),
+            ..d.loss_fn_inputs
+        },
+        ..d
+    };
+    let e = run
+        .forward_backward(std::slice::from_ref(&d), &sig)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("pairs"), "{e}");
+    let out = run.forward_backward(&[d.clone(), d], &sig).unwrap();
+    // Both sides equal: h = 0 whatever the policy, loss ln 2.
+    assert!((out.metrics["loss:sum"] - 2f64.ln()).abs() < 1e-5);
+}

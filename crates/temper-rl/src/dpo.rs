@@ -16,12 +16,17 @@
 //! `rewards/margins` (their difference), `rewards/accuracies` (the fraction
 //! of pairs with `β Δ_c > β Δ_r`), `logps/chosen`, `logps/rejected`.
 //!
-//! The loss couples a pair's two sequences, so it is trained the way
-//! Tinker's client-side custom losses are: a `forward` for the logprobs,
-//! the loss and its gradient `g = ∂L/∂π` here, then a cross-entropy
-//! `forward_backward` with per-token weights `−g`, whose gradient is the
-//! DPO loss's. The optimiser, checkpoints, metrics log and evaluation are
-//! SFT's.
+//! The loss couples a pair's two sequences. A trainer that takes a pair
+//! loss (the in-process engine: [`Trainer::takes_pair_loss`]) computes it
+//! in one `forward_backward` per step ([`temper_engine::Loss::Dpo`], each
+//! pair's chosen and rejected side in the same call, the reference's summed
+//! logprobs passed in as loss inputs). One that does not (a remote trainer:
+//! the tinker wire has no pair loss) is trained the way Tinker's client-side
+//! custom losses are, and the run says so when it starts: a `forward` for
+//! the logprobs, the loss and its gradient `g = ∂L/∂π` here, then a
+//! cross-entropy `forward_backward` with per-token weights `−g`, whose
+//! gradient is the DPO loss's — the same gradient for twice the passes. The
+//! optimiser, checkpoints, metrics log and evaluation are SFT's.
 //!
 //! The reference is the policy before the first step (the base model for a
 //! new LoRA adapter, whose update starts at zero — TRL's "adapter
@@ -39,7 +44,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Map, Value};
-use temper_engine::{AdamParams, Datum, Loss, LossInputs, Trainer};
+use temper_engine::{AdamParams, Datum, Loss, LossInputs, PairLoss, Trainer};
 use temper_model::{ChatTemplate, Pretrained, Tokenizer};
 
 use crate::checkpoint::{self, LoopState};
@@ -84,6 +89,24 @@ impl PrefPair {
         [
             self.datum(&self.chosen, w_chosen),
             self.datum(&self.rejected, w_rejected),
+        ]
+    }
+
+    /// Both sides' datums for the engine's pair loss: weight 1 on the
+    /// completion's targets and the reference's summed completion logprob
+    /// as the `logprobs` of its last target (the loss takes only their
+    /// weighted sum, see [`temper_engine::Loss::Dpo`]).
+    fn pair_datums(&self, reference: PairLogps) -> [Datum; 2] {
+        let with_ref = |mut d: Datum, r: f64| {
+            let n = d.loss_fn_inputs.target_tokens.len();
+            let mut q = vec![0.0f32; n];
+            q[n - 1] = r as f32;
+            d.loss_fn_inputs.logprobs = Some(q);
+            d
+        };
+        [
+            with_ref(self.datum(&self.chosen, 1.0), reference.0),
+            with_ref(self.datum(&self.rejected, 1.0), reference.1),
         ]
     }
 }
@@ -383,8 +406,72 @@ fn batch_metrics(prefix: &str, terms: &[PairTerms], logps: &[PairLogps]) -> Map<
 
 /// One DPO gradient accumulation over `pairs` (their reference logprobs
 /// `refs`): returns the batch metrics. The gradient of the batch's mean
-/// loss is left in the trainer for the next `optim_step`.
+/// loss is left in the trainer for the next `optim_step`: in one
+/// `forward_backward` per `micro` sequences where the trainer takes a pair
+/// loss, else by the two-pass recipe (see the module docs).
 pub async fn accumulate(
+    trainer: &dyn Trainer,
+    plan_loss: DpoLoss,
+    beta: f64,
+    pairs: &[&PrefPair],
+    refs: &[PairLogps],
+    micro: usize,
+) -> Result<Map<String, Value>> {
+    if !trainer.takes_pair_loss() {
+        return accumulate_two_pass(trainer, plan_loss, beta, pairs, refs, micro).await;
+    }
+    if pairs.len() != refs.len() {
+        return Err(RlError::Data(format!(
+            "{} pairs but {} reference logprobs",
+            pairs.len(),
+            refs.len()
+        )));
+    }
+    let loss = Loss::Dpo {
+        kind: match plan_loss {
+            DpoLoss::Sigmoid => PairLoss::Sigmoid,
+            DpoLoss::Ipo => PairLoss::Ipo,
+        },
+        beta,
+        scale: 1.0 / pairs.len().max(1) as f64,
+    };
+    let data: Vec<Datum> = pairs
+        .iter()
+        .zip(refs)
+        .flat_map(|(p, &r)| p.pair_datums(r))
+        .collect();
+    let mut out = Vec::with_capacity(data.len());
+    // An even chunk keeps every pair in one call.
+    for chunk in data.chunks(2 * micro.div_ceil(2).max(1)) {
+        let o = trainer
+            .forward_backward(chunk.to_vec(), loss.clone())
+            .await?;
+        out.extend(o.loss_fn_outputs.into_iter().map(|o| o.logprobs));
+    }
+    let logps: Vec<PairLogps> = pairs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            (
+                completion_logp(p, &out[2 * i]),
+                completion_logp(p, &out[2 * i + 1]),
+            )
+        })
+        .collect();
+    let terms: Vec<PairTerms> = pairs
+        .iter()
+        .zip(logps.iter().zip(refs))
+        .map(|(p, (&pol, &rf))| {
+            pair_terms(plan_loss, beta, pol, rf, (p.chosen.len(), p.rejected.len()))
+        })
+        .collect();
+    Ok(batch_metrics("", &terms, &logps))
+}
+
+/// [`accumulate`] for a trainer without a pair loss: a forward for the
+/// policy's logprobs, then a cross-entropy `forward_backward` weighted by
+/// the pair loss's gradient.
+async fn accumulate_two_pass(
     trainer: &dyn Trainer,
     plan_loss: DpoLoss,
     beta: f64,
@@ -516,6 +603,14 @@ async fn dpo_loop(cfg: DpoPlan, opts: RunOptions, run_dir: PathBuf) -> Result<Dp
         .optim
         .micro_batch_of(2 * cfg.optim.batch_size)
         .div_ceil(2);
+    if !trainer.takes_pair_loss() {
+        let why = "this trainer takes no pair loss (the tinker wire has none): each DPO step \
+                   is a forward plus a weighted cross-entropy forward_backward, two passes";
+        tracing::warn!("{why}");
+        if cfg.log.progress {
+            eprintln!("{why}");
+        }
+    }
     let online = match &cfg.data {
         PrefSource::Env { .. } => {
             Some(crate::dpo_online::Online::new(&cfg, &base, trainer.clone()).await?)

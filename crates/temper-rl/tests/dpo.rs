@@ -1,13 +1,21 @@
 //! `temper train dpo` end to end on the tiny Qwen2 fixture: a preference
 //! file trained with LoRA (the held-out pairs measured before and after, a
 //! run stopped and resumed ending where the uninterrupted one does), full
-//! fine-tuning, and online DPO from an environment's reward.
+//! fine-tuning, and online DPO from an environment's reward; the engine's
+//! one-pass pair loss against the two-pass recipe a remote trainer gets.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
+use temper_engine::{
+    AdamParams, Datum, Engine, ForwardOutput, Loss, Sample, StepStats, Trainer, TrainerFuture,
+};
+use temper_model::{LoadOptions, Pretrained, SamplingParams};
 use temper_rl::config::{self, DpoConfig};
-use temper_rl::dpo::run_dpo;
+use temper_rl::dpo::{self, run_dpo};
+use temper_rl::plan::DpoLoss;
 use temper_rl::rl::RunOptions;
 
 fn model() -> PathBuf {
@@ -308,4 +316,134 @@ fn smollm2_online_dpo_pairs_sampled_answers() {
         assert_eq!(num(m, "rollouts/errors"), 0.0);
     }
     assert_eq!(out.steps, 2);
+}
+
+/// A trainer that forwards every call to the in-process one, counts the
+/// passes, and says it takes a pair loss only when `pair` is set.
+struct Counted {
+    inner: temper_engine::LocalTrainer,
+    pair: bool,
+    forwards: AtomicUsize,
+    backwards: AtomicUsize,
+}
+
+impl Trainer for Counted {
+    fn forward(&self, data: Vec<Datum>, loss: Loss) -> TrainerFuture<ForwardOutput> {
+        self.forwards.fetch_add(1, Ordering::Relaxed);
+        self.inner.forward(data, loss)
+    }
+    fn forward_backward(&self, data: Vec<Datum>, loss: Loss) -> TrainerFuture<ForwardOutput> {
+        self.backwards.fetch_add(1, Ordering::Relaxed);
+        self.inner.forward_backward(data, loss)
+    }
+    fn optim_step(&self, params: AdamParams) -> TrainerFuture<StepStats> {
+        self.inner.optim_step(params)
+    }
+    fn save_weights_for_sampler(&self, name: &str) -> TrainerFuture<String> {
+        self.inner.save_weights_for_sampler(name)
+    }
+    fn sample(
+        &self,
+        sampler: &str,
+        prompt: Vec<u32>,
+        n: usize,
+        params: SamplingParams,
+    ) -> TrainerFuture<Vec<Sample>> {
+        self.inner.sample(sampler, prompt, n, params)
+    }
+    fn compute_logprobs(
+        &self,
+        sampler: &str,
+        tokens: Vec<u32>,
+        temperature: f64,
+    ) -> TrainerFuture<Vec<f32>> {
+        self.inner.compute_logprobs(sampler, tokens, temperature)
+    }
+    fn takes_pair_loss(&self) -> bool {
+        self.pair
+    }
+    fn save_state(&self, name: &str) -> TrainerFuture<String> {
+        self.inner.save_state(name)
+    }
+    fn load_state(&self, path: &str, with_optimizer: bool) -> TrainerFuture<()> {
+        self.inner.load_state(path, with_optimizer)
+    }
+}
+
+#[tokio::test]
+async fn the_engines_pair_loss_is_one_pass_with_the_two_pass_recipes_gradient() {
+    let d = tempfile::tempdir().unwrap();
+    let base = Arc::new(Pretrained::load(&model(), &LoadOptions::default()).unwrap());
+    let pairs = dpo::read_pairs(&pairs_file(d.path()), &base, 1024).unwrap();
+    let batch: Vec<&dpo::PrefPair> = pairs.iter().collect();
+    let adapter = model().join("../../adapters/tiny-qwen2-lora");
+    let trainer = |pair: bool| {
+        let engine = Engine::new();
+        engine.add_base_model("base", base.clone()).wait().unwrap();
+        let run = engine
+            .create_lora_run_from_peft("base", adapter.clone())
+            .wait()
+            .unwrap();
+        Counted {
+            inner: temper_engine::LocalTrainer::new(engine, run, d.path().join("ckpt")),
+            pair,
+            forwards: AtomicUsize::new(0),
+            backwards: AtomicUsize::new(0),
+        }
+    };
+    for (loss, beta) in [(DpoLoss::Sigmoid, 0.1), (DpoLoss::Ipo, 0.5)] {
+        let (one, two) = (trainer(true), trainer(false));
+        let refs = dpo::policy_logps(&one, &batch, 16).await.unwrap();
+        // A reference away from the policy, so the pairs are not at the
+        // loss's symmetric point and their gradients differ.
+        let refs: Vec<dpo::PairLogps> = refs
+            .iter()
+            .enumerate()
+            .map(|(i, &(c, r))| (c - 0.3 * i as f64, r + 0.5))
+            .collect();
+        for t in [&one, &two] {
+            t.forwards.store(0, Ordering::Relaxed);
+        }
+        // 8 pairs, 6 sequences a call: pairs are never split across calls.
+        let m1 = dpo::accumulate(&one, loss, beta, &batch, &refs, 6)
+            .await
+            .unwrap();
+        let m2 = dpo::accumulate(&two, loss, beta, &batch, &refs, 6)
+            .await
+            .unwrap();
+        assert_eq!(one.forwards.load(Ordering::Relaxed), 0, "{loss:?}");
+        assert_eq!(one.backwards.load(Ordering::Relaxed), 3, "{loss:?}");
+        assert_eq!(two.forwards.load(Ordering::Relaxed), 3, "{loss:?}");
+        assert_eq!(two.backwards.load(Ordering::Relaxed), 3, "{loss:?}");
+        for (k, v) in &m2 {
+            let (a, b) = (num(&m1, k), v.as_f64().unwrap());
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                "{loss:?} {k}: {a} vs {b}"
+            );
+        }
+        assert!(num(&m1, "loss") > 0.0);
+        let g1 = one
+            .inner
+            .engine()
+            .accumulated_grads(one.inner.run_id())
+            .await
+            .unwrap();
+        let g2 = two
+            .inner
+            .engine()
+            .accumulated_grads(two.inner.run_id())
+            .await
+            .unwrap();
+        assert_eq!(g1.len(), g2.len());
+        assert!(!g1.is_empty());
+        for ((n1, a), (n2, b)) in g1.iter().zip(&g2) {
+            assert_eq!(n1, n2);
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            assert!(scale > 0.0, "{loss:?} {n1}: zero gradient");
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-4 * scale, "{loss:?} {n1}: {x} vs {y}");
+            }
+        }
+    }
 }
