@@ -458,14 +458,25 @@ pub async fn accumulate(
             )
         })
         .collect();
-    let terms: Vec<PairTerms> = pairs
+    let terms = terms_of(plan_loss, beta, pairs, &logps, refs);
+    Ok(batch_metrics("", &terms, &logps))
+}
+
+/// Each pair's loss terms from its policy and reference logprobs.
+fn terms_of(
+    plan_loss: DpoLoss,
+    beta: f64,
+    pairs: &[&PrefPair],
+    logps: &[PairLogps],
+    refs: &[PairLogps],
+) -> Vec<PairTerms> {
+    pairs
         .iter()
         .zip(logps.iter().zip(refs))
         .map(|(p, (&pol, &rf))| {
             pair_terms(plan_loss, beta, pol, rf, (p.chosen.len(), p.rejected.len()))
         })
-        .collect();
-    Ok(batch_metrics("", &terms, &logps))
+        .collect()
 }
 
 /// [`accumulate`] for a trainer without a pair loss: a forward for the
@@ -480,13 +491,7 @@ async fn accumulate_two_pass(
     micro: usize,
 ) -> Result<Map<String, Value>> {
     let logps = policy_logps(trainer, pairs, micro).await?;
-    let terms: Vec<PairTerms> = pairs
-        .iter()
-        .zip(logps.iter().zip(refs))
-        .map(|(p, (&pol, &rf))| {
-            pair_terms(plan_loss, beta, pol, rf, (p.chosen.len(), p.rejected.len()))
-        })
-        .collect();
+    let terms = terms_of(plan_loss, beta, pairs, &logps, refs);
     let n = pairs.len().max(1) as f64;
     // Cross-entropy weights −∂L/∂π per completion token: its gradient is L's.
     let data: Vec<Datum> = pairs
