@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use temper_engine::Trainer;
 
-use crate::config::RlConfig;
+use crate::config::CkptSection;
 use crate::error::{Result, RlError};
 use crate::eval::EvalResult;
 use crate::runlog::write_atomic;
@@ -86,10 +86,32 @@ pub async fn resume(run_dir: &Path, trainer: &dyn Trainer) -> Result<LoopState> 
 }
 
 /// Whether a checkpoint is due after `step` steps: every `ckpt.interval`
-/// steps and after the last.
-pub(crate) fn checkpoint_due(cfg: &RlConfig, step: u64) -> bool {
-    (cfg.ckpt.interval > 0 && step.is_multiple_of(cfg.ckpt.interval))
-        || step == cfg.trainer.max_steps
+/// steps and after the last (`last_step`).
+pub(crate) fn checkpoint_due(ckpt: &CkptSection, step: u64, last_step: u64) -> bool {
+    (ckpt.interval > 0 && step.is_multiple_of(ckpt.interval)) || step == last_step
+}
+
+/// SFT's and DPO's checkpoint after `step` steps when one is due (see
+/// [`checkpoint_due`]): the state path, or `None`. Keeps `ckpt.keep`
+/// checkpoints, as RL does.
+pub(crate) async fn save_if_due(
+    run_dir: &Path,
+    trainer: &dyn Trainer,
+    ckpt: &CkptSection,
+    (step, last_step): (u64, u64),
+    seed: u64,
+    eval_before: Option<EvalResult>,
+) -> Result<Option<String>> {
+    if !checkpoint_due(ckpt, step, last_step) {
+        return Ok(None);
+    }
+    let st = LoopState {
+        step,
+        seed,
+        eval_before,
+        ..LoopState::default()
+    };
+    save(run_dir, trainer, st, ckpt.keep).await.map(Some)
 }
 
 /// Save trainer state for `st.step`, then (atomically) point

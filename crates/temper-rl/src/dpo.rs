@@ -38,21 +38,23 @@
 //! fine-tuning, of the whole model).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Map, Value};
-use temper_engine::{AdamParams, Datum, Loss, LossInputs, PairLoss, Trainer};
+use temper_engine::{Datum, Loss, LossInputs, PairLoss, Trainer};
 use temper_model::{ChatTemplate, Pretrained, Tokenizer};
 
-use crate::checkpoint::{self, LoopState};
+use crate::checkpoint;
 use crate::error::{Result, RlError};
 use crate::eval::EvalResult;
 use crate::plan::{DpoLoss, DpoPlan, PrefSource};
 use crate::rl::RunOptions;
-use crate::runlog::MetricsLog;
+use crate::sft::{epoch_batch, RunEval, RunStart};
+use crate::step::{forward_backward_chunks, optim_step};
 
 /// One tokenized preference pair: a prompt and two completions of it.
 #[derive(Debug, Clone, PartialEq)]
@@ -442,12 +444,12 @@ pub async fn accumulate(
         .collect();
     let mut out = Vec::with_capacity(data.len());
     // An even chunk keeps every pair in one call.
-    for chunk in data.chunks(2 * micro.div_ceil(2).max(1)) {
-        let o = trainer
-            .forward_backward(chunk.to_vec(), loss.clone())
-            .await?;
-        out.extend(o.loss_fn_outputs.into_iter().map(|o| o.logprobs));
-    }
+    let even = 2 * micro.div_ceil(2).max(1);
+    forward_backward_chunks(trainer, &loss, &data, even, |_, fb| {
+        out.extend(fb.loss_fn_outputs.iter().map(|o| o.logprobs.clone()));
+        Ok(())
+    })
+    .await?;
     let logps: Vec<PairLogps> = pairs
         .iter()
         .enumerate()
@@ -499,11 +501,10 @@ async fn accumulate_two_pass(
         .zip(&terms)
         .flat_map(|(p, t)| p.datums((-t.d_chosen / n) as f32, (-t.d_rejected / n) as f32))
         .collect();
-    for chunk in data.chunks(micro.max(2)) {
-        trainer
-            .forward_backward(chunk.to_vec(), Loss::CrossEntropy)
-            .await?;
-    }
+    forward_backward_chunks(trainer, &Loss::CrossEntropy, &data, micro.max(2), |_, _| {
+        Ok(())
+    })
+    .await?;
     Ok(batch_metrics("", &terms, &logps))
 }
 
@@ -517,19 +518,7 @@ async fn evaluate_pairs(
 ) -> Result<Map<String, Value>> {
     let all: Vec<&PrefPair> = pairs.iter().collect();
     let logps = policy_logps(trainer, &all, micro).await?;
-    let terms: Vec<PairTerms> = pairs
-        .iter()
-        .zip(logps.iter().zip(refs))
-        .map(|(p, (&pol, &rf))| {
-            pair_terms(
-                plan.loss,
-                plan.beta,
-                pol,
-                rf,
-                (p.chosen.len(), p.rejected.len()),
-            )
-        })
-        .collect();
+    let terms = terms_of(plan.loss, plan.beta, &all, &logps, refs);
     Ok(batch_metrics("eval/", &terms, &logps))
 }
 
@@ -601,20 +590,113 @@ where
     out
 }
 
+/// A preference file's pairs, and their reference logprobs: the weights
+/// before any step, scored before a resume loads a checkpoint. Empty for
+/// online pairs.
+#[derive(Default)]
+struct FileData {
+    train: Vec<PrefPair>,
+    heldout: Vec<PrefPair>,
+    train_refs: Vec<PairLogps>,
+    heldout_refs: Vec<PairLogps>,
+}
+
+impl FileData {
+    async fn load(cfg: &DpoPlan, base: &Arc<Pretrained>, trainer: &dyn Trainer) -> Result<Self> {
+        let PrefSource::File {
+            path,
+            eval_path,
+            eval_fraction,
+            ..
+        } = &cfg.data
+        else {
+            return Ok(Self::default());
+        };
+        let (train, heldout) = {
+            let (cfg2, base2) = (cfg.clone(), base.clone());
+            let (path, eval_path, f) = (path.clone(), eval_path.clone(), *eval_fraction);
+            tokio::task::spawn_blocking(move || {
+                file_pairs(&cfg2, &base2, &path, eval_path.as_deref(), f)
+            })
+            .await
+            .map_err(|source| RlError::Blocking {
+                what: "loading the preference data",
+                source,
+            })??
+        };
+        let t0 = Instant::now();
+        let micro = micro_of(cfg);
+        let tr: Vec<&PrefPair> = train.iter().collect();
+        let train_refs = policy_logps(trainer, &tr, micro).await?;
+        let ho: Vec<&PrefPair> = heldout.iter().collect();
+        let heldout_refs = policy_logps(trainer, &ho, micro).await?;
+        if cfg.log.progress {
+            eprintln!(
+                "reference logprobs of {} pairs ({} held out) in {:.1}s",
+                train.len() + heldout.len(),
+                heldout.len(),
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        Ok(Self {
+            train,
+            heldout,
+            train_refs,
+            heldout_refs,
+        })
+    }
+
+    /// Steps per pass over the training pairs.
+    fn per_epoch(&self, bs: usize) -> u64 {
+        (self.train.len().div_ceil(bs) as u64).max(1)
+    }
+}
+
+/// Sequences per `forward_backward`: the plan's micro-batch rounded up to
+/// whole pairs.
+fn micro_of(cfg: &DpoPlan) -> usize {
+    2 * cfg
+        .optim
+        .micro_batch_of(2 * cfg.optim.batch_size)
+        .div_ceil(2)
+}
+
+/// Step `step`'s gradient, left in the trainer: this step's online pairs,
+/// or the file's next batch (a seeded shuffle per epoch). Where the pairs
+/// came from goes into `m`; returns the batch metrics, empty when there was
+/// nothing to train.
+async fn step_gradient(
+    cfg: &DpoPlan,
+    trainer: &dyn Trainer,
+    online: Option<&crate::dpo_online::Online>,
+    data: &FileData,
+    step: u64,
+    m: &mut Map<String, Value>,
+) -> Result<Map<String, Value>> {
+    let micro = micro_of(cfg);
+    if let Some(online) = online {
+        let (pairs, refs, info) = online.pairs(step).await?;
+        m.extend(info);
+        if pairs.is_empty() {
+            return Ok(Map::new());
+        }
+        let p: Vec<&PrefPair> = pairs.iter().collect();
+        return accumulate(trainer, cfg.loss, cfg.beta, &p, &refs, micro).await;
+    }
+    let bs = cfg.optim.batch_size;
+    let (epoch, idx) = epoch_batch(cfg.seed, step, data.per_epoch(bs), bs, data.train.len());
+    let pairs: Vec<&PrefPair> = idx.iter().map(|&i| &data.train[i]).collect();
+    let refs: Vec<PairLogps> = idx.iter().map(|&i| data.train_refs[i]).collect();
+    m.insert("epoch".into(), json!(epoch));
+    accumulate(trainer, cfg.loss, cfg.beta, &pairs, &refs, micro).await
+}
+
 /// [`run_dpo`] once the run directory is set up.
 async fn dpo_loop(cfg: DpoPlan, opts: RunOptions, run_dir: PathBuf) -> Result<DpoOutcome> {
     let (base, trainer) = crate::trainer::trainer_for(&cfg.model, None, cfg.seed, &run_dir).await?;
-    let micro = 2 * cfg
-        .optim
-        .micro_batch_of(2 * cfg.optim.batch_size)
-        .div_ceil(2);
+    let micro = micro_of(&cfg);
     if !trainer.takes_pair_loss() {
-        let why = "this trainer takes no pair loss (the tinker wire has none): each DPO step \
-                   is a forward plus a weighted cross-entropy forward_backward, two passes";
-        tracing::warn!("{why}");
-        if cfg.log.progress {
-            eprintln!("{why}");
-        }
+        warn_two_pass(cfg.log.progress);
     }
     let online = match &cfg.data {
         PrefSource::Env { .. } => {
@@ -622,80 +704,34 @@ async fn dpo_loop(cfg: DpoPlan, opts: RunOptions, run_dir: PathBuf) -> Result<Dp
         }
         PrefSource::File { .. } => None,
     };
-    // The reference: the weights before any step, scored before a resume
-    // loads a checkpoint.
-    let (train, heldout, train_refs, heldout_refs) = match &cfg.data {
-        PrefSource::File {
-            path,
-            eval_path,
-            eval_fraction,
-            ..
-        } => {
-            let (train, heldout) = {
-                let (cfg2, base2) = (cfg.clone(), base.clone());
-                let (path, eval_path, f) = (path.clone(), eval_path.clone(), *eval_fraction);
-                tokio::task::spawn_blocking(move || {
-                    file_pairs(&cfg2, &base2, &path, eval_path.as_deref(), f)
-                })
-                .await
-                .map_err(|source| RlError::Blocking {
-                    what: "loading the preference data",
-                    source,
-                })??
-            };
-            let t0 = Instant::now();
-            let tr: Vec<&PrefPair> = train.iter().collect();
-            let train_refs = policy_logps(&*trainer, &tr, micro).await?;
-            let ho: Vec<&PrefPair> = heldout.iter().collect();
-            let heldout_refs = policy_logps(&*trainer, &ho, micro).await?;
-            if cfg.log.progress {
-                eprintln!(
-                    "reference logprobs of {} pairs ({} held out) in {:.1}s",
-                    train.len() + heldout.len(),
-                    heldout.len(),
-                    t0.elapsed().as_secs_f64()
-                );
-            }
-            (train, heldout, train_refs, heldout_refs)
-        }
-        PrefSource::Env { .. } => (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
-    };
-    let bs = cfg.optim.batch_size;
-    let per_epoch = (train.len().div_ceil(bs) as u64).max(1);
+    let data = FileData::load(&cfg, &base, &*trainer).await?;
     let max_steps = match cfg.data {
         PrefSource::File {
             epochs: Some(e), ..
-        } => cfg.optim.max_steps.min(e * per_epoch),
+        } => cfg
+            .optim
+            .max_steps
+            .min(e * data.per_epoch(cfg.optim.batch_size)),
         _ => cfg.optim.max_steps,
     };
-    let state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
-    let (start, mut eval_before) = (state.step, state.eval_before);
-    let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
-    if cfg.log.tensorboard {
-        log.enable_tensorboard()?;
-    }
-    let evaluator = match crate::eval::Evaluator::for_dpo(cfg.config(), max_steps).await? {
-        Some(ev) => Some((ev, crate::sft::SftPolicy::new(&base, trainer.clone())?)),
-        None => None,
+    let c = cfg.config();
+    let spec = RunStart {
+        seed: c.seed,
+        log: &c.log,
+        eval: &c.eval,
+        data_env: c.data.env.as_ref(),
+        resume: opts.resume,
+        max_steps,
     };
-    let mut eval_after = None;
-    if let Some((ev, policy)) = evaluator
-        .as_ref()
-        .filter(|_| eval_before.is_none() && start == 0)
-    {
-        let r = policy.evaluate(ev, &run_dir, 0).await?;
-        if cfg.log.progress {
-            eprintln!("{}", r.before_line());
-        }
-        eval_before = Some(r);
-    }
-    let mut heldout_before = None;
+    let (start, eval_before, mut log, run_eval) = spec.open(&run_dir, &trainer, &base).await?;
+    let (mut heldout_before, mut heldout_after, mut eval_after) = (None, None, None);
     let mut baseline = eval_before
         .as_ref()
         .map(EvalResult::plot_record)
         .unwrap_or_default();
-    if !heldout.is_empty() {
-        let m = evaluate_pairs(&*trainer, &cfg, &heldout, &heldout_refs, micro).await?;
+    let heldout = |trainer| evaluate_pairs(trainer, &cfg, &data.heldout, &data.heldout_refs, micro);
+    if !data.heldout.is_empty() {
+        let m = heldout(&*trainer).await?;
         if cfg.log.progress && start == 0 {
             eprintln!("{}", heldout_line("before", &m));
         }
@@ -709,111 +745,56 @@ async fn dpo_loop(cfg: DpoPlan, opts: RunOptions, run_dir: PathBuf) -> Result<Dp
     let end = opts
         .stop_after
         .map_or(max_steps, |n| (start + n).min(max_steps));
-    let mut heldout_after = None;
     let mut last = Map::new();
-    let mut last_state = String::new();
     let t_run = Instant::now();
     let mut step = start;
     while step < end {
         let t0 = Instant::now();
         let mut m = Map::new();
         m.insert("step".into(), json!(step + 1));
-        let metrics = if let Some(online) = &online {
-            let (pairs, refs, info) = online.pairs(step).await?;
-            m.extend(info);
-            if pairs.is_empty() {
-                Map::new()
-            } else {
-                let p: Vec<&PrefPair> = pairs.iter().collect();
-                accumulate(&*trainer, cfg.loss, cfg.beta, &p, &refs, micro).await?
-            }
-        } else {
-            // Epoch e's order is a seeded shuffle; the position is a function of the step.
-            let epoch = step / per_epoch;
-            let mut order: Vec<usize> = (0..train.len()).collect();
-            order.shuffle(&mut ChaCha8Rng::seed_from_u64(
-                cfg.seed ^ epoch.wrapping_mul(0x9E37),
-            ));
-            let k = (step % per_epoch) as usize;
-            let idx = &order[k * bs..((k + 1) * bs).min(order.len())];
-            let pairs: Vec<&PrefPair> = idx.iter().map(|&i| &train[i]).collect();
-            let refs: Vec<PairLogps> = idx.iter().map(|&i| train_refs[i]).collect();
-            m.insert("epoch".into(), json!(epoch));
-            accumulate(&*trainer, cfg.loss, cfg.beta, &pairs, &refs, micro).await?
-        };
+        let metrics = step_gradient(&cfg, &*trainer, online.as_ref(), &data, step, &mut m).await?;
         let trained = !metrics.is_empty();
         m.extend(metrics);
         let lr = cfg.optim.learning_rate(step);
         if trained {
-            let stats = trainer
-                .optim_step(AdamParams {
-                    learning_rate: lr,
-                    weight_decay: cfg.optim.weight_decay,
-                    grad_clip_norm: cfg.optim.grad_clip,
-                    ..AdamParams::default()
-                })
-                .await?;
-            m.insert("grad_norm".into(), json!(stats.grad_norm));
+            let (_, grad_norm) = optim_step(&*trainer, &cfg.optim, step).await?;
+            m.insert("grad_norm".into(), json!(grad_norm));
         }
         step += 1;
         m.insert("lr".into(), json!(lr));
         m.insert("time/step".into(), json!(t0.elapsed().as_secs_f64()));
         let due = (cfg.eval.interval > 0 && step.is_multiple_of(cfg.eval.interval)) || step == end;
-        if !heldout.is_empty() && due {
-            let h = evaluate_pairs(&*trainer, &cfg, &heldout, &heldout_refs, micro).await?;
+        if !data.heldout.is_empty() && due {
+            let h = heldout(&*trainer).await?;
             if cfg.log.progress {
                 eprintln!("{}", heldout_line(&format!("step {step}"), &h));
             }
             m.extend(h.clone());
             heldout_after = Some(h);
         }
-        if let Some((ev, policy)) = evaluator.as_ref().filter(|(ev, _)| ev.due(step)) {
-            let r = policy.evaluate(ev, &run_dir, step).await?;
-            if cfg.log.progress {
-                eprintln!("{}", r.step_line());
-            }
+        if let Some(r) = RunEval::after(run_eval.as_ref(), &run_dir, step).await? {
             m.insert("eval/pass@1".into(), json!(r.pass_at_1));
             m.insert("eval/reward".into(), json!(r.reward));
             eval_after = Some(r);
         }
         m.insert("time/elapsed".into(), json!(t_run.elapsed().as_secs_f64()));
         if cfg.log.progress && (step.is_multiple_of(10) || step == end || step == 1) {
-            let get = |k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
-            eprintln!(
-                "dpo step {step:>4}/{max_steps}  loss {:.4}  acc {:.2}  margin {:.3}  lr {lr:.2e}  {:.2}s",
-                get("loss"),
-                get("rewards/accuracies"),
-                get("rewards/margins"),
-                get("time/step"),
-            );
+            eprintln!("{}", progress_line(&m, step, max_steps, lr));
         }
         last = m.clone();
         log.write(m)?;
-        if (cfg.ckpt.interval > 0 && step.is_multiple_of(cfg.ckpt.interval)) || step == max_steps {
-            let st = LoopState {
-                step,
-                seed: cfg.seed,
-                eval_before: eval_before.clone(),
-                ..LoopState::default()
-            };
-            last_state = checkpoint::save(&run_dir, &*trainer, st, cfg.ckpt.keep).await?;
-        }
+        let (steps, seed) = ((step, max_steps), cfg.seed);
+        checkpoint::save_if_due(
+            &run_dir,
+            &*trainer,
+            &cfg.ckpt,
+            steps,
+            seed,
+            eval_before.clone(),
+        )
+        .await?;
     }
-    let _ = last_state;
-    log.write_plots(
-        &run_dir,
-        "temper DPO run",
-        &[
-            "loss",
-            "rewards/accuracies",
-            "rewards/margins",
-            "eval/loss",
-            "eval/rewards/accuracies",
-            "eval/pass@1",
-            "grad_norm",
-        ],
-        "",
-    )?;
+    log.write_plots(&run_dir, "temper DPO run", PLOTS, "")?;
     let output = checkpoint::export_weights(&*trainer, &run_dir, cfg.model.lora.is_some()).await?;
     Ok(DpoOutcome {
         steps: step,
@@ -825,6 +806,39 @@ async fn dpo_loop(cfg: DpoPlan, opts: RunOptions, run_dir: PathBuf) -> Result<Dp
         eval_after,
         metrics: log.records().to_vec(),
     })
+}
+
+/// What a DPO run plots.
+const PLOTS: &[&str] = &[
+    "loss",
+    "rewards/accuracies",
+    "rewards/margins",
+    "eval/loss",
+    "eval/rewards/accuracies",
+    "eval/pass@1",
+    "grad_norm",
+];
+
+/// Say that a trainer without the pair loss makes each step two passes.
+fn warn_two_pass(progress: bool) {
+    let why = "this trainer takes no pair loss (the tinker wire has none): each DPO step \
+               is a forward plus a weighted cross-entropy forward_backward, two passes";
+    tracing::warn!("{why}");
+    if progress {
+        eprintln!("{why}");
+    }
+}
+
+/// `dpo step    3/8  loss 0.6931  acc 0.50  margin 0.000  lr 1.00e-5  1.93s`.
+fn progress_line(m: &Map<String, Value>, step: u64, max_steps: u64, lr: f64) -> String {
+    let get = |k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    format!(
+        "dpo step {step:>4}/{max_steps}  loss {:.4}  acc {:.2}  margin {:.3}  lr {lr:.2e}  {:.2}s",
+        get("loss"),
+        get("rewards/accuracies"),
+        get("rewards/margins"),
+        get("time/step"),
+    )
 }
 
 /// `held-out pairs before: loss 0.6931  accuracy 0.00  margin 0.000`.

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use temper_env::{ChatModel, Environment, SamplingArgs};
 
-use crate::config::{DpoConfig, EnvSection, EvalSection, RlConfig, SftConfig};
+use crate::config::{EnvSection, EvalSection, RlConfig};
 use crate::error::{Result, RlError};
 use crate::policy::Batcher;
 use crate::publish::Published;
@@ -143,37 +143,12 @@ impl Evaluator {
         .map(|ev| ev.map(|e| e.with_progress(cfg.log.progress)))
     }
 
-    /// The evaluator of an SFT run: `[eval]`, defaulting to `[data] env`;
-    /// `None` when `eval.num_examples` is 0 or no environment is named (a
-    /// file dataset and no `eval.env`). Completions get the environment's
-    /// own `max_tokens` (what `temper eval` would use).
-    pub async fn for_sft(cfg: &SftConfig, max_steps: u64) -> Result<Option<Self>> {
-        Self::for_trainer(
-            &cfg.eval,
-            cfg.data.env.as_ref(),
-            cfg.seed,
-            cfg.log.progress,
-            max_steps,
-        )
-        .await
-    }
-
-    /// The evaluator of a DPO run: `[eval] env`, else the online
-    /// environment of `[data] env`.
-    pub async fn for_dpo(cfg: &DpoConfig, max_steps: u64) -> Result<Option<Self>> {
-        Self::for_trainer(
-            &cfg.eval,
-            cfg.data.env.as_ref(),
-            cfg.seed,
-            cfg.log.progress,
-            max_steps,
-        )
-        .await
-    }
-
     /// SFT's and DPO's evaluator: `[eval] env`, else the data's environment
-    /// (with its arguments unless `[eval] args` are given).
-    async fn for_trainer(
+    /// (with its arguments unless `[eval] args` are given); `None` when
+    /// `eval.num_examples` is 0 or no environment is named (a file dataset
+    /// and no `eval.env`). Completions get the environment's own
+    /// `max_tokens` (what `temper eval` would use).
+    pub async fn for_trainer(
         eval: &EvalSection,
         data_env: Option<&EnvSection>,
         seed: u64,
@@ -320,20 +295,20 @@ impl Evaluator {
         })
     }
 
-    /// Evaluate `policy` (version `step`) if an evaluation is
-    /// [`due`](Self::due).
+    /// Evaluate `policy` (version `step`) if the run has an evaluator and
+    /// an evaluation is [`due`](Self::due).
     pub(crate) async fn evaluate_if_due(
-        &self,
+        this: Option<&Self>,
         step: u64,
         policy: &Published,
         run_dir: &Path,
         batcher: Option<&Batcher>,
     ) -> Result<Option<EvalResult>> {
-        if !self.due(step) {
+        let Some(ev) = this.filter(|ev| ev.due(step)) else {
             return Ok(None);
-        }
+        };
         let model = policy.model.clone();
-        Ok(Some(self.evaluate(model, run_dir, step, batcher).await?))
+        Ok(Some(ev.evaluate(model, run_dir, step, batcher).await?))
     }
 }
 

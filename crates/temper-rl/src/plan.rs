@@ -63,6 +63,23 @@ pub struct Optim {
     pub max_steps: u64,
 }
 
+/// The optimiser fields of a `[trainer]` section. RL's and SFT's sections
+/// are different types that share these fields by name, so one macro reads
+/// both rather than two hand-written copies.
+macro_rules! optim_of {
+    ($t:expr) => {
+        Optim {
+            lr: $t.lr,
+            warmup_steps: $t.warmup_steps,
+            batch_size: $t.batch_size,
+            micro_batch: $t.micro_batch,
+            grad_clip: $t.grad_clip,
+            weight_decay: $t.weight_decay,
+            max_steps: $t.max_steps,
+        }
+    };
+}
+
 impl Optim {
     /// Linear warm-up to `lr` over `warmup_steps`, then constant.
     pub fn learning_rate(&self, step: u64) -> f64 {
@@ -237,16 +254,7 @@ impl TryFrom<RlConfig> for RlPlan {
         }
         let loss = rl_loss(&cfg.trainer)?;
         let distill = distill_plan(&cfg.distill)?;
-        let t = &cfg.trainer;
-        let optim = Optim {
-            lr: t.lr,
-            warmup_steps: t.warmup_steps,
-            batch_size: t.batch_size,
-            micro_batch: t.micro_batch,
-            grad_clip: t.grad_clip,
-            weight_decay: t.weight_decay,
-            max_steps: t.max_steps,
-        };
+        let optim = optim_of!(cfg.trainer);
         Ok(Self {
             model,
             optim,
@@ -266,15 +274,7 @@ fn sft_optim(t: &SftTrainerSection) -> Result<Optim> {
     if t.max_seq_len == 0 {
         return bad("trainer.max_seq_len must be >= 1");
     }
-    Ok(Optim {
-        lr: t.lr,
-        warmup_steps: t.warmup_steps,
-        batch_size: t.batch_size,
-        micro_batch: t.micro_batch,
-        grad_clip: t.grad_clip,
-        weight_decay: t.weight_decay,
-        max_steps: t.max_steps,
-    })
+    Ok(optim_of!(t))
 }
 
 impl TryFrom<SftConfig> for SftPlan {

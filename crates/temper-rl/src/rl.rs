@@ -24,7 +24,7 @@ use temper_model::Pretrained;
 
 use crate::advantage::batch_advantages;
 use crate::alerts::{Alert, AlertMonitor};
-use crate::checkpoint::{self, checkpoint_due};
+use crate::checkpoint::{self, checkpoint_due, LoopState};
 use crate::config::RlConfig;
 use crate::datum::TrainTurns;
 use crate::error::{Result, RlError};
@@ -201,25 +201,10 @@ pub async fn run_rl_with(
     let exact_sampler = cfg.sampler.url.is_none() && cfg.remote.is_none();
     let mut alerts = AlertMonitor::new(&cfg.alerts, exact_sampler)?;
 
-    // Publish the starting policy; evaluate it on a fresh run.
     let mut publisher = Publisher::new(&cfg, trainer.clone(), base, &run_dir)?;
     let batcher = publisher.batcher();
-    let first = publisher.publish(start).await?;
-    if let Some(ev) = evaluator
-        .as_ref()
-        .filter(|_| state.eval_before.is_none() && start == 0)
-    {
-        let r = ev
-            .evaluate(first.model.clone(), &run_dir, 0, batcher.as_ref())
-            .await?;
-        progress(&cfg, &r.before_line());
-        state.eval_before = Some(r);
-    }
-    if let Some(r) = &state.eval_before {
-        log.set_baseline(r.plot_record());
-        alerts.set_baseline(r.pass_at_1);
-    }
-    replay_alerts(&cfg, &log, &mut alerts)?;
+    let ev = evaluator.as_ref();
+    start_policy(&cfg, &mut publisher, ev, &mut state, &mut log, &mut alerts).await?;
 
     let max_steps = cfg.trainer.max_steps;
     let end = opts
@@ -258,13 +243,8 @@ pub async fn run_rl_with(
         let t_pub = Instant::now();
         let published = publisher.publish(version).await?;
         let publish_s = t_pub.elapsed().as_secs_f64();
-        let eval = match &evaluator {
-            Some(ev) => {
-                ev.evaluate_if_due(version, &published, &run_dir, batcher.as_ref())
-                    .await?
-            }
-            None => None,
-        };
+        let eval = Evaluator::evaluate_if_due(ev, version, &published, &run_dir, batcher.as_ref());
+        let eval = eval.await?;
 
         let metrics = StepMetrics {
             step: version,
@@ -289,7 +269,7 @@ pub async fn run_rl_with(
             progress(&cfg, &r.step_line());
             last_eval = Some(r);
         }
-        if checkpoint_due(&cfg, version) {
+        if checkpoint_due(&cfg.ckpt, version, cfg.trainer.max_steps) {
             state.step = version;
             last_ckpt = checkpoint::save(&run_dir, &*trainer, state.clone(), cfg.ckpt.keep).await?;
         }
@@ -300,14 +280,9 @@ pub async fn run_rl_with(
     }
     drop(rollouts);
     let steps = end.max(start);
-    let output = checkpoint::final_output(
-        &*trainer,
-        &run_dir,
-        cfg.remote.is_some(),
-        cfg.model.lora.is_some(),
-        steps == max_steps,
-        &last_ckpt,
-    );
+    let (remote, lora) = (cfg.remote.is_some(), cfg.model.lora.is_some());
+    let finished = steps == max_steps;
+    let output = checkpoint::final_output(&*trainer, &run_dir, remote, lora, finished, &last_ckpt);
     let output = output.await?;
     log.write_plots(&run_dir, "temper RL run", PLOTTED, &samples.html())?;
     let metrics = log.records().iter().map(StepMetrics::try_from);
@@ -321,6 +296,34 @@ pub async fn run_rl_with(
         output,
         metrics,
     })
+}
+
+/// Publish the starting policy (version `state.step`) and, on a fresh run,
+/// evaluate it into `state.eval_before`, which sets the baselines of the
+/// log's plots and of the alerts; then replay a resumed run's alerts.
+async fn start_policy(
+    cfg: &RlPlan,
+    publisher: &mut Publisher,
+    evaluator: Option<&Evaluator>,
+    state: &mut LoopState,
+    log: &mut MetricsLog,
+    alerts: &mut AlertMonitor,
+) -> Result<()> {
+    let start = state.step;
+    let first = publisher.publish(start).await?;
+    if let Some(ev) = evaluator.filter(|_| state.eval_before.is_none() && start == 0) {
+        let batcher = publisher.batcher();
+        let r = ev
+            .evaluate(first.model.clone(), &cfg.log.dir, 0, batcher.as_ref())
+            .await?;
+        progress(cfg, &r.before_line());
+        state.eval_before = Some(r);
+    }
+    if let Some(r) = &state.eval_before {
+        log.set_baseline(r.plot_record());
+        alerts.set_baseline(r.pass_at_1);
+    }
+    replay_alerts(cfg, log, alerts)
 }
 
 /// Train on batch `step`: its data path, the train step on its datums, and

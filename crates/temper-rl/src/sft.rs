@@ -21,7 +21,8 @@ use serde_json::{json, Map, Value};
 use temper_engine::{Datum, Loss, LossInputs, Trainer};
 use temper_model::{ChatTemplate, Pretrained, Tokenizer};
 
-use crate::checkpoint::{self, LoopState};
+use crate::checkpoint;
+use crate::config::{EnvSection, EvalSection, LogSection};
 use crate::error::{Result, RlError};
 use crate::eval::{EvalResult, Evaluator};
 use crate::metrics::SftStepMetrics;
@@ -343,15 +344,13 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
     let run_dir = run_dir.to_path_buf();
     let (base, trainer) =
         crate::trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir).await?;
-    let examples = {
-        let (cfg, base) = (cfg.clone(), base.clone());
-        tokio::task::spawn_blocking(move || load_examples(&cfg, &base))
-            .await
-            .map_err(|source| RlError::Blocking {
-                what: "loading the SFT data",
-                source,
-            })??
-    };
+    let (cfg2, base2) = (cfg.clone(), base.clone());
+    let examples = tokio::task::spawn_blocking(move || load_examples(&cfg2, &base2))
+        .await
+        .map_err(|source| RlError::Blocking {
+            what: "loading the SFT data",
+            source,
+        })??;
     let bs = cfg.optim.batch_size;
     let per_epoch = examples.len().div_ceil(bs) as u64;
     // An environment's rows are drawn all at once, cycling through its
@@ -366,34 +365,17 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
         } => cfg.optim.max_steps.min(e * per_epoch),
         _ => cfg.optim.max_steps,
     };
-    // The RL loop's checkpoint format: a missing or malformed field of
-    // latest.json is an error, not a silent step 0.
-    let state = checkpoint::start_state(&run_dir, &*trainer, opts.resume, cfg.seed).await?;
-    let (start, mut eval_before) = (state.step, state.eval_before);
-    let mut log = MetricsLog::open(&run_dir, opts.resume.then_some(start))?;
-    if cfg.log.tensorboard {
-        log.enable_tensorboard()?;
-    }
-    let evaluator = match Evaluator::for_sft(&cfg, max_steps).await? {
-        Some(ev) => Some((ev, SftPolicy::new(&base, trainer.clone())?)),
-        None => None,
+    let c = cfg.config();
+    let spec = RunStart {
+        seed: c.seed,
+        log: &c.log,
+        eval: &c.eval,
+        data_env: c.data.env.as_ref(),
+        resume: opts.resume,
+        max_steps,
     };
-    if let Some(n) = evaluator.as_ref().and_then(|(ev, _)| ev.notice()) {
-        if cfg.log.progress {
-            eprintln!("note: {n}");
-        }
-    }
+    let (start, eval_before, mut log, run_eval) = spec.open(&run_dir, &trainer, &base).await?;
     let mut eval_after = None;
-    if let Some((ev, policy)) = evaluator
-        .as_ref()
-        .filter(|_| eval_before.is_none() && start == 0)
-    {
-        let r = policy.evaluate(ev, &run_dir, 0).await?;
-        if cfg.log.progress {
-            eprintln!("{}", r.before_line());
-        }
-        eval_before = Some(r);
-    }
     if let Some(r) = &eval_before {
         log.set_baseline(r.plot_record());
     }
@@ -406,14 +388,7 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
     let mut step = start;
     while step < end {
         let t0 = Instant::now();
-        // Epoch e's order is a seeded shuffle; the position is a function of the step.
-        let epoch = step / per_epoch;
-        let mut order: Vec<usize> = (0..examples.len()).collect();
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(
-            cfg.seed ^ epoch.wrapping_mul(0x9E37),
-        ));
-        let k = (step % per_epoch) as usize;
-        let idx = &order[k * bs..((k + 1) * bs).min(order.len())];
+        let (epoch, idx) = epoch_batch(cfg.seed, step, per_epoch, bs, examples.len());
         let batch: Vec<&SftExample> = idx.iter().map(|&i| &examples[i]).collect();
         let n_tok: usize = batch.iter().map(|e| e.trained_tokens()).sum();
         let w = 1.0 / n_tok.max(1) as f32;
@@ -442,11 +417,7 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
             step_s: dt,
             ..SftStepMetrics::default()
         };
-        if let Some((ev, policy)) = evaluator.as_ref().filter(|(ev, _)| ev.due(step)) {
-            let r = policy.evaluate(ev, &run_dir, step).await?;
-            if cfg.log.progress {
-                eprintln!("{}", r.step_line());
-            }
+        if let Some(r) = RunEval::after(run_eval.as_ref(), &run_dir, step).await? {
             m.eval_pass_at_1 = Some(r.pass_at_1);
             m.eval_reward = Some(r.reward);
             eval_after = Some(r);
@@ -456,23 +427,21 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
             eprintln!("{}", m.progress_line(max_steps));
         }
         log.write(m.to_record()?)?;
-        if (cfg.ckpt.interval > 0 && step.is_multiple_of(cfg.ckpt.interval)) || step == max_steps {
-            let st = LoopState {
-                step,
-                seed: cfg.seed,
-                eval_before: eval_before.clone(),
-                ..LoopState::default()
-            };
-            // Keeps `ckpt.keep` checkpoints, as RL does.
-            last_state = checkpoint::save(&run_dir, &*trainer, st, cfg.ckpt.keep).await?;
+        let (steps, seed) = ((step, max_steps), cfg.seed);
+        let ckpt = checkpoint::save_if_due(
+            &run_dir,
+            &*trainer,
+            &cfg.ckpt,
+            steps,
+            seed,
+            eval_before.clone(),
+        );
+        if let Some(path) = ckpt.await? {
+            last_state = path;
         }
     }
-    log.write_plots(
-        &run_dir,
-        "temper SFT run",
-        &["loss", "eval/pass@1", "grad_norm", "lr", "tokens_per_s"],
-        "",
-    )?;
+    let plots = ["loss", "eval/pass@1", "grad_norm", "lr", "tokens_per_s"];
+    log.write_plots(&run_dir, "temper SFT run", &plots, "")?;
     let output = checkpoint::final_output(
         &*trainer,
         &run_dir,
@@ -490,6 +459,128 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
         eval_after,
         metrics: log.records().to_vec(),
     })
+}
+
+/// The examples step `step` trains on, with its epoch: epoch `e`'s order
+/// is a seeded shuffle of `0..n`, and its `k`-th step takes the `k`-th `bs`
+/// of it, so the batch is a function of the step (a resumed run continues
+/// where it stopped). Shared by SFT and DPO.
+pub(crate) fn epoch_batch(
+    seed: u64,
+    step: u64,
+    per_epoch: u64,
+    bs: usize,
+    n: usize,
+) -> (u64, Vec<usize>) {
+    let epoch = step / per_epoch;
+    let mut order: Vec<usize> = (0..n).collect();
+    order.shuffle(&mut ChaCha8Rng::seed_from_u64(
+        seed ^ epoch.wrapping_mul(0x9E37),
+    ));
+    let k = (step % per_epoch) as usize;
+    (epoch, order[k * bs..((k + 1) * bs).min(n)].to_vec())
+}
+
+/// How SFT and DPO start a run: from the checkpoint a resume names (the
+/// RL loop's format: a missing or malformed field of `latest.json` is an
+/// error, not a silent step 0), with the metrics log open and the held-out
+/// evaluation before training run unless the run already has it.
+pub(crate) struct RunStart<'a> {
+    pub(crate) seed: u64,
+    pub(crate) log: &'a LogSection,
+    pub(crate) eval: &'a EvalSection,
+    pub(crate) data_env: Option<&'a EnvSection>,
+    pub(crate) resume: bool,
+    pub(crate) max_steps: u64,
+}
+
+impl RunStart<'_> {
+    /// The step to start at, the evaluation before training, the metrics
+    /// log and the run's evaluator.
+    pub(crate) async fn open(
+        &self,
+        run_dir: &Path,
+        trainer: &Arc<dyn Trainer>,
+        base: &Arc<Pretrained>,
+    ) -> Result<(u64, Option<EvalResult>, MetricsLog, Option<RunEval>)> {
+        let state = checkpoint::start_state(run_dir, &**trainer, self.resume, self.seed).await?;
+        let (start, mut eval_before) = (state.step, state.eval_before);
+        let mut log = MetricsLog::open(run_dir, self.resume.then_some(start))?;
+        if self.log.tensorboard {
+            log.enable_tensorboard()?;
+        }
+        let (seed, progress) = (self.seed, self.log.progress);
+        let ev = Evaluator::for_trainer(self.eval, self.data_env, seed, progress, self.max_steps);
+        let run_eval = RunEval::new(ev.await?, base, trainer, progress)?;
+        if let Some(e) = &run_eval {
+            e.before(run_dir, &mut eval_before, start).await?;
+        }
+        Ok((start, eval_before, log, run_eval))
+    }
+}
+
+/// SFT's and DPO's held-out environment evaluation (`[eval]`) of the run's
+/// current weights, with its progress lines.
+pub(crate) struct RunEval {
+    ev: Evaluator,
+    policy: SftPolicy,
+    progress: bool,
+}
+
+impl RunEval {
+    /// `None` when the run has no evaluator.
+    pub(crate) fn new(
+        ev: Option<Evaluator>,
+        base: &Arc<Pretrained>,
+        trainer: &Arc<dyn Trainer>,
+        progress: bool,
+    ) -> Result<Option<Self>> {
+        let Some(ev) = ev else { return Ok(None) };
+        if let Some(n) = ev.notice().filter(|_| progress) {
+            eprintln!("note: {n}");
+        }
+        let policy = SftPolicy::new(base, trainer.clone())?;
+        Ok(Some(Self {
+            ev,
+            policy,
+            progress,
+        }))
+    }
+
+    /// Evaluate the weights before training into `eval_before`, unless a
+    /// resumed run has it already (or resumed past step 0).
+    pub(crate) async fn before(
+        &self,
+        run_dir: &Path,
+        eval_before: &mut Option<EvalResult>,
+        start: u64,
+    ) -> Result<()> {
+        if eval_before.is_some() || start != 0 {
+            return Ok(());
+        }
+        let r = self.policy.evaluate(&self.ev, run_dir, 0).await?;
+        if self.progress {
+            eprintln!("{}", r.before_line());
+        }
+        *eval_before = Some(r);
+        Ok(())
+    }
+
+    /// The evaluation after `step` steps, when one is due.
+    pub(crate) async fn after(
+        this: Option<&Self>,
+        run_dir: &Path,
+        step: u64,
+    ) -> Result<Option<EvalResult>> {
+        let Some(e) = this.filter(|e| e.ev.due(step)) else {
+            return Ok(None);
+        };
+        let r = e.policy.evaluate(&e.ev, run_dir, step).await?;
+        if e.progress {
+            eprintln!("{}", r.step_line());
+        }
+        Ok(Some(r))
+    }
 }
 
 /// The SFT run's current weights as a chat model, for evaluation.

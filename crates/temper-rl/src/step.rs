@@ -65,30 +65,53 @@ pub async fn forward_backward_step(
     loss: &Loss,
     step: u64,
     datums: Vec<Datum>,
-    mut each: impl FnMut(usize, &ForwardOutput) -> Result<()>,
+    each: impl FnMut(usize, &ForwardOutput) -> Result<()>,
 ) -> Result<Stepped> {
-    let mut out = Stepped {
-        lr: hp.learning_rate(step),
-        ..Default::default()
-    };
     let micro = hp.micro_batch_of(datums.len());
+    let loss_sum = forward_backward_chunks(trainer, loss, &datums, micro, each).await?;
+    let (lr, grad_norm) = optim_step(trainer, hp, step).await?;
+    Ok(Stepped {
+        loss_sum,
+        grad_norm,
+        lr,
+    })
+}
+
+/// `forward_backward` over `datums`, `micro` at a time, leaving the summed
+/// gradient in the trainer; each call's output goes to `each` with the
+/// index of its first datum. Returns the summed loss.
+pub async fn forward_backward_chunks(
+    trainer: &dyn Trainer,
+    loss: &Loss,
+    datums: &[Datum],
+    micro: usize,
+    mut each: impl FnMut(usize, &ForwardOutput) -> Result<()>,
+) -> Result<f64> {
+    let micro = micro.max(1);
+    let mut loss_sum = 0.0;
     for (i, chunk) in datums.chunks(micro).enumerate() {
         let fb = trainer
             .forward_backward(chunk.to_vec(), loss.clone())
             .await?;
-        out.loss_sum += fb.metrics.get("loss:sum").copied().unwrap_or(0.0);
+        loss_sum += fb.metrics.get("loss:sum").copied().unwrap_or(0.0);
         each(i * micro, &fb)?;
     }
+    Ok(loss_sum)
+}
+
+/// One `optim_step` at the plan's learning rate for `step`, its weight
+/// decay and clip: returns the learning rate and the gradient norm.
+pub async fn optim_step(trainer: &dyn Trainer, hp: &Optim, step: u64) -> Result<(f64, f64)> {
+    let lr = hp.learning_rate(step);
     let stats = trainer
         .optim_step(AdamParams {
-            learning_rate: out.lr,
+            learning_rate: lr,
             weight_decay: hp.weight_decay,
             grad_clip_norm: hp.grad_clip,
             ..AdamParams::default()
         })
         .await?;
-    out.grad_norm = stats.grad_norm;
-    Ok(out)
+    Ok((lr, stats.grad_norm))
 }
 
 /// RL's train step `step` on `datums_d` (one per sequence of `seqs_d`),
