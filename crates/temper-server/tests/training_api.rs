@@ -15,43 +15,9 @@ use temper_model::{LoadOptions, Pretrained};
 use temper_server::training_api::{app, ApiConfig, ApiState, BaseModel};
 use tower::ServiceExt;
 
-fn state(ckpt: &std::path::Path) -> ApiState {
-    state_with_grace(ckpt, Duration::from_secs(600))
-}
+mod common;
 
-fn state_with_grace(ckpt: &std::path::Path, grace: Duration) -> ApiState {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
-    let model = Arc::new(Pretrained::load(&dir, &LoadOptions::default()).expect("fixture"));
-    ApiState::new(
-        vec![BaseModel {
-            name: "tiny".into(),
-            model,
-        }],
-        ApiConfig {
-            api_key: Some("tml-k".into()),
-            checkpoint_dir: ckpt.to_path_buf(),
-            long_poll: Duration::from_secs(5),
-            result_grace: grace,
-            limits: Default::default(),
-            adapters: Default::default(),
-        },
-    )
-}
-
-async fn call(s: &ApiState, path: &str, body: Value) -> (StatusCode, Value) {
-    let req = Request::post(path)
-        .header("x-api-key", "tml-k")
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
-        .expect("request");
-    let resp = app(s.clone()).oneshot(req).await.expect("response");
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
+use common::training::{call, state, state_with_grace};
 
 async fn result_bytes(s: &ApiState, request_id: &Value) -> (String, Vec<u8>) {
     let req = Request::post("/api/v1/retrieve_future")

@@ -5,55 +5,14 @@
 //!
 //! One test, in its own binary: the hook is process-wide.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
-
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use temper_model::{LoadOptions, Pretrained};
-use temper_server::training_api::{app, ApiConfig, ApiState, BaseModel};
-use tower::ServiceExt;
+use temper_server::training_api::ApiState;
 
-fn state(ckpt: &std::path::Path) -> ApiState {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models/tiny-qwen3");
-    let model = Arc::new(Pretrained::load(&dir, &LoadOptions::default()).expect("fixture"));
-    ApiState::new(
-        vec![BaseModel {
-            name: "tiny".into(),
-            model,
-        }],
-        ApiConfig {
-            api_key: Some("tml-k".into()),
-            checkpoint_dir: ckpt.to_path_buf(),
-            long_poll: Duration::from_secs(5),
-            result_grace: Duration::from_secs(600),
-            limits: Default::default(),
-            adapters: Default::default(),
-        },
-    )
-}
+mod common;
 
-async fn send(s: &ApiState, req: Request<Body>) -> (StatusCode, Value) {
-    let resp = app(s.clone()).oneshot(req).await.expect("response");
-    let status = resp.status();
-    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
-
-async fn call(s: &ApiState, path: &str, body: Value) -> (StatusCode, Value) {
-    let req = Request::post(path)
-        .header("x-api-key", "tml-k")
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
-        .expect("request");
-    send(s, req).await
-}
+use common::training::{call, send, state};
 
 async fn healthz(s: &ApiState) -> (StatusCode, Value) {
     let req = Request::get("/api/v1/healthz")

@@ -15,6 +15,8 @@ use temper_model::{LoadOptions, Pretrained};
 use temper_server::openai::{OpenAiState, ServeConfig};
 use tower::ServiceExt;
 
+pub mod training;
+
 pub const MODEL: &str = "tiny";
 
 pub fn fixtures() -> PathBuf {
