@@ -138,9 +138,11 @@ impl EnvKind for TasksKind {
 
 /// The loader of every kind of environment the workspace has: temper-env's
 /// own plus Harbor tasks. The CLI and the training loops load through it;
-/// a new kind is added here.
-pub fn loader() -> Loader {
-    Loader::new().with(TasksKind)
+/// a new kind is added here. Built once per process: the registry is
+/// fixed at compile time, and every caller shares it.
+pub fn loader() -> &'static Loader {
+    static LOADER: std::sync::OnceLock<Loader> = std::sync::OnceLock::new();
+    LOADER.get_or_init(|| Loader::new().with(TasksKind))
 }
 
 fn bad(env: &str, message: impl Into<String>) -> EnvError {
