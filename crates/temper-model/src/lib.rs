@@ -68,7 +68,7 @@ pub use export::{hf_config_json, model_name, path_name, save_gguf, save_hf, Gguf
 pub use gguf::{gguf_tensor_name, is_gguf, GgufFile};
 pub use lora::{LoraAdapter, LoraConfig, LoraPair, Target};
 pub use model::{KvCache, Model, Segment};
-pub use precision::{default_precision, set_default_precision, Precision};
+pub use precision::Precision;
 pub use pretrained::{GenerationDefaults, LoadOptions, Pretrained};
 pub use random::{random_weights, write_random_model, RandomInit};
 pub use rope::{inv_freq, Rope};

@@ -5,7 +5,6 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::error::{ModelError, Result};
 use crate::kernels::bf16_dot_available;
@@ -47,25 +46,6 @@ impl Precision {
     }
 }
 
-static DEFAULT: AtomicU8 = AtomicU8::new(0);
-
-/// Set the precision [`crate::LoadOptions::default`] uses in this process:
-/// the binary's global `--dtype`, so every command and every model a
-/// command loads (trainer, sampler, server) agree.
-pub fn set_default_precision(p: Precision) {
-    DEFAULT.store(p as u8, Ordering::Relaxed);
-}
-
-/// The process's default precision (see [`set_default_precision`]; `f32`
-/// unless set).
-pub fn default_precision() -> Precision {
-    match DEFAULT.load(Ordering::Relaxed) {
-        0 => Precision::F32,
-        1 => Precision::Bf16,
-        _ => Precision::Gguf,
-    }
-}
-
 impl fmt::Display for Precision {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -97,11 +77,6 @@ mod tests {
     fn parses_the_four_names_and_refuses_others() {
         assert_eq!("f32".parse::<Precision>().unwrap(), Precision::F32);
         assert_eq!("gguf".parse::<Precision>().unwrap(), Precision::Gguf);
-        for p in [Precision::F32, Precision::Bf16, Precision::Gguf] {
-            set_default_precision(p);
-            assert_eq!(default_precision(), p);
-        }
-        set_default_precision(Precision::F32);
         assert_eq!("bf16".parse::<Precision>().unwrap(), Precision::Bf16);
         assert_eq!("auto".parse::<Precision>().unwrap(), Precision::auto());
         let e = "fp16".parse::<Precision>().unwrap_err().to_string();

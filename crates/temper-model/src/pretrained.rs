@@ -52,8 +52,9 @@ pub struct LoadOptions {
     /// Compute dtype: f32 on CPU; bf16 on CUDA.
     pub dtype: DType,
     /// The matmul weights' precision on the CPU (see
-    /// [`Model::set_precision`]); the default is the process's
-    /// [`crate::default_precision`].
+    /// [`Model::set_precision`]); `f32` unless the caller chooses (the CLI
+    /// passes its `--dtype`): the numerics are this value's, never a
+    /// process-wide setting's.
     pub precision: Precision,
 }
 
@@ -62,7 +63,7 @@ impl Default for LoadOptions {
         Self {
             device: Device::Cpu,
             dtype: DType::F32,
-            precision: crate::precision::default_precision(),
+            precision: Precision::F32,
         }
     }
 }

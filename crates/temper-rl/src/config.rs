@@ -635,7 +635,30 @@ pub fn resolve<T: serde::de::DeserializeOwned>(
     text: &str,
     overrides: &[(String, String)],
 ) -> Result<T> {
+    resolve_with(text, &[], overrides)
+}
+
+/// [`resolve`], first filling each of `defaults` whose key the text leaves
+/// unset and whose table it has (`distill.teacher.dtype` only where there
+/// is a teacher): how the CLI's global flags reach a config without a
+/// process-wide setting. Overrides still win.
+pub fn resolve_with<T: serde::de::DeserializeOwned>(
+    text: &str,
+    defaults: &[(String, String)],
+    overrides: &[(String, String)],
+) -> Result<T> {
     let mut root: toml::Value = toml::from_str(text).map_err(|e| RlError::Config(e.to_string()))?;
+    for (key, value) in defaults {
+        let (parent, leaf) = key.rsplit_once('.').unwrap_or(("", key));
+        let table = parent
+            .split('.')
+            .filter(|p| !p.is_empty())
+            .try_fold(&mut root, |t, p| t.get_mut(p));
+        if let Some(toml::Value::Table(t)) = table {
+            t.entry(leaf.to_string())
+                .or_insert_with(|| parse_value(value));
+        }
+    }
     for (key, value) in overrides {
         set_path(&mut root, key, parse_value(value))?;
     }
@@ -647,8 +670,17 @@ pub fn load<T: serde::de::DeserializeOwned>(
     path: &Path,
     overrides: &[(String, String)],
 ) -> Result<T> {
+    load_with(path, &[], overrides)
+}
+
+/// Read the TOML file `path` and [`resolve_with`] it.
+pub fn load_with<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    defaults: &[(String, String)],
+    overrides: &[(String, String)],
+) -> Result<T> {
     let text = std::fs::read_to_string(path).map_err(|e| RlError::io(path, e))?;
-    resolve(&text, overrides).map_err(|e| match e {
+    resolve_with(&text, defaults, overrides).map_err(|e| match e {
         RlError::Config(m) => RlError::Config(format!("{}: {m}", path.display())),
         other => other,
     })
@@ -848,6 +880,37 @@ mod tests {
         assert_eq!(cfg.sampling.group_size, 8);
         let again: RlConfig = resolve(&to_toml(&cfg).unwrap(), &[]).unwrap();
         assert_eq!(again, cfg);
+    }
+
+    /// Issue 35 §5: the CLI's `--dtype` reaches a config as a default, not
+    /// as a process-wide setting: it fills an unset `[model] dtype`, leaves
+    /// the file's own value, adds no teacher, and an override still wins.
+    #[test]
+    fn defaults_fill_only_unset_keys_of_existing_tables() {
+        let d = ["model.dtype", "distill.teacher.dtype"].map(|k| (k.to_string(), "bf16".into()));
+        let cfg: RlConfig = resolve_with(EXAMPLE, &d, &[]).unwrap();
+        assert_eq!(cfg.model.dtype.as_deref(), Some("bf16"));
+        assert!(
+            cfg.distill.teacher.is_none(),
+            "a default must not create a teacher"
+        );
+        let own = EXAMPLE.replace("preset = \"tiny\"", "preset = \"tiny\"\ndtype = \"f32\"");
+        let cfg: RlConfig = resolve_with(&own, &d, &[]).unwrap();
+        assert_eq!(
+            cfg.model.dtype.as_deref(),
+            Some("f32"),
+            "the file's value wins"
+        );
+        let ov = [("model.dtype".to_string(), "gguf".to_string())];
+        let cfg: RlConfig = resolve_with(&own, &d, &ov).unwrap();
+        assert_eq!(cfg.model.dtype.as_deref(), Some("gguf"), "an override wins");
+        let with_teacher = format!("{EXAMPLE}\n[distill.teacher]\npath = \"t\"\n");
+        let cfg: RlConfig = resolve_with(&with_teacher, &d, &[]).unwrap();
+        let teacher = cfg.distill.teacher.expect("teacher");
+        assert_eq!(teacher.dtype.as_deref(), Some("bf16"));
+        // Without defaults a library caller gets f32, whatever else ran.
+        let cfg: RlConfig = resolve(EXAMPLE, &[]).unwrap();
+        assert_eq!(cfg.model.dtype, None);
     }
 
     /// Issue 15: the sampling fields of `temper eval -S` exist in RL

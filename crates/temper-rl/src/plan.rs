@@ -442,14 +442,14 @@ pub(crate) fn check_env_weights(weights: &[f64]) -> Result<()> {
     Ok(())
 }
 
-/// A `dtype` key as a [`Precision`] (unset: the process's default); errors
-/// name the section `what`.
+/// A `dtype` key as a [`Precision`] (unset: `f32`; the CLI fills an unset
+/// key from its `--dtype` before planning); errors name the section `what`.
 fn precision_of(dtype: Option<&str>, what: &str) -> Result<Precision> {
     match dtype {
         Some(d) => d
             .parse::<Precision>()
             .map_err(|e| RlError::Config(format!("{what} {e}"))),
-        None => Ok(temper_model::default_precision()),
+        None => Ok(Precision::F32),
     }
 }
 

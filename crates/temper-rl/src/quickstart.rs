@@ -45,6 +45,9 @@ pub struct QuickstartOptions {
     pub seed: u64,
     /// Progress lines on stderr.
     pub progress: bool,
+    /// The RL run's matmul weights (the CLI's `--dtype`); the SFT warm-up
+    /// trains every weight, in f32 whatever this says.
+    pub precision: temper_model::Precision,
 }
 
 impl Default for QuickstartOptions {
@@ -58,6 +61,7 @@ impl Default for QuickstartOptions {
             teacher_noise: 0.75,
             seed: 0,
             progress: true,
+            precision: temper_model::Precision::F32,
         }
     }
 }
@@ -145,7 +149,7 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
             preset: None,
             tiny: TinyPreset::default(),
             adapter: None,
-            dtype: None,
+            dtype: Some(o.precision.to_string()),
         },
         lora: LoraSection {
             enabled: true,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use temper_model::{default_device, default_dtype, LoadOptions, Pretrained};
+use temper_model::{default_device, default_dtype, LoadOptions, Precision, Pretrained};
 use temper_server::training_api::{
     app, ApiConfig, ApiLimits, ApiState, BaseModel, ServedAdapter, PEFT_ADAPTER_PREFIX,
 };
@@ -92,18 +92,18 @@ fn peft_rank(dir: &std::path::Path) -> Result<usize> {
 }
 
 /// Run a command.
-pub fn run(cmd: ApiCommand) -> Result<()> {
+pub fn run(cmd: ApiCommand, precision: Precision) -> Result<()> {
     match cmd {
-        ApiCommand::Serve(a) => serve(a),
+        ApiCommand::Serve(a) => serve(a, precision),
     }
 }
 
-fn serve(args: ServeArgs) -> Result<()> {
+fn serve(args: ServeArgs, precision: Precision) -> Result<()> {
     let device = default_device()?;
     let opts = LoadOptions {
         dtype: default_dtype(&device),
         device,
-        ..LoadOptions::default()
+        precision,
     };
     let mut bases = Vec::new();
     for m in &args.models {

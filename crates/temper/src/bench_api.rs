@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use temper_client::RemoteTrainer;
 use temper_engine::{AdamParams, Datum, Engine, LocalTrainer, Loss, LossInputs, Trainer};
-use temper_model::{LoadOptions, LoraConfig, Pretrained};
+use temper_model::{LoadOptions, LoraConfig, Precision, Pretrained};
 use temper_server::training_api::{app, ApiConfig, ApiState, BaseModel, LORA_ALPHA};
 
 /// Arguments of `temper bench api`.
@@ -49,9 +49,13 @@ async fn steps(t: &dyn Trainer, data: &[Datum], n: usize) -> Result<Duration> {
 }
 
 /// Run the benchmark.
-pub fn run(args: ApiBenchArgs) -> Result<()> {
+pub fn run(args: ApiBenchArgs, precision: Precision) -> Result<()> {
+    let opts = LoadOptions {
+        precision,
+        ..LoadOptions::default()
+    };
     let base = Arc::new(
-        Pretrained::load(&args.model, &LoadOptions::default())
+        Pretrained::load(&args.model, &opts)
             .with_context(|| format!("loading {}", args.model.display()))?,
     );
     let vocab = base.config.vocab_size.min(base.tokenizer.vocab_size()) as u32;

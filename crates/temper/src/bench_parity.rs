@@ -15,7 +15,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use temper_model::candle_core::{DType, Device, Tensor};
 use temper_model::{
-    GenerationRequest, LoadOptions, LoraAdapter, Pretrained, Sampler, SamplingParams, ScoreInput,
+    GenerationRequest, LoadOptions, LoraAdapter, Precision, Pretrained, Sampler, SamplingParams,
+    ScoreInput,
 };
 
 /// Arguments of `temper bench parity`.
@@ -87,7 +88,7 @@ fn to_f32s(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// Run `temper bench parity`.
-pub fn run(a: ParityArgs) -> Result<()> {
+pub fn run(a: ParityArgs, precision: Precision) -> Result<()> {
     let work: Work = serde_json::from_str(
         &std::fs::read_to_string(&a.work).with_context(|| format!("read {}", a.work.display()))?,
     )
@@ -104,7 +105,7 @@ pub fn run(a: ParityArgs) -> Result<()> {
     let opts = LoadOptions {
         device: device.clone(),
         dtype,
-        ..LoadOptions::default()
+        precision,
     };
     let t0 = Instant::now();
     let p = Pretrained::load(&a.model, &opts)

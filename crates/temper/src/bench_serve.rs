@@ -27,7 +27,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use temper_model::candle_core::DType;
-use temper_model::{GgufQuant, LoadOptions, Pretrained, RandomInit};
+use temper_model::{GgufQuant, LoadOptions, Precision, Pretrained, RandomInit};
 use temper_server::openai::{app, OpenAiState, ServeConfig};
 
 /// Arguments of `temper bench serve`.
@@ -149,7 +149,7 @@ async fn measure(
 }
 
 /// Run the benchmark and print the table.
-pub fn run(args: ServeBenchArgs) -> Result<()> {
+pub fn run(args: ServeBenchArgs, precision: Precision) -> Result<()> {
     let levels: Vec<usize> = args
         .concurrency
         .split(',')
@@ -166,24 +166,29 @@ pub fn run(args: ServeBenchArgs) -> Result<()> {
         .ok()
         .and_then(|s| s.parse::<usize>().ok())
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let result = bench(&dir, &levels, &args, threads);
+    let result = bench(&dir, &levels, &args, (threads, precision));
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
 /// The served model, and an HF directory of the same weights for
 /// transformers (written under `work` unless the model is one already).
-fn served_model(work: &Path, args: &ServeBenchArgs) -> Result<(Pretrained, PathBuf, String)> {
+fn served_model(
+    work: &Path,
+    args: &ServeBenchArgs,
+    precision: Precision,
+) -> Result<(Pretrained, PathBuf, String)> {
+    let opts = LoadOptions {
+        dtype: DType::F32,
+        precision,
+        ..LoadOptions::default()
+    };
     let Some(path) = &args.model else {
         let dir = work.join("model");
         write_model(&dir)?;
-        let model = Pretrained::load(&dir, &LoadOptions::default())?;
+        let model = Pretrained::load(&dir, &opts)?;
         let what = format!("random f32 Llama (hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB})");
         return Ok((model, dir, what));
-    };
-    let opts = LoadOptions {
-        dtype: DType::F32,
-        ..LoadOptions::default()
     };
     let model =
         Pretrained::load(path, &opts).with_context(|| format!("loading {}", path.display()))?;
@@ -268,8 +273,13 @@ fn llama_cpp(
     Ok(best)
 }
 
-fn bench(work: &Path, levels: &[usize], args: &ServeBenchArgs, threads: usize) -> Result<()> {
-    let (model, hf_dir, what) = served_model(work, args)?;
+fn bench(
+    work: &Path,
+    levels: &[usize],
+    args: &ServeBenchArgs,
+    (threads, precision): (usize, Precision),
+) -> Result<()> {
+    let (model, hf_dir, what) = served_model(work, args, precision)?;
     let vocab = model.config.vocab_size;
     if vocab <= 8 {
         bail!("the model's vocabulary ({vocab}) is too small to draw prompts from");

@@ -8,8 +8,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use temper_model::{
-    default_device, default_dtype, GenerationRequest, LoadOptions, LoraAdapter, Pretrained,
-    Sampler, SamplingParams,
+    default_device, default_dtype, GenerationRequest, LoadOptions, LoraAdapter, Precision,
+    Pretrained, Sampler, SamplingParams,
 };
 
 /// Arguments of `temper generate`.
@@ -57,7 +57,7 @@ pub struct GenerateArgs {
 }
 
 /// Load, sample, print.
-pub fn run(args: GenerateArgs) -> Result<()> {
+pub fn run(args: GenerateArgs, precision: Precision) -> Result<()> {
     if args.n == 0 {
         bail!("--n must be at least 1");
     }
@@ -65,7 +65,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let opts = LoadOptions {
         dtype: default_dtype(&device),
         device,
-        ..LoadOptions::default()
+        precision,
     };
     let t0 = Instant::now();
     let p = Pretrained::load(&args.model, &opts)

@@ -161,8 +161,9 @@ pub struct LearnPlan {
 }
 
 impl LearnPlan {
-    /// Reads and checks `path`; `model` is the served model.
-    pub fn load(path: &Path, model: &Path) -> Result<Self> {
+    /// Reads and checks `path`; `model` is the served model, whose
+    /// weights' precision (`--dtype`) the learner trains in too.
+    pub fn load(path: &Path, model: &Path, precision: temper_model::Precision) -> Result<Self> {
         let cfg: LearnConfig = temper_rl::config::load(path, &[])?;
         let l = &cfg.learn;
         let Some(env) = cfg.eval.env.clone() else {
@@ -202,6 +203,7 @@ impl LearnPlan {
             seed: cfg.seed,
             model: ModelSection {
                 path: Some(model.to_path_buf()),
+                dtype: Some(precision.to_string()),
                 ..Default::default()
             },
             lora: cfg.lora.clone(),

@@ -97,7 +97,6 @@ fn main() -> ExitCode {
     // Before any tensor op: candle and its matmul read the thread count lazily.
     temper_model::set_num_threads(cli.threads);
     temper_model::keep_heap_within_steps();
-    temper_model::set_default_precision(cli.dtype);
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -110,9 +109,9 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let result = match cli.command {
-        Command::Generate(args) => generate::run(args),
-        Command::Train(cmd) => train::run(cmd),
-        Command::Quickstart(args) => train::run_quickstart(args),
+        Command::Generate(args) => generate::run(args, cli.dtype),
+        Command::Train(cmd) => train::run(cmd, cli.dtype),
+        Command::Quickstart(args) => train::run_quickstart(args, cli.dtype),
         Command::GenerateSft(args) => train::generate_sft(args),
         Command::Eval(args) => eval::run(args),
         Command::Init(args) => init::run(args),
@@ -121,10 +120,10 @@ fn main() -> ExitCode {
         Command::Login(args) => hub_cmd::login(args),
         Command::View(args) => view::run(args),
         Command::MockOpenai(args) => eval::mock(args),
-        Command::Bench(cmd) => bench::run(cmd),
+        Command::Bench(cmd) => bench::run(cmd, cli.dtype),
         Command::Sandbox(cmd) => sandbox::run(cmd),
-        Command::Api(cmd) => api::run(cmd),
-        Command::Serve(args) => serve::run(args),
+        Command::Api(cmd) => api::run(cmd, cli.dtype),
+        Command::Serve(args) => serve::run(args, cli.dtype),
         Command::Export(args) => export::run(args),
         Command::Tasks(cmd) => tasks_cmd::run(cmd),
         Command::Traces(cmd) => traces_cmd::run(cmd),

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
+use temper_model::Precision;
 use temper_rl::config::{self, DpoConfig, RlConfig, SftConfig};
 use temper_rl::quickstart::{quickstart, QuickstartOptions};
 use temper_rl::rl::{run_rl, RunOptions};
@@ -52,6 +53,7 @@ struct Resolved<T> {
 
 fn resolve<T: serde::de::DeserializeOwned + serde::Serialize>(
     args: &TrainArgs,
+    precision: Precision,
     set_dir: impl Fn(&mut T, PathBuf),
 ) -> Result<Resolved<T>> {
     // Flags written after an override land in the trailing list.
@@ -77,7 +79,11 @@ fn resolve<T: serde::de::DeserializeOwned + serde::Serialize>(
         (Some(p), None) => (p.clone(), false),
         (None, None) => bail!("give a config file (or --resume RUN_DIR)"),
     };
-    let mut cfg: T = config::load(&path, &overrides)?;
+    // `--dtype` is the default of the weights' precision that a config
+    // leaves unset: the model's, and a distillation teacher's.
+    let defaults =
+        ["model.dtype", "distill.teacher.dtype"].map(|k| (k.into(), precision.to_string()));
+    let mut cfg: T = config::load_with(&path, &defaults, &overrides)?;
     if let Some(dir) = resume {
         set_dir(&mut cfg, dir);
     }
@@ -113,10 +119,10 @@ fn pull_env(e: &mut config::EnvSection) -> Result<()> {
 }
 
 /// Run a training command.
-pub fn run(cmd: TrainCommand) -> Result<()> {
+pub fn run(cmd: TrainCommand, precision: Precision) -> Result<()> {
     match cmd {
         TrainCommand::Rl(args) => {
-            let mut r = resolve::<RlConfig>(&args, |c, d| c.log.dir = d)?;
+            let mut r = resolve::<RlConfig>(&args, precision, |c, d| c.log.dir = d)?;
             for e in &mut r.cfg.env {
                 pull_env(e)?;
             }
@@ -155,7 +161,7 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             Ok(())
         }
         TrainCommand::Sft(args) => {
-            let mut r = resolve::<SftConfig>(&args, |c, d| c.log.dir = d)?;
+            let mut r = resolve::<SftConfig>(&args, precision, |c, d| c.log.dir = d)?;
             if let Some(e) = &mut r.cfg.data.env {
                 pull_env(e)?;
             }
@@ -190,7 +196,7 @@ pub fn run(cmd: TrainCommand) -> Result<()> {
             Ok(())
         }
         TrainCommand::Dpo(args) => {
-            let mut r = resolve::<DpoConfig>(&args, |c, d| c.log.dir = d)?;
+            let mut r = resolve::<DpoConfig>(&args, precision, |c, d| c.log.dir = d)?;
             if let Some(e) = &mut r.cfg.data.env {
                 pull_env(e)?;
             }
@@ -417,7 +423,7 @@ pub struct QuickstartArgs {
 }
 
 /// Run the quickstart and print what it measured.
-pub fn run_quickstart(args: QuickstartArgs) -> Result<()> {
+pub fn run_quickstart(args: QuickstartArgs, precision: Precision) -> Result<()> {
     let d = QuickstartOptions::default();
     let o = QuickstartOptions {
         dir: args.dir,
@@ -426,6 +432,7 @@ pub fn run_quickstart(args: QuickstartArgs) -> Result<()> {
         eval_examples: args.eval_examples.unwrap_or(d.eval_examples),
         teacher_noise: args.teacher_noise.unwrap_or(d.teacher_noise),
         seed: args.seed,
+        precision,
         ..d
     };
     let r = runtime()?.block_on(quickstart(&o))?;
