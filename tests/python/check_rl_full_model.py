@@ -28,6 +28,8 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM
 
+from graded_env import write_graded_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = os.path.join(ROOT, "fixtures", "models", "tiny-llama")
 TOL = 1e-4
@@ -51,14 +53,7 @@ def max_abs(a, b) -> float:
 def main() -> int:
     temper = os.path.abspath(sys.argv[1])
     with tempfile.TemporaryDirectory() as tmp:
-        env = os.path.join(tmp, "env")
-        os.makedirs(env)
-        with open(os.path.join(env, "train.jsonl"), "w") as f:
-            for i in range(40):
-                f.write(json.dumps({"question": f"echo {i}", "answer": f"aaaa{i}"}) + "\n")
-        with open(os.path.join(env, "env.toml"), "w") as f:
-            f.write('name = "graded"\n[dataset]\ntrain = "train.jsonl"\n[parser]\ntype = "plain"\n'
-                    '[[rubric]]\nfunction = "lcs"\nweight = 1.0\n')
+        env = write_graded_env(tmp, 40)
         run = os.path.join(tmp, "run")
         cfg = os.path.join(tmp, "rl.toml")
         with open(cfg, "w") as f:

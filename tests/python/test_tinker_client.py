@@ -36,6 +36,7 @@ import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graded_env import write_graded_env  # noqa: E402
 from test_training_api import API_KEY, MODEL_DIR, free_port, start_server  # noqa: E402
 
 warnings.simplefilter("ignore")
@@ -353,18 +354,6 @@ def sdk_control(url):
     return loss
 
 
-def write_env(d):
-    env = os.path.join(d, "env")
-    os.makedirs(env)
-    with open(os.path.join(env, "train.jsonl"), "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"question": f"echo {i}", "answer": f"aaaa{i}"}) + "\n")
-    with open(os.path.join(env, "env.toml"), "w") as f:
-        f.write('name = "graded"\n[dataset]\ntrain = "train.jsonl"\n[parser]\ntype = "plain"\n'
-                '[[rubric]]\nfunction = "lcs"\nweight = 1.0\n')
-    return env
-
-
 def rl_config(d, url, run):
     path = os.path.join(d, "rl.toml")
     with open(path, "w") as f:
@@ -375,7 +364,7 @@ path = "{MODEL_DIR}"
 rank = 4
 alpha = 32.0
 [[env]]
-id = "{write_env(d)}"
+id = "{write_graded_env(d, 16)}"
 [sampling]
 max_tokens = 6
 group_size = 2
