@@ -53,7 +53,7 @@ use crate::error::{Result, RlError};
 use crate::eval::EvalResult;
 use crate::plan::{DpoLoss, DpoPlan, PrefSource};
 use crate::rl::RunOptions;
-use crate::sft::{epoch_batch, RunEval, RunStart};
+use crate::sft::{epoch_batch, run_start, RunEval};
 use crate::step::{forward_backward_chunks, optim_step};
 
 /// One tokenized preference pair: a prompt and two completions of it.
@@ -714,15 +714,7 @@ async fn dpo_loop(cfg: DpoPlan, opts: RunOptions, run_dir: PathBuf) -> Result<Dp
             .min(e * data.per_epoch(cfg.optim.batch_size)),
         _ => cfg.optim.max_steps,
     };
-    let c = cfg.config();
-    let spec = RunStart {
-        seed: c.seed,
-        log: &c.log,
-        eval: &c.eval,
-        data_env: c.data.env.as_ref(),
-        resume: opts.resume,
-        max_steps,
-    };
+    let spec = run_start!(cfg.config(), opts.resume, max_steps);
     let (start, eval_before, mut log, run_eval) = spec.open(&run_dir, &trainer, &base).await?;
     let (mut heldout_before, mut heldout_after, mut eval_after) = (None, None, None);
     let mut baseline = eval_before

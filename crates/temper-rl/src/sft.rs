@@ -365,15 +365,7 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
         } => cfg.optim.max_steps.min(e * per_epoch),
         _ => cfg.optim.max_steps,
     };
-    let c = cfg.config();
-    let spec = RunStart {
-        seed: c.seed,
-        log: &c.log,
-        eval: &c.eval,
-        data_env: c.data.env.as_ref(),
-        resume: opts.resume,
-        max_steps,
-    };
+    let spec = run_start!(cfg.config(), opts.resume, max_steps);
     let (start, eval_before, mut log, run_eval) = spec.open(&run_dir, &trainer, &base).await?;
     let mut eval_after = None;
     if let Some(r) = &eval_before {
@@ -493,6 +485,23 @@ pub(crate) struct RunStart<'a> {
     pub(crate) resume: bool,
     pub(crate) max_steps: u64,
 }
+
+/// The [`RunStart`] of an SFT or DPO config `$c` (different types with the
+/// same section names).
+macro_rules! run_start {
+    ($c:expr, $resume:expr, $max_steps:expr) => {{
+        let c = $c;
+        $crate::sft::RunStart {
+            seed: c.seed,
+            log: &c.log,
+            eval: &c.eval,
+            data_env: c.data.env.as_ref(),
+            resume: $resume,
+            max_steps: $max_steps,
+        }
+    }};
+}
+pub(crate) use run_start;
 
 impl RunStart<'_> {
     /// The step to start at, the evaluation before training, the metrics
