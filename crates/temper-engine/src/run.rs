@@ -343,7 +343,8 @@ impl TrainingRun {
                 .collect();
             let temperature = data[0].loss_fn_inputs.scoring_temperature();
             // A pair loss reads only its weighted positions: the LM head
-            // runs on those rows alone (see `Loss::Dpo`).
+            // runs on those rows alone (see `Loss::Dpo`; `validate` has
+            // checked that its weights are there, one per position).
             let weighted: Vec<Vec<bool>> = if loss.is_pair() {
                 data.iter()
                     .map(|d| {
