@@ -38,7 +38,10 @@
 //! | `ipo` | `s · (Δ_c / n_c − Δ_r / n_r − 1 / (2β))²` |
 //!
 //! `s` is the call's `scale` (`1 / pairs` in the optimiser step gives
-//! TRL's mean). It is computed in-process only: the tinker wire has no pair
+//! TRL's mean). Since it reads only the weighted positions, the engine runs
+//! the LM head on their rows alone: its `loss_fn_outputs` hold the logprob
+//! and entropy of every weighted position and NaN (not computed) at the
+//! others, which may hold NaN in `p` too. It is computed in-process only: the tinker wire has no pair
 //! loss, and its client splits a request's datums by size, which could part
 //! a pair; a remote trainer says so with [`crate::Trainer::takes_pair_loss`]
 //! and a DPO loop falls back to a forward plus a weighted cross-entropy.
@@ -508,20 +511,39 @@ impl Loss {
                 "loss {self:?} is not a pair loss"
             )));
         };
-        // Δ = Σ w·(p − q) as a [1] tensor, and n = Σ w.
+        // Δ = Σ w·(p − q) over the weighted positions as a [1] tensor (the
+        // others' p may be NaN: not computed), and n = Σ w.
         let log_ratio = |p: &Tensor, inputs: &LossInputs| -> Result<(Tensor, f64)> {
-            let need = |v: &Option<Vec<f32>>, what: &str| -> Result<Tensor> {
-                let v = v.as_ref().ok_or_else(|| {
+            let need = |v: &Option<Vec<f32>>, what: &str| -> Result<Vec<f32>> {
+                v.clone().ok_or_else(|| {
                     EngineError::InvalidRequest(format!("loss {self:?} needs {what}"))
-                })?;
-                Ok(Tensor::new(v.as_slice(), p.device())?.to_dtype(p.dtype())?)
+                })
             };
             let (w, q) = (
                 need(&inputs.weights, "weights")?,
                 need(&inputs.logprobs, "logprobs")?,
             );
-            let n: f64 = inputs.weights.iter().flatten().map(|&x| f64::from(x)).sum();
-            Ok((((p - q)? * w)?.sum_keepdim(0)?, n))
+            let at: Vec<usize> = (0..w.len()).filter(|&i| w[i] != 0.0).collect();
+            if at.is_empty() || w.len() != p.dims1()? || q.len() != w.len() {
+                return Err(EngineError::InvalidRequest(format!(
+                    "loss {self:?}: {} weights ({} non-zero) and {} logprobs for {} positions",
+                    w.len(),
+                    at.len(),
+                    q.len(),
+                    p.dims1()?
+                )));
+            }
+            let (dev, dtype) = (p.device(), p.dtype());
+            let pick = |v: &[f32]| -> Result<Tensor> {
+                let v: Vec<f32> = at.iter().map(|&i| v[i]).collect();
+                Ok(Tensor::new(v.as_slice(), dev)?.to_dtype(dtype)?)
+            };
+            let idx: Vec<u32> = at.iter().map(|&i| i as u32).collect();
+            let p = p
+                .contiguous()?
+                .index_select(&Tensor::new(idx.as_slice(), dev)?, 0)?;
+            let n: f64 = w.iter().map(|&x| f64::from(x)).sum();
+            Ok((((p - pick(&q)?)? * pick(&w)?)?.sum_keepdim(0)?, n))
         };
         let (dc, nc) = log_ratio(pc, chosen)?;
         let (dr, nr) = log_ratio(pr, rejected)?;

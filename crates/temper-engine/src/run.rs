@@ -342,9 +342,26 @@ impl TrainingRun {
                 })
                 .collect();
             let temperature = data[0].loss_fn_inputs.scoring_temperature();
-            let scores = self
-                .model()
-                .score_batch(&inputs, self.adapter(), temperature)?;
+            // A pair loss reads only its weighted positions: the LM head
+            // runs on those rows alone (see `Loss::Dpo`; `validate` has
+            // checked that its weights are there, one per position).
+            let weighted: Vec<Vec<bool>> = if loss.is_pair() {
+                data.iter()
+                    .map(|d| {
+                        let w = d.loss_fn_inputs.weights.as_deref().unwrap_or(&[]);
+                        w.iter().map(|&x| x != 0.0).collect()
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let needed: Vec<&[bool]> = weighted.iter().map(Vec::as_slice).collect();
+            let scores = self.model().score_batch_where(
+                &inputs,
+                loss.is_pair().then_some(needed.as_slice()),
+                self.adapter(),
+                temperature,
+            )?;
             let mut pack_loss: Option<Tensor> = None;
             let mut add = |l: Tensor| -> Result<()> {
                 pack_loss = Some(match pack_loss.take() {

@@ -866,3 +866,128 @@ fn the_dpo_pair_loss_has_trls_value_and_gradient() {
     // Both sides equal: h = 0 whatever the policy, loss ln 2.
     assert!((out.metrics["loss:sum"] - 2f64.ln()).abs() < 1e-5);
 }
+
+/// A DPO step on pairs after one system prompt: the engine runs the system
+/// prompt once, each pair's prompt once and the LM head on the completions
+/// only (see `Model::score_batch_where`), and still gives the loss and the
+/// LoRA gradients of scoring every sequence alone, unshared (relative error
+/// under 1e-5), and the completions' logprobs bit for bit; the prompt
+/// positions, not computed, report NaN.
+#[test]
+fn a_dpo_step_with_shared_prompts_has_the_unshared_loss_and_gradients() {
+    use temper_engine::PairLoss;
+    use temper_model::LoraAdapter;
+    let b = base("tiny-qwen2");
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/adapters/tiny-qwen2-lora");
+    let adapter = LoraAdapter::load_peft(&dir, &b.config, b.model.dtype(), b.model.device())
+        .expect("adapter loads");
+    let enc = |t: &str| b.tokenizer.encode(t, false).expect("encode");
+    let system = enc("You are a careful assistant. Answer with one number in tags.");
+    let mut data = Vec::new();
+    for (i, (q, c, r)) in [
+        (
+            "What is 2 + 3? Think.",
+            " <a>5</a>",
+            " It is five, I think.",
+        ),
+        ("What is 7 + 1? Think.", " <a>8</a>", " <a>9</a>"),
+        ("What is 4 + 4? Think.", " <a>8</a>", " 8"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let prompt = [system.clone(), enc(q)].concat();
+        for (side, completion) in [c, r].iter().enumerate() {
+            let tokens = [prompt.clone(), enc(completion)].concat();
+            let n = tokens.len() - 1;
+            let mut reference = vec![0f32; n];
+            reference[n - 1] = -3.0 - (i + side) as f32;
+            data.push(Datum {
+                model_input: tokens[..n].to_vec(),
+                loss_fn_inputs: LossInputs {
+                    target_tokens: tokens[1..].to_vec(),
+                    weights: Some(
+                        (1..=n)
+                            .map(|j| f32::from(u8::from(j >= prompt.len())))
+                            .collect(),
+                    ),
+                    logprobs: Some(reference),
+                    ..Default::default()
+                },
+            });
+        }
+    }
+    let loss = Loss::Dpo {
+        kind: PairLoss::Sigmoid,
+        beta: 0.5,
+        scale: 1.0 / 3.0,
+    };
+    let mut run = TrainingRun::lora_from(b.clone(), adapter.clone());
+    let out = run.forward_backward(&data, &loss).unwrap();
+    // Unshared: every sequence scored alone, the same pair loss.
+    let scores: Vec<Tensor> = data
+        .iter()
+        .map(|d| {
+            b.model
+                .score(
+                    &d.model_input,
+                    &d.loss_fn_inputs.target_tokens,
+                    Some(&adapter),
+                    1.0,
+                )
+                .unwrap()
+                .logprobs
+        })
+        .collect();
+    let mut total = None::<Tensor>;
+    for (d, s) in data.chunks(2).zip(scores.chunks(2)) {
+        let t = loss
+            .compute_pair(&s[0], &d[0].loss_fn_inputs, &s[1], &d[1].loss_fn_inputs)
+            .unwrap();
+        total = Some(match total {
+            None => t,
+            Some(x) => (x + t).unwrap(),
+        });
+    }
+    let total = total.unwrap();
+    let want = total.to_scalar::<f32>().unwrap() as f64;
+    let got = out.metrics["loss:sum"];
+    assert!(
+        (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+        "loss {got} vs {want}"
+    );
+    for (i, (d, s)) in data.iter().zip(&scores).enumerate() {
+        let alone: Vec<f32> = s.to_vec1().unwrap();
+        let reported = &out.loss_fn_outputs[i].logprobs;
+        let w = d.loss_fn_inputs.weights.as_ref().unwrap();
+        for j in 0..alone.len() {
+            if w[j] != 0.0 {
+                assert_eq!(
+                    reported[j].to_bits(),
+                    alone[j].to_bits(),
+                    "datum {i} position {j}"
+                );
+            } else {
+                assert!(reported[j].is_nan(), "datum {i} position {j}: computed");
+            }
+        }
+    }
+    let unshared = total.backward().unwrap();
+    let grads = run.accumulated_grads();
+    let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    for (name, var) in adapter.named_vars() {
+        let y: Vec<f32> = unshared
+            .get(var.as_tensor())
+            .expect("grad")
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let x: Vec<f32> = grads[&name].flatten_all().unwrap().to_vec1().unwrap();
+        let diff: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a - b).collect();
+        assert!(norm(&y) > 0.0, "{name}: zero gradient");
+        let err = norm(&diff) / norm(&y);
+        assert!(err < 1e-5, "{name}: relative error {err}");
+    }
+}

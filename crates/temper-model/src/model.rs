@@ -774,8 +774,10 @@ impl Model {
 
     /// [`Model::forward_hidden`] for whole sequences of which some continue
     /// an earlier one of the call ([`PackedSeq::after`]: an RL group's
-    /// completions after their one prompt): `ids` holds each sequence's own
-    /// tokens, a continuation's rows are the positions after its prefix's,
+    /// completions after their one prompt, a DPO pair's two sides after
+    /// their prompt after the batch's system prompt): `ids` holds each
+    /// sequence's own tokens, a continuation's rows are the positions after
+    /// its chain of prefixes',
     /// and every row gets the bits it has in the unshared sequence. Needs the
     /// fused CPU attention ([`crate::kernels::fused_attention_supported`]).
     pub fn forward_packed(
@@ -811,11 +813,17 @@ impl Model {
     }
 
     /// The packed attention's plan: the sequences and rotary tables for the
-    /// longest one (a continuation's prefix counted).
+    /// longest one (a continuation's prefixes counted).
     fn packed(&self, seqs: Vec<PackedSeq>) -> Result<Packed> {
-        let longest = seqs
-            .iter()
-            .map(|s| s.len + s.after.and_then(|p| seqs.get(p)).map_or(0, |p| p.len))
+        let longest = (0..seqs.len())
+            .map(|s| PackedSeq::start(&seqs, s).map(|start| start + seqs[s].len))
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(|| {
+                ModelError::InvalidInput(format!(
+                    "packed forward: sequences {seqs:?} (a prefix must be an earlier sequence)"
+                ))
+            })?
+            .into_iter()
             .max()
             .unwrap_or(0);
         Ok(Packed {

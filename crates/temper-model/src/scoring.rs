@@ -139,17 +139,52 @@ impl Model {
     /// rows) and each sequence's numbers are bit-identical to scoring it
     /// alone. Consecutive sequences that share a prefix of at least
     /// [`MIN_SHARED_PREFIX`] positions (an RL group's completions of one
-    /// prompt) run it once ([`Model::forward_packed`]); their numbers are still
-    /// those of scoring each alone, and the prefix rows' gradients sum
-    /// theirs. Elsewhere each sequence is scored on its own, so its numbers
-    /// still do not depend on what else is in the batch. Activation memory
-    /// grows with the batch's rows: see [`pack_batch`].
+    /// prompt) run it once ([`Model::forward_packed`]), and so on down a tree
+    /// of prefixes (a batch's common system prompt, then each DPO pair's
+    /// prompt: see `shared_layout`); their numbers are still those of scoring
+    /// each alone, and the prefix rows' gradients sum theirs. Elsewhere each
+    /// sequence is scored on its own, so its numbers still do not depend on
+    /// what else is in the batch. Activation memory grows with the batch's
+    /// rows: see [`pack_batch`].
     pub fn score_batch(
         &self,
         batch: &[ScoreInput<'_>],
         lora: Option<&LoraAdapter>,
         temperature: f64,
     ) -> Result<Vec<TokenScores>> {
+        self.score_batch_where(batch, None, lora, temperature)
+    }
+
+    /// [`Model::score_batch`] where a loss reads only some positions:
+    /// `needed[i][j]` says whether sequence `i`'s position `j` is one (for
+    /// DPO, the completion's targets). On the packed path the LM head, its
+    /// log-softmax and the entropy run only on the packed rows that some
+    /// sequence needs, and the positions that no sequence needs hold NaN (not
+    /// computed); a computed position has the bits it has in `score_batch`
+    /// (the head's rows do not depend on one another there), so the
+    /// invariance contract holds for every position a loss reads. Elsewhere
+    /// every position is computed. `None` needs every position.
+    pub fn score_batch_where(
+        &self,
+        batch: &[ScoreInput<'_>],
+        needed: Option<&[&[bool]]>,
+        lora: Option<&LoraAdapter>,
+        temperature: f64,
+    ) -> Result<Vec<TokenScores>> {
+        if let Some(needed) = needed {
+            let bad = needed.len() != batch.len()
+                || needed
+                    .iter()
+                    .zip(batch)
+                    .any(|(m, s)| m.len() != s.input.len());
+            if bad {
+                return Err(ModelError::InvalidInput(format!(
+                    "score: {} masks of needed positions for {} sequences (one per position)",
+                    needed.len(),
+                    batch.len()
+                )));
+            }
+        }
         if batch.len() <= 1 || !self.decode_logits_are_exact()? {
             return batch
                 .iter()
@@ -172,39 +207,109 @@ impl Model {
                 )));
             }
         }
-        let (ids, targets, seqs, rows) = shared_layout(batch);
-        let hidden = self.forward_packed(&ids, &seqs, lora)?;
-        let (logprobs, entropy) = lm_head_logprobs(
-            &hidden,
-            self.head_weight(),
-            &targets,
-            temperature,
-            self.head_packed(),
-        )?;
-        let pick = |t: &Tensor, parts: &[(usize, usize)]| -> Result<Tensor> {
-            let mut pieces = Vec::with_capacity(parts.len());
-            for &(start, len) in parts {
-                pieces.push(t.narrow(0, start, len)?);
+        let layout = shared_layout(batch);
+        let hidden = self.forward_packed(&layout.ids, &layout.seqs, lora)?;
+        // Each packed row's place among the rows the head runs on, if any.
+        let n = layout.ids.len();
+        let slot: Vec<Option<usize>> = match needed {
+            None => (0..n).map(Some).collect(),
+            Some(needed) => {
+                let mut need = vec![false; n];
+                for (parts, mask) in layout.rows.iter().zip(needed) {
+                    let rows = parts.iter().flat_map(|&(at, len)| at..at + len);
+                    for (row, &m) in rows.zip(mask.iter()) {
+                        need[row] |= m;
+                    }
+                }
+                let mut next = 0;
+                need.iter()
+                    .map(|&m| {
+                        m.then(|| {
+                            next += 1;
+                            next - 1
+                        })
+                    })
+                    .collect()
             }
-            Ok(if pieces.len() == 1 {
-                pieces.swap_remove(0)
-            } else {
-                Tensor::cat(&pieces, 0)?
-            })
         };
-        rows.iter()
+        let head_rows: Vec<u32> = (0..n as u32)
+            .filter(|&r| slot[r as usize].is_some())
+            .collect();
+        tracing::debug!(
+            sequences = batch.len(),
+            rows = n,
+            head_rows = head_rows.len(),
+            "packed training forward"
+        );
+        let (logprobs, entropy) = if head_rows.is_empty() {
+            let none = Tensor::zeros(0, DType::F32, self.device())?;
+            (none.clone(), none)
+        } else {
+            let (hidden, targets) = if head_rows.len() == n {
+                (hidden, layout.targets)
+            } else {
+                let idx = Tensor::new(head_rows.as_slice(), self.device())?;
+                let targets = head_rows.iter().map(|&r| layout.targets[r as usize]);
+                (hidden.index_select(&idx, 0)?, targets.collect())
+            };
+            lm_head_logprobs(
+                &hidden,
+                self.head_weight(),
+                &targets,
+                temperature,
+                self.head_packed(),
+            )?
+        };
+        layout
+            .rows
+            .iter()
             .map(|parts| {
+                let slots: Vec<Option<usize>> = parts
+                    .iter()
+                    .flat_map(|&(at, len)| slot[at..at + len].iter().copied())
+                    .collect();
                 Ok(TokenScores {
-                    logprobs: pick(&logprobs, parts)?,
-                    entropy: pick(&entropy, parts)?,
+                    logprobs: gather_slots(&logprobs, &slots)?,
+                    entropy: gather_slots(&entropy, &slots)?,
                 })
             })
             .collect()
     }
 }
 
-/// The shortest prefix that consecutive sequences of a batch must share for
-/// [`Model::score_batch`] to run it once for all of them.
+/// The entries of `t` at `slots`, in order: `Some(k)` is `t[k]`, `None` a
+/// NaN (not computed). Consecutive entries are one narrow (differentiable).
+fn gather_slots(t: &Tensor, slots: &[Option<usize>]) -> Result<Tensor> {
+    let mut pieces = Vec::new();
+    let mut i = 0;
+    while i < slots.len() {
+        let mut j = i + 1;
+        match slots[i] {
+            Some(k) => {
+                while j < slots.len() && slots[j] == Some(k + j - i) {
+                    j += 1;
+                }
+                pieces.push(t.narrow(0, k, j - i)?);
+            }
+            None => {
+                while j < slots.len() && slots[j].is_none() {
+                    j += 1;
+                }
+                pieces.push(Tensor::full(f32::NAN, j - i, t.device())?.to_dtype(t.dtype())?);
+            }
+        }
+        i = j;
+    }
+    Ok(if pieces.len() == 1 {
+        pieces.swap_remove(0)
+    } else {
+        Tensor::cat(&pieces, 0)?
+    })
+}
+
+/// The fewest positions that consecutive sequences of a batch must share,
+/// beyond the prefix they already share, for [`Model::score_batch`] to run
+/// them once for all of them.
 pub const MIN_SHARED_PREFIX: usize = 8;
 
 /// Positions `a` and `b` share from the start: input and target both equal.
@@ -217,98 +322,103 @@ fn shared_positions(a: &ScoreInput<'_>, b: &ScoreInput<'_>) -> usize {
         .count()
 }
 
-/// Runs of consecutive sequences that share a prefix (an RL group: one
-/// prompt, several completions), with the positions they share (0: none,
-/// a run of one). Each sequence keeps at least one position of its own. A
-/// run ends where the next sequence shares fewer than [`MIN_SHARED_PREFIX`]
-/// positions with its first, or less than half of what the run shares so
-/// far (the next prompt, after a common system prompt).
-fn prefix_runs(batch: &[ScoreInput<'_>]) -> Vec<(std::ops::Range<usize>, usize)> {
-    let mut runs = Vec::new();
-    let mut i = 0;
-    while i < batch.len() {
-        let mut j = i + 1;
-        let mut shared = usize::MAX;
-        while j < batch.len() {
-            let own = |s: &ScoreInput<'_>| s.input.len().saturating_sub(1);
+/// The packed forward of a batch: a tree of shared prefixes.
+struct Layout {
+    /// Every packed row's input token.
+    ids: Vec<u32>,
+    /// Every packed row's target.
+    targets: Vec<u32>,
+    /// The packed sequences: shared prefixes and each sequence's own rows.
+    seqs: Vec<PackedSeq>,
+    /// Where each input sequence's positions are, in order, as (first row,
+    /// rows) parts: its chain of shared prefixes, then its own rows.
+    rows: Vec<Vec<(usize, usize)>>,
+    /// The most positions any sequence runs in shared prefixes.
+    longest_prefix: usize,
+}
+
+/// The packed forward of `batch` (see [`Model::score_batch`]). Consecutive
+/// sequences that share at least [`MIN_SHARED_PREFIX`] positions run them
+/// once, as a sequence of their own; within such a run, consecutive
+/// sequences that share [`MIN_SHARED_PREFIX`] positions more run those once
+/// after it, and so on: a DPO batch runs its common system prompt once,
+/// each pair's prompt once after it, and the pair's two completions after
+/// that; an RL batch each group's prompt once. Each sequence keeps at least
+/// one position of its own.
+fn shared_layout(batch: &[ScoreInput<'_>]) -> Layout {
+    let mut out = Layout {
+        ids: Vec::new(),
+        targets: Vec::new(),
+        seqs: Vec::new(),
+        rows: vec![Vec::new(); batch.len()],
+        longest_prefix: 0,
+    };
+    place(batch, 0..batch.len(), 0, None, &[], &mut out);
+    out
+}
+
+/// Lay out `batch[range]`, which share their first `from` positions (run
+/// by `parent`, at the rows `chain`), in `out`.
+fn place(
+    batch: &[ScoreInput<'_>],
+    range: std::ops::Range<usize>,
+    from: usize,
+    parent: Option<usize>,
+    chain: &[(usize, usize)],
+    out: &mut Layout,
+) {
+    // Appends positions `from..to` of `s` as a sequence after `parent`;
+    // returns its first row and its index.
+    let push = |out: &mut Layout, s: &ScoreInput<'_>, to: usize| {
+        let at = out.ids.len();
+        out.ids.extend_from_slice(&s.input[from..to]);
+        out.targets.extend_from_slice(&s.targets[from..to]);
+        out.seqs.push(PackedSeq {
+            len: to - from,
+            after: parent,
+        });
+        (at, out.seqs.len() - 1)
+    };
+    let own = |s: &ScoreInput<'_>| s.input.len().saturating_sub(1);
+    let mut i = range.start;
+    while i < range.end {
+        // The longest run from `i` that shares MIN_SHARED_PREFIX positions
+        // beyond `from`, and what the whole run shares.
+        let (mut j, mut shared) = (i + 1, usize::MAX);
+        while j < range.end {
             let next = shared
                 .min(shared_positions(&batch[i], &batch[j]))
                 .min(own(&batch[i]))
                 .min(own(&batch[j]));
-            if next < MIN_SHARED_PREFIX || (shared != usize::MAX && next < shared / 2) {
+            if next < from + MIN_SHARED_PREFIX {
                 break;
             }
             shared = next;
             j += 1;
         }
-        runs.push((i..j, if j > i + 1 { shared } else { 0 }));
+        let s = &batch[i];
+        if j == i + 1 {
+            let (at, _) = push(out, s, s.input.len());
+            out.rows[i] = [chain, &[(at, s.input.len() - from)]].concat();
+            out.longest_prefix = out.longest_prefix.max(from);
+        } else {
+            let (at, index) = push(out, s, shared);
+            let chain = [chain, &[(at, shared - from)]].concat();
+            place(batch, i..j, shared, Some(index), &chain, out);
+        }
         i = j;
     }
-    runs
 }
 
 /// What `batch` costs against [`pack_batch`]'s budget: the rows
-/// [`Model::score_batch`] runs for it (a shared prefix once), less its
-/// longest shared prefix. Counting that prefix would split an RL group with
-/// a long prompt over several packs and run the prompt once per pack; not
-/// counting the others keeps a pack's rows within the budget plus one
-/// prompt.
+/// [`Model::score_batch`] runs for it (a shared prefix once), less the
+/// longest chain of shared prefixes. Counting that chain would split an RL
+/// group with a long prompt over several packs and run the prompt once per
+/// pack; not counting the others keeps a pack's rows within the budget plus
+/// one prompt.
 fn pack_cost(batch: &[ScoreInput<'_>]) -> usize {
-    let runs = prefix_runs(batch);
-    let rows: usize = runs
-        .iter()
-        .map(|(r, shared)| {
-            shared
-                + batch[r.clone()]
-                    .iter()
-                    .map(|s| s.input.len() - shared)
-                    .sum::<usize>()
-        })
-        .sum();
-    rows - runs.iter().map(|r| r.1).max().unwrap_or(0)
-}
-
-/// The packed forward of a batch: ids, targets, sequences (a run's shared
-/// prefix first, then each of its sequences' own rows after it), and where
-/// each input sequence's rows are, as (first row, rows) parts.
-#[allow(clippy::type_complexity)]
-fn shared_layout(
-    batch: &[ScoreInput<'_>],
-) -> (Vec<u32>, Vec<u32>, Vec<PackedSeq>, Vec<Vec<(usize, usize)>>) {
-    let (mut ids, mut targets, mut seqs, mut rows) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    // Appends `s`'s positions from `from` as a sequence; returns its first
-    // row and its index.
-    let mut push = |s: &ScoreInput<'_>, from: usize, after: Option<usize>| {
-        let at = ids.len();
-        ids.extend_from_slice(&s.input[from..]);
-        targets.extend_from_slice(&s.targets[from..]);
-        seqs.push(PackedSeq {
-            len: s.input.len() - from,
-            after,
-        });
-        (at, seqs.len() - 1)
-    };
-    for (run, shared) in prefix_runs(batch) {
-        if shared == 0 {
-            for s in &batch[run] {
-                let (at, _) = push(s, 0, None);
-                rows.push(vec![(at, s.input.len())]);
-            }
-            continue;
-        }
-        let first = &batch[run.start];
-        let prefix = ScoreInput {
-            input: &first.input[..shared],
-            targets: &first.targets[..shared],
-        };
-        let (p_at, p_index) = push(&prefix, 0, None);
-        for s in &batch[run] {
-            let (at, _) = push(s, shared, Some(p_index));
-            rows.push(vec![(p_at, shared), (at, s.input.len() - shared)]);
-        }
-    }
-    (ids, targets, seqs, rows)
+    let layout = shared_layout(batch);
+    layout.ids.len() - layout.longest_prefix
 }
 
 /// Tokens per packed training forward ([`pack_batch`]). Measured on
@@ -383,6 +493,13 @@ mod tests {
         assert_eq!(pack_batch(&inputs(&b), 10), vec![0..1, 1..2, 2..3]);
     }
 
+    /// The packed sequences of `b`'s layout as (len, after), and its rows.
+    fn tree(b: &[ScoreInput<'_>]) -> (Vec<(usize, Option<usize>)>, usize) {
+        let l = shared_layout(b);
+        let seqs = l.seqs.iter().map(|s| (s.len, s.after)).collect();
+        (seqs, l.ids.len())
+    }
+
     #[test]
     fn a_packs_longest_shared_prefix_does_not_count_against_the_budget() {
         // Three completions of one 20-token prompt: the 19 positions whose
@@ -398,7 +515,18 @@ mod tests {
             distinct(11, 2),
         ]);
         let b = inputs(&b);
-        assert_eq!(prefix_runs(&b), vec![(0..3, 19), (3..4, 0)]);
+        // The first two share 2 positions more than the third: too few for
+        // a level of their own.
+        assert_eq!(
+            tree(&b).0,
+            vec![
+                (19, None),
+                (7, Some(0)),
+                (7, Some(0)),
+                (7, Some(0)),
+                (10, None)
+            ]
+        );
         assert_eq!(pack_cost(&b[..3]), 21);
         assert_eq!(pack_batch(&b, 21), vec![0..3, 3..4]);
         assert_eq!(pack_batch(&b, 20), vec![0..2, 2..3, 3..4]);
@@ -413,20 +541,74 @@ mod tests {
             with2(&[8, 8, 8, 8, 8, 8, 8]),
         ]);
         let two = inputs(&two);
-        assert_eq!(prefix_runs(&two), vec![(0..2, 19), (2..4, 19)]);
+        assert_eq!(
+            tree(&two).0,
+            vec![
+                (19, None),
+                (7, Some(0)),
+                (7, Some(0)),
+                (19, None),
+                (7, Some(3)),
+                (7, Some(3))
+            ]
+        );
         assert_eq!(pack_cost(&two), 14 + 19 + 14);
         // Shared positions need equal targets too, and every sequence
         // keeps a position of its own.
         assert_eq!(shared_positions(&b[0], &b[1]), 21);
         let short = batch(&[prompt.clone(), with(&[5, 5])]);
-        assert_eq!(prefix_runs(&inputs(&short)), vec![(0..2, 18)]);
-        // A common start shorter than `MIN_SHARED_PREFIX` is not shared,
-        // and a run ends where the next sequence shares less than half.
+        assert_eq!(
+            tree(&inputs(&short)).0,
+            vec![(18, None), (1, Some(0)), (3, Some(0))]
+        );
+        // A common start shorter than `MIN_SHARED_PREFIX` is not shared.
         let b = batch(&[distinct(12, 1), distinct(12, 2)]);
-        assert_eq!(prefix_runs(&inputs(&b)), vec![(0..1, 0), (1..2, 0)]);
-        let system = distinct(10, 3);
-        let turn = |q: u32, a: u32| [system.clone(), distinct(12, q), vec![a; 3]].concat();
-        let b = batch(&[turn(4, 1), turn(4, 2), turn(5, 1), turn(5, 2)]);
-        assert_eq!(prefix_runs(&inputs(&b)), vec![(0..2, 21), (2..4, 21)]);
+        assert_eq!(tree(&inputs(&b)).0, vec![(11, None), (11, None)]);
+    }
+
+    #[test]
+    fn a_batch_of_pairs_runs_its_system_prompt_once_and_each_pairs_prompt_once() {
+        // A DPO batch: 4 pairs, each prompt the same 24-token system prompt
+        // then 11 tokens of its own question, each side a 9-token completion.
+        // The packed forward runs the system prompt once, each pair's
+        // question once after it, and the two completions after that: prompt
+        // + both completions per pair, not twice the prompt.
+        let system = distinct(24, 9);
+        let (pairs, question, completion) = (4usize, 11usize, 9usize);
+        let mut seqs = Vec::new();
+        for p in 0..pairs as u32 {
+            let prompt = [system.clone(), distinct(question, 10 + p)].concat();
+            for side in 0..2 {
+                seqs.push([prompt.clone(), distinct(completion, 20 + 2 * p + side)].concat());
+            }
+        }
+        let b = batch(&seqs);
+        let b = inputs(&b);
+        let (layout, rows) = tree(&b);
+        // Positions run: the system prompt's 23 (its last input's target is
+        // a question's first token), each pair's 11 question positions, and
+        // each side's 9 (the last prompt token predicts the completion's
+        // first; the completion's last token is no input).
+        assert_eq!(rows, 23 + pairs * (11 + 2 * completion));
+        let unshared: usize = b.iter().map(|s| s.input.len()).sum();
+        assert_eq!(unshared, 2 * pairs * (24 + question + completion - 1));
+        let mut want = vec![(23, None)];
+        for p in 0..pairs {
+            let q = 1 + 3 * p;
+            want.extend([(11, Some(0)), (9, Some(q)), (9, Some(q))]);
+        }
+        assert_eq!(layout, want);
+        // Each sequence's positions: the system prompt's rows, its pair's
+        // question's, its own, in order.
+        let l = shared_layout(&b);
+        assert_eq!(
+            l.rows[3],
+            vec![(0, 23), (23 + 29, 11), (23 + 29 + 11 + 9, 9)]
+        );
+        assert_eq!(l.longest_prefix, 34);
+        // The whole batch is one pack; its cost leaves out the longest chain
+        // of prefixes (the system prompt and one question).
+        assert_eq!(pack_cost(&b), rows - 34);
+        assert_eq!(pack_batch(&b, PACK_TOKENS), vec![0..8]);
     }
 }

@@ -21,13 +21,16 @@
 //!
 //! # Shared prefixes
 //! A sequence may continue an earlier sequence of the call
-//! ([`PackedSeq::after`]): its rows are the positions after that prefix's,
-//! and its queries see the prefix's keys and values first, then its own. An
-//! RL group's completions of one prompt then carry the prompt once. The keys
-//! are gathered into one `[kv_heads, prefix + len, hd]` buffer, exactly what
-//! the whole sequence would have had, so every row gets the bits of the
-//! unshared sequence. The backward adds each continuation's key and value
-//! gradients of the prefix rows into the prefix's, in call order.
+//! ([`PackedSeq::after`]), which may itself continue another: a tree of
+//! prefixes. Its rows are the positions after its chain of prefixes', and
+//! its queries see the chain's keys and values first (root first), then its
+//! own. An RL group's completions of one prompt then carry the prompt once,
+//! and a DPO batch carries its common system prompt once and each pair's
+//! prompt once for the chosen and the rejected side. The keys are gathered
+//! into one `[kv_heads, prefixes + len, hd]` buffer, exactly what the whole
+//! sequence would have had, so every row gets the bits of the unshared
+//! sequence. The backward adds each continuation's key and value gradients
+//! of the prefix rows into every prefix of its chain, in call order.
 //!
 //! # Backward
 //! The forward keeps only the per-row log-sum-exp. The backward rotates q
@@ -70,9 +73,9 @@ pub struct PackedHeads {
 pub struct PackedSeq {
     /// Rows of this sequence in the packed input.
     pub len: usize,
-    /// The index of an earlier sequence of the call (itself starting at
-    /// position 0) whose rows precede these: this sequence's rows are its
-    /// positions `prefix.len..prefix.len + len`.
+    /// The index of an earlier sequence of the call whose positions precede
+    /// these (it may continue another in turn): this sequence's rows are the
+    /// positions after its chain of prefixes ([`PackedSeq::start`]).
     pub after: Option<usize>,
 }
 
@@ -80,6 +83,35 @@ impl PackedSeq {
     /// A whole sequence of `len` rows from position 0.
     pub fn whole(len: usize) -> Self {
         Self { len, after: None }
+    }
+
+    /// The position of sequence `s`'s first row in `seqs`: the rows of its
+    /// chain of prefixes (0 for a whole sequence). `None` where the chain
+    /// does not lead back to earlier sequences of `seqs`.
+    pub fn start(seqs: &[PackedSeq], s: usize) -> Option<usize> {
+        let mut at = s;
+        let mut pos = 0;
+        while let Some(p) = seqs.get(at)?.after {
+            if p >= at {
+                return None;
+            }
+            pos += seqs[p].len;
+            at = p;
+        }
+        Some(pos)
+    }
+
+    /// The chain of sequence `s`'s prefixes, root first (empty for a whole
+    /// sequence); `seqs` is valid ([`PackedSeq::start`] is `Some`).
+    fn chain(seqs: &[PackedSeq], s: usize) -> Vec<usize> {
+        let mut out = Vec::new();
+        let mut at = s;
+        while let Some(p) = seqs[at].after {
+            out.push(p);
+            at = p;
+        }
+        out.reverse();
+        out
     }
 }
 
@@ -102,13 +134,13 @@ pub fn packed_attention(
         head_dim: hd,
     } = shape;
     let n: usize = seqs.iter().map(|s| s.len).sum();
-    let bad_prefix = seqs
+    let starts: Option<Vec<usize>> = (0..seqs.len()).map(|s| PackedSeq::start(seqs, s)).collect();
+    let bad_prefix = starts.is_none();
+    let longest = starts
         .iter()
-        .enumerate()
-        .any(|(i, s)| s.after.is_some_and(|p| p >= i || seqs[p].after.is_some()));
-    let longest = seqs
-        .iter()
-        .map(|s| s.len + s.after.and_then(|p| seqs.get(p)).map_or(0, |p| p.len))
+        .flatten()
+        .zip(seqs)
+        .map(|(start, s)| start + s.len)
         .max()
         .unwrap_or(0);
     let bad = kv_heads == 0
@@ -123,15 +155,17 @@ pub fn packed_attention(
         || rope.sin.len() < longest * hd;
     if bad {
         return Err(ModelError::InvalidInput(format!(
-            "packed_attention: q {:?}, k {:?}, v {:?}, sequences {seqs:?} (a prefix must be an earlier whole sequence), {heads}/{kv_heads} heads of {hd}, rope tables for {} positions",
+            "packed_attention: q {:?}, k {:?}, v {:?}, sequences {seqs:?} (a prefix must be an earlier sequence), {heads}/{kv_heads} heads of {hd}, rope tables for {} positions",
             q.dims(),
             k.dims(),
             v.dims(),
             rope.cos.len() / hd.max(1),
         )));
     }
+    let chains = (0..seqs.len()).map(|s| PackedSeq::chain(seqs, s)).collect();
     let op = PackedAttention {
         seqs: seqs.to_vec(),
+        chains,
         shape,
         scale: scale as f32,
         rope,
@@ -143,6 +177,8 @@ pub fn packed_attention(
 
 struct PackedAttention {
     seqs: Vec<PackedSeq>,
+    /// Each sequence's chain of prefixes, root first.
+    chains: Vec<Vec<usize>>,
     shape: PackedHeads,
     scale: f32,
     rope: Arc<RopeTables>,
@@ -269,18 +305,18 @@ impl PackedAttention {
             .collect()
     }
 
-    /// Positions before sequence `s`'s rows (its prefix's length).
+    /// Positions before sequence `s`'s rows (its prefixes' lengths).
     fn start(&self, s: usize) -> usize {
-        self.seqs[s].after.map_or(0, |p| self.seqs[p].len)
+        self.chains[s].iter().map(|&p| self.seqs[p].len).sum()
     }
 
     /// The rows whose keys sequence `s` sees, in position order.
     fn key_parts(&self, s: usize, offsets: &[usize]) -> Vec<(usize, usize)> {
-        let own = (offsets[s], self.seqs[s].len);
-        match self.seqs[s].after {
-            Some(p) => vec![(offsets[p], self.seqs[p].len), own],
-            None => vec![own],
-        }
+        self.chains[s]
+            .iter()
+            .chain(std::iter::once(&s))
+            .map(|&p| (offsets[p], self.seqs[p].len))
+            .collect()
     }
 
     fn dims(&self, s: usize) -> Dims {
@@ -491,7 +527,7 @@ impl CustomOp3 for PackedAttention {
                 let mut dk = vec![0f32; n * kv_heads * hd];
                 let mut dv = vec![0f32; n * kv_heads * hd];
                 // In call order: a prefix's own gradients are written before
-                // its continuations add theirs.
+                // its continuations add theirs (a prefix comes first).
                 for (s, seq) in self.seqs.iter().enumerate() {
                     let (off, len, start) = (offsets[s], seq.len, self.start(s));
                     let d = self.dims(s);
@@ -563,10 +599,12 @@ impl CustomOp3 for PackedAttention {
                         None,
                         false,
                     );
-                    if let Some(p) = seq.after {
-                        let to = (offsets[p], start, 0);
-                        scatter_heads(&dkh, (lk, 0), &mut dk, to, kv_heads, hd, rope, true);
-                        scatter_heads(&dvh, (lk, 0), &mut dv, to, kv_heads, hd, None, true);
+                    let mut pos = 0;
+                    for &p in &self.chains[s] {
+                        let (from, to) = ((lk, pos), (offsets[p], self.seqs[p].len, pos));
+                        scatter_heads(&dkh, from, &mut dk, to, kv_heads, hd, rope, true);
+                        scatter_heads(&dvh, from, &mut dv, to, kv_heads, hd, None, true);
+                        pos += self.seqs[p].len;
                     }
                 }
                 Ok((dq, dk, dv))
@@ -798,6 +836,100 @@ mod tests {
     }
 
     #[test]
+    fn a_tree_of_shared_prefixes_gives_the_whole_sequences_bits_and_gradients() {
+        // A DPO batch's shape: a common root (across a key-block boundary),
+        // then each pair's prompt after it, then both sides of the pair after
+        // that; beside them a whole sequence, a sequence right after the
+        // root, and a chain long enough for the per-row backward. Compared
+        // with every sequence computed whole (its chain's rows, then its
+        // own): the same bits for its own rows, and the gradients of the
+        // unshared batch, where the copies of a prefix carry no loss.
+        let after = |len, p| PackedSeq {
+            len,
+            after: Some(p),
+        };
+        let seqs = [
+            PackedSeq::whole(70),
+            after(12, 0),
+            after(9, 1),
+            after(1, 1),
+            PackedSeq::whole(20),
+            after(5, 0),
+            after(3, 5),
+            after(7, 5),
+            after(3, 0),
+            after(DENSE_BACKWARD_MAX_LEN, 7),
+        ];
+        let n: usize = seqs.iter().map(|s| s.len).sum();
+        let offsets: Vec<usize> = seqs
+            .iter()
+            .scan(0, |acc, s| {
+                let o = *acc;
+                *acc += s.len;
+                Some(o)
+            })
+            .collect();
+        let q = Var::from_tensor(&rand((n, NH * HD), 31)).unwrap();
+        let k = Var::from_tensor(&rand((n, NKV * HD), 32)).unwrap();
+        let v = Var::from_tensor(&rand((n, NKV * HD), 33)).unwrap();
+        let w = rand((n, NH * HD), 34);
+        let starts: Vec<usize> = (0..seqs.len())
+            .map(|s| PackedSeq::start(&seqs, s).unwrap())
+            .collect();
+        assert_eq!(starts, [0, 70, 82, 82, 0, 70, 75, 75, 70, 82]);
+        let longest = starts.iter().zip(&seqs).map(|(a, s)| a + s.len).max();
+        let (t, cos, sin) = tables(longest.unwrap());
+        let scale = 1.0 / (HD as f64).sqrt();
+        let ours = packed_attention(
+            q.as_tensor(),
+            k.as_tensor(),
+            v.as_tensor(),
+            &seqs,
+            shape(),
+            Arc::new(t),
+            scale,
+        )
+        .unwrap();
+        // Each sequence whole: the rows of its chain, root first, then its own.
+        let (mut rows, mut keep, mut lens) = (Vec::new(), Vec::new(), Vec::new());
+        for s in 0..seqs.len() {
+            let mut chain = PackedSeq::chain(&seqs, s);
+            chain.push(s);
+            for &p in &chain {
+                if p == s {
+                    keep.extend(rows.len() as u32..(rows.len() + seqs[s].len) as u32);
+                }
+                rows.extend((offsets[p]..offsets[p] + seqs[p].len).map(|r| r as u32));
+            }
+            lens.push(starts[s] + seqs[s].len);
+        }
+        let idx = Tensor::new(rows.as_slice(), &Device::Cpu).unwrap();
+        let pick = |x: &Tensor| x.index_select(&idx, 0).unwrap();
+        let theirs = per_sequence(
+            &pick(q.as_tensor()),
+            &pick(k.as_tensor()),
+            &pick(v.as_tensor()),
+            &lens,
+            &cos,
+            &sin,
+            scale,
+        );
+        let kept = theirs
+            .index_select(&Tensor::new(keep.as_slice(), &Device::Cpu).unwrap(), 0)
+            .unwrap();
+        assert_eq!(bits(&ours), bits(&kept), "outputs");
+        let ga = (ours * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (kept * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+            let err = rel_err(
+                &v64(ga.get(x.as_tensor()).unwrap()),
+                &v64(gb.get(x.as_tensor()).unwrap()),
+            );
+            assert!(err < 1e-5, "d{name} relative error {err}");
+        }
+    }
+
+    #[test]
     fn packed_attention_gradient_matches_finite_differences() {
         let lens = [20usize, 33];
         let n = 53;
@@ -907,8 +1039,11 @@ mod tests {
         };
         assert!(call(&[after(4, 1), PackedSeq::whole(6)], 10).is_err());
         assert!(call(&[PackedSeq::whole(4), after(6, 7)], 10).is_err());
-        assert!(call(&[PackedSeq::whole(4), after(3, 0), after(3, 1)], 10).is_err());
+        assert!(call(&[PackedSeq::whole(4), after(3, 2), after(3, 1)], 10).is_err());
         assert!(call(&[PackedSeq::whole(4), after(6, 0)], 9).is_err());
         assert!(call(&[PackedSeq::whole(4), after(6, 0)], 10).is_ok());
+        // A chain: the tables must reach the end of the whole chain.
+        assert!(call(&[PackedSeq::whole(4), after(3, 0), after(3, 1)], 9).is_err());
+        assert!(call(&[PackedSeq::whole(4), after(3, 0), after(3, 1)], 10).is_ok());
     }
 }

@@ -237,3 +237,23 @@ pub fn load_quantized(
     );
     p
 }
+
+/// A DPO batch: after one system prompt, pairs of a question and two
+/// completions (token ids below `vocab`). The last pair's completions share
+/// their first 3 tokens.
+pub fn preference_pairs(vocab: u32) -> (Vec<Vec<u32>>, Vec<usize>) {
+    let system: Vec<u32> = (0..30).map(|i| (7 * i + 3) % vocab).collect();
+    let mut seqs = Vec::new();
+    let mut prompt_lens = Vec::new();
+    for p in 0..4u32 {
+        let question: Vec<u32> = (0..9 + p).map(|i| (11 * i + 5 * p + 1) % vocab).collect();
+        let prompt = [&system[..], &question[..]].concat();
+        for side in 0..2u32 {
+            let start: Vec<u32> = if p == 3 { vec![4, 4, 4] } else { Vec::new() };
+            let own = (0..3 + 2 * p + side).map(|i| (13 * i + 17 * side + 3 * p + 2) % vocab);
+            seqs.push([&prompt[..], &start[..], &own.collect::<Vec<_>>()[..]].concat());
+            prompt_lens.push(prompt.len());
+        }
+    }
+    (seqs, prompt_lens)
+}

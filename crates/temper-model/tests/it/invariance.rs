@@ -316,3 +316,22 @@ fn bf16_weights_stay_close_to_f32() {
         );
     }
 }
+
+/// A DPO batch (one system prompt, each pair's question, two completions)
+/// runs as a tree of shared prefixes; every position keeps the bits of
+/// scoring its sequence alone, with f32 and bf16 weights, with and without
+/// LoRA.
+#[test]
+fn pairs_after_a_common_system_prompt_keep_the_bits_of_scoring_alone() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for family in FAMILIES {
+            let p = load_as(family, precision);
+            let lora = adapter(&p, family);
+            let (seqs, _) = preference_pairs(p.config.vocab_size as u32);
+            for l in [None, Some(&lora)] {
+                let what = format!("{family} {precision} lora={}", l.is_some());
+                batch_matches_alone(&p.model, &seqs, l, &what);
+            }
+        }
+    }
+}

@@ -390,3 +390,89 @@ fn sequences_longer_than_a_score_chunk_agree_with_the_sampler() {
         }
     }
 }
+
+#[test]
+fn a_batch_of_pairs_shares_its_prompts_and_reads_only_its_completions() {
+    // `score_batch_where` runs the system prompt once and each pair's
+    // question once (a tree of prefixes) and the LM head only on the
+    // completions' targets: those logprobs have the bits of scoring each
+    // sequence alone, the prompt's are NaN (not computed), and a loss on the
+    // completions has the value and LoRA gradients of the unshared batch.
+    for name in FAMILIES {
+        let p = load(name);
+        let a = adapter(&p, name);
+        let (seqs, prompt_lens) = preference_pairs(p.config.vocab_size as u32);
+        let needed: Vec<Vec<bool>> = seqs
+            .iter()
+            .zip(&prompt_lens)
+            .map(|(s, &pl)| (0..s.len() - 1).map(|i| i + 1 >= pl).collect())
+            .collect();
+        let masks: Vec<&[bool]> = needed.iter().map(Vec::as_slice).collect();
+        let shared = p
+            .model
+            .score_batch_where(&next_token_inputs(&seqs), Some(&masks), Some(&a), 1.0)
+            .expect("score_batch_where");
+        // A DPO-like coupling: chosen minus half the rejected side.
+        let loss = |lps: Vec<Tensor>| -> Tensor {
+            let mut total: Option<Tensor> = None;
+            for (i, lp) in lps.iter().enumerate() {
+                let at: Vec<u32> = (0..needed[i].len() as u32)
+                    .filter(|&j| needed[i][j as usize])
+                    .collect();
+                let idx = Tensor::new(at.as_slice(), lp.device()).unwrap();
+                let s = lp.contiguous().unwrap().index_select(&idx, 0).unwrap();
+                let s = s.sum_all().unwrap();
+                let s = s.affine(if i % 2 == 0 { -1.0 } else { 0.5 }, 0.0).unwrap();
+                total = Some(match total {
+                    None => s,
+                    Some(t) => (t + s).unwrap(),
+                });
+            }
+            total.unwrap()
+        };
+        let mut alone = Vec::new();
+        for (i, (s, got)) in seqs.iter().zip(&shared).enumerate() {
+            let want = p
+                .model
+                .score(&s[..s.len() - 1], &s[1..], Some(&a), 1.0)
+                .expect("score");
+            let (g, w) = (
+                got.logprobs.to_vec1::<f32>().unwrap(),
+                want.logprobs.to_vec1::<f32>().unwrap(),
+            );
+            let (ge, we) = (
+                got.entropy.to_vec1::<f32>().unwrap(),
+                want.entropy.to_vec1::<f32>().unwrap(),
+            );
+            for j in 0..g.len() {
+                if needed[i][j] {
+                    assert_eq!(g[j].to_bits(), w[j].to_bits(), "{name}: {i}/{j} logprob");
+                    assert_eq!(ge[j].to_bits(), we[j].to_bits(), "{name}: {i}/{j} entropy");
+                } else {
+                    assert!(g[j].is_nan() && ge[j].is_nan(), "{name}: {i}/{j} computed");
+                }
+            }
+            alone.push(want.logprobs);
+        }
+        let ls = loss(shared.into_iter().map(|s| s.logprobs).collect());
+        let la = loss(alone);
+        let (vs, va) = (
+            ls.to_scalar::<f32>().unwrap(),
+            la.to_scalar::<f32>().unwrap(),
+        );
+        assert!(
+            (vs - va).abs() <= 1e-6 * va.abs().max(1.0),
+            "{name}: loss {vs} vs {va}"
+        );
+        let (gs, ga) = (ls.backward().unwrap(), la.backward().unwrap());
+        for (n, v) in a.named_vars() {
+            let (x, y) = (
+                gs.get(v.as_tensor()).expect("grad"),
+                ga.get(v.as_tensor()).expect("grad"),
+            );
+            assert!(norm(y) > 0.0, "{name}: {n} zero gradient");
+            let err = norm(&(x - y).unwrap()) / norm(y);
+            assert!(err < 1e-5, "{name}: {n} relative error {err}");
+        }
+    }
+}
