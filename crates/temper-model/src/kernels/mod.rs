@@ -52,6 +52,8 @@ mod matmul_bf16;
 mod matmul_nn;
 mod packed_attention;
 mod quant;
+#[cfg(target_arch = "x86_64")]
+mod quant_avx2;
 mod rms_norm;
 mod swiglu;
 #[cfg(test)]

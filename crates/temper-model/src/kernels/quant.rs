@@ -269,7 +269,7 @@ fn q5_1(blk: &[u8], y: &mut [f32]) {
 /// `j` and `j + 4`; `j ≥ 4` a nibble of byte `j + 4` and the top 2 bits of
 /// bytes `j − 4` and `j`.
 #[inline(always)]
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+pub(super) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
@@ -349,10 +349,53 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `y[m, n] = dot(x[m, :], w[n, :])` for a quantized `w` `[n, k]`: each
-/// block of rows dequantized, then the f32 kernel's tiles — the same bits
-/// as `matmul_nt_f32` on the dequantized weight.
+/// How the quantized matmul turns blocks into f32 values. Both give the
+/// same values, so the same bits; only the speed differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Decoder {
+    /// Decoded in AVX2 registers (`quant_avx2`): decode-sized calls
+    /// multiply the decoded values straight away, longer ones dequantize a
+    /// block of rows with them.
+    Registers,
+    /// Plain Rust dequantization of a block of rows into a buffer, then the
+    /// f32 kernel.
+    Portable,
+}
+
+impl Decoder {
+    /// The fastest decoder this CPU has for `format`. `TEMPER_QUANT_SIMD=0`
+    /// forces the portable one (to measure what the registers buy).
+    pub(crate) fn best(format: QuantFormat) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let off = *OFF.get_or_init(|| std::env::var("TEMPER_QUANT_SIMD").is_ok_and(|v| v == "0"));
+            if !off && super::quant_avx2::available() && super::quant_avx2::decodes(format) {
+                return Self::Registers;
+            }
+        }
+        let _ = format;
+        Self::Portable
+    }
+}
+
+/// `y[m, n] = dot(x[m, :], w[n, :])` for a quantized `w` `[n, k]`: the same
+/// bits as `matmul_nt_f32` on the dequantized weight (see [`Decoder`]).
 pub(crate) fn matmul_nt_quant(
+    x: &[f32],
+    w: QuantRows<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+) {
+    matmul_nt_quant_with(Decoder::best(w.format), x, w, m, n, k, y)
+}
+
+/// [`matmul_nt_quant`] with a chosen decoder (`Registers` only where
+/// [`Decoder::best`] would pick it).
+pub(crate) fn matmul_nt_quant_with(
+    decoder: Decoder,
     x: &[f32],
     w: QuantRows<'_>,
     m: usize,
@@ -364,15 +407,40 @@ pub(crate) fn matmul_nt_quant(
     if m == 0 || n == 0 {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    let registers = decoder == Decoder::Registers
+        && super::quant_avx2::available()
+        && super::quant_avx2::decodes(w.format);
+    #[cfg(not(target_arch = "x86_64"))]
+    let registers = {
+        let _ = decoder;
+        false
+    };
     let kernel = super::matmul::kernel();
     let out = SendPtr(y.as_mut_ptr());
     let run = |b: usize| {
         let (n0, n1) = (b * N_BLOCK, ((b + 1) * N_BLOCK).min(n));
+        #[cfg(target_arch = "x86_64")]
+        if registers && m <= super::quant_avx2::FUSED_ROWS {
+            // SAFETY: the CPU has AVX2 and FMA and the format a decoder
+            // (checked above); block `b` writes only columns `n0..n1` of
+            // `y`, disjoint from every other block's; `y` outlives the loop.
+            unsafe { super::quant_avx2::fused(x, w, m, n, k, n0, n1, out.get()) };
+            return;
+        }
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             if s.len() < N_BLOCK * k {
                 s.resize(N_BLOCK * k, 0.0);
             }
+            #[cfg(target_arch = "x86_64")]
+            if registers {
+                // SAFETY: checked above (CPU features and format).
+                unsafe { super::quant_avx2::dequantize(w, n0, n1, &mut s) };
+            } else {
+                w.dequantize(n0, n1, &mut s);
+            }
+            #[cfg(not(target_arch = "x86_64"))]
             w.dequantize(n0, n1, &mut s);
             // SAFETY: block `b` writes only columns `n0..n1` of `y` (the
             // kernel's columns `0..n1-n0` from `y + n0`, row stride `n`),
@@ -564,29 +632,74 @@ mod tests {
         }
     }
 
+    /// The decoders to check: the register one only where this CPU runs it.
+    fn decoders(f: QuantFormat) -> Vec<Decoder> {
+        let mut d = vec![Decoder::Portable];
+        if Decoder::best(f) == Decoder::Registers {
+            d.push(Decoder::Registers);
+        }
+        d
+    }
+
     #[test]
     fn quantized_matmul_equals_the_f32_kernel_on_the_dequantized_weight() {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // The register path must actually be under test on such a CPU.
+            assert_eq!(Decoder::best(QuantFormat::Q4K), Decoder::Registers);
+        }
         for f in QuantFormat::ALL {
-            // n spans several row blocks and a partial one; m odd.
-            let (m, n, k) = (5, 2 * N_BLOCK + 7, 256);
+            // n spans several row blocks and a partial one; two K-quant
+            // super-blocks per row; m = 5 decodes in registers, m = 13
+            // dequantizes blocks of rows.
+            let (n, k) = (2 * N_BLOCK + 7, 512);
             let (bytes, deq) = quantized(f, n, k, 11);
-            let x = super::super::test_util::rand_vec(m * k, 12);
-            let mut want = vec![0f32; m * n];
-            super::super::matmul::matmul_nt_f32(&x, &deq, m, n, k, &mut want);
-            let mut got = vec![0f32; m * n];
             let w = QuantRows {
                 format: f,
                 bytes: &bytes,
                 cols: k,
             };
-            matmul_nt_quant(&x, w, m, n, k, &mut got);
-            assert_eq!(got, want, "{f:?}");
-            // One row at a time: the same bits (batch invariance).
-            for i in 0..m {
-                let mut row = vec![0f32; n];
-                matmul_nt_quant(&x[i * k..(i + 1) * k], w, 1, n, k, &mut row);
-                assert_eq!(row, want[i * n..(i + 1) * n], "{f:?} row {i}");
+            for m in [5, 13] {
+                let x = super::super::test_util::rand_vec(m * k, 12);
+                let mut want = vec![0f32; m * n];
+                super::super::matmul::matmul_nt_f32(&x, &deq, m, n, k, &mut want);
+                for d in decoders(f) {
+                    let mut got = vec![0f32; m * n];
+                    matmul_nt_quant_with(d, &x, w, m, n, k, &mut got);
+                    assert!(got == want, "{f:?} {d:?} m={m}");
+                    // One row at a time: the same bits (batch invariance).
+                    for i in 0..m {
+                        let mut row = vec![0f32; n];
+                        matmul_nt_quant_with(d, &x[i * k..(i + 1) * k], w, 1, n, k, &mut row);
+                        assert!(row == want[i * n..(i + 1) * n], "{f:?} {d:?} row {i}");
+                    }
+                }
             }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn register_dequantization_matches_the_portable_one() {
+        for f in QuantFormat::ALL {
+            if Decoder::best(f) != Decoder::Registers {
+                continue;
+            }
+            let (bytes, want) = quantized(f, 5, 512, 21);
+            let w = QuantRows {
+                format: f,
+                bytes: &bytes,
+                cols: 512,
+            };
+            let mut got = vec![f32::NAN; 3 * 512];
+            // SAFETY: `best` chose registers, so the CPU and format qualify.
+            unsafe { super::super::quant_avx2::dequantize(w, 1, 4, &mut got) };
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want[512..4 * 512].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{f:?}"
+            );
         }
     }
 
