@@ -65,7 +65,7 @@ pub(crate) use exp::exp_weights;
 
 pub use lm_head::{
     for_each_logprob_row, fused_lm_head_supported, lm_head_logprobs, row_log_softmax, row_logprob,
-    ROW_BLOCK,
+    HeadKernel, ROW_BLOCK,
 };
 
 pub use lora_linear::{lora_linear, lora_linear_quant, lora_linear_supported};

@@ -163,6 +163,21 @@ impl QuantRows<'_> {
 
     /// Rows `r0..r1` as f32, into `out` (`(r1 − r0)·cols` values).
     pub(crate) fn dequantize(&self, r0: usize, r1: usize, out: &mut [f32]) {
+        self.dequantize_with(Decoder::best(self.format), r0, r1, out)
+    }
+
+    /// [`QuantRows::dequantize`] with a chosen decoder (the same values).
+    pub(crate) fn dequantize_with(&self, decoder: Decoder, r0: usize, r1: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if decoder == Decoder::Registers
+            && super::quant_avx2::available()
+            && super::quant_avx2::decodes(self.format)
+        {
+            // SAFETY: the CPU and the format qualify (checked just above).
+            unsafe { super::quant_avx2::dequantize(*self, r0, r1, out) };
+            return;
+        }
+        let _ = decoder;
         let rb = self.format.row_bytes(self.cols);
         dequantize_blocks(
             self.format,
@@ -411,11 +426,6 @@ pub(crate) fn matmul_nt_quant_with(
     let registers = decoder == Decoder::Registers
         && super::quant_avx2::available()
         && super::quant_avx2::decodes(w.format);
-    #[cfg(not(target_arch = "x86_64"))]
-    let registers = {
-        let _ = decoder;
-        false
-    };
     let kernel = super::matmul::kernel();
     let out = SendPtr(y.as_mut_ptr());
     let run = |b: usize| {
@@ -433,15 +443,7 @@ pub(crate) fn matmul_nt_quant_with(
             if s.len() < N_BLOCK * k {
                 s.resize(N_BLOCK * k, 0.0);
             }
-            #[cfg(target_arch = "x86_64")]
-            if registers {
-                // SAFETY: checked above (CPU features and format).
-                unsafe { super::quant_avx2::dequantize(w, n0, n1, &mut s) };
-            } else {
-                w.dequantize(n0, n1, &mut s);
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            w.dequantize(n0, n1, &mut s);
+            w.dequantize_with(decoder, n0, n1, &mut s);
             // SAFETY: block `b` writes only columns `n0..n1` of `y` (the
             // kernel's columns `0..n1-n0` from `y + n0`, row stride `n`),
             // disjoint from every other block's; `y` outlives the loop.
@@ -516,6 +518,25 @@ impl QuantWeight {
             bytes: &v[a..b],
             cols: self.cols,
         })
+    }
+
+    /// Rows `ids` dequantized, one after the other (an embedding lookup:
+    /// the loader's values).
+    pub fn gather_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let (out, cols) = self.dims();
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= out) {
+            return Err(ModelError::InvalidInput(format!(
+                "row {bad} of a {out}-row quantized matrix"
+            )));
+        }
+        let mut v = vec![0f32; ids.len() * cols];
+        self.with_rows(|r| {
+            for (&i, o) in ids.iter().zip(v.chunks_exact_mut(cols)) {
+                r.dequantize(i as usize, i as usize + 1, o);
+            }
+            Ok(())
+        })?;
+        Ok(v)
     }
 
     /// The weight dequantized to f32 `[out, in]` (the loader's values).
@@ -625,6 +646,11 @@ mod tests {
             };
             assert_eq!(rows.rows(), 7);
             assert_eq!(rows.to_f32(), want, "{f:?} (dispatched)");
+            for d in decoders(f) {
+                let mut got = vec![f32::NAN; 3 * 512];
+                rows.dequantize_with(d, 2, 5, &mut got);
+                assert_eq!(got, want[2 * 512..5 * 512], "{f:?} {d:?} rows 2..5");
+            }
             // The portable body, whatever the CPU.
             let mut portable = vec![0f32; want.len()];
             dequantize_blocks_body(f, &bytes, &mut portable);
@@ -676,30 +702,6 @@ mod tests {
                     }
                 }
             }
-        }
-    }
-
-    #[test]
-    #[cfg(target_arch = "x86_64")]
-    fn register_dequantization_matches_the_portable_one() {
-        for f in QuantFormat::ALL {
-            if Decoder::best(f) != Decoder::Registers {
-                continue;
-            }
-            let (bytes, want) = quantized(f, 5, 512, 21);
-            let w = QuantRows {
-                format: f,
-                bytes: &bytes,
-                cols: 512,
-            };
-            let mut got = vec![f32::NAN; 3 * 512];
-            // SAFETY: `best` chose registers, so the CPU and format qualify.
-            unsafe { super::super::quant_avx2::dequantize(w, 1, 4, &mut got) };
-            assert_eq!(
-                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                want[512..4 * 512].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "{f:?}"
-            );
         }
     }
 
