@@ -497,8 +497,7 @@ impl Model {
         // A quantized head (or embedding, when tied) stays in its blocks:
         // the logits are the quantized matmul's, the same bits as the f32
         // model's, from the file's bytes instead of `vocab·hidden` floats.
-        let (lm_head, head_packed) = if cfg.tie_word_embeddings && !ck.contains("lm_head.weight")
-        {
+        let (lm_head, head_packed) = if cfg.tie_word_embeddings && !ck.contains("lm_head.weight") {
             (None, embed_quant.clone().map(HeadKernel::Quant))
         } else {
             match ck.get_matrix("lm_head.weight", &[cfg.vocab_size, h])? {
@@ -896,9 +895,7 @@ impl Model {
         let head = self.head_weight();
         match &self.head_packed {
             Some(HeadKernel::Quant(q)) => matmul_nt_quant_op(hidden, q),
-            Some(HeadKernel::Bf16(p)) if use_matmul_nt(hidden, head) => {
-                matmul_nt_packed(hidden, p)
-            }
+            Some(HeadKernel::Bf16(p)) if use_matmul_nt(hidden, head) => matmul_nt_packed(hidden, p),
             _ => linear_nt(hidden, head),
         }
     }

@@ -42,11 +42,11 @@
 //! takes integer dots against the weight blocks: faster, but every logit
 //! then differs from the dequantized model's by the activation rounding, and
 //! the backward (`dx = g·W`), which has no such rounding, would not be the
-//! transpose of the forward's arithmetic. temper keeps f32 activations: a
-//! block of weight rows is dequantized to f32 (`q·d + m`, multiplied then
-//! added, exactly as the loader's dequantization computes it) into a small
-//! buffer that stays in cache, and the f32 matmul kernel ([`super::matmul`])
-//! runs on it. So
+//! transpose of the forward's arithmetic. temper keeps f32 activations:
+//! each weight is decoded to f32 (`q·d + m`, multiplied then added, exactly
+//! as the loader's dequantization computes it) and multiplied by the
+//! activation in the f32 matmul kernel's order ([`super::matmul`]: eight
+//! lane sums of fused multiply-adds over `k`, then a fixed tree). So
 //! - every output is the f32 kernel's fixed-order reduction over the very
 //!   values the dequantized model holds: `--dtype gguf` gives the same bits
 //!   as `--dtype f32` on the same file, only from 4–7× less memory;
@@ -55,8 +55,18 @@
 //! - the input gradient dequantizes the weight the same way and runs the f32
 //!   backward kernel: QLoRA's gradients are the dequantized model's.
 //!
-//! The dequantization is plain Rust compiled twice (baseline and AVX2, chosen
-//! at run time); without fused multiply-adds both copies round identically.
+//! # Decoders ([`Decoder`])
+//! With AVX2 and FMA, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks are decoded in
+//! registers (`quant_avx2`): a decode-sized call (≤ 8 rows) multiplies
+//! each eight decoded weights straight into its lane sums and never writes
+//! an f32 weight; a longer call dequantizes 48 rows at a time into a buffer
+//! that stays in cache and runs the f32 kernel's register tiles on it. Other
+//! formats and CPUs take the portable path: plain Rust compiled twice
+//! (baseline and AVX2, chosen at run time; without fused multiply-adds both
+//! copies round identically) into the same buffer. The f32 kernel has no
+//! AVX-512 tiles, and 16-lane sums would change its order, so there is no
+//! AVX-512 decoder either: its wider registers could only hold two rows'
+//! eight lanes side by side.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
@@ -384,7 +394,8 @@ impl Decoder {
         #[cfg(target_arch = "x86_64")]
         {
             static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            let off = *OFF.get_or_init(|| std::env::var("TEMPER_QUANT_SIMD").is_ok_and(|v| v == "0"));
+            let off =
+                *OFF.get_or_init(|| std::env::var("TEMPER_QUANT_SIMD").is_ok_and(|v| v == "0"));
             if !off && super::quant_avx2::available() && super::quant_avx2::decodes(format) {
                 return Self::Registers;
             }

@@ -49,7 +49,11 @@ pub(super) fn available() -> bool {
 pub(super) fn decodes(format: QuantFormat) -> bool {
     matches!(
         format,
-        QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q6K
+        QuantFormat::Q8_0
+            | QuantFormat::Q4_0
+            | QuantFormat::Q4_1
+            | QuantFormat::Q4K
+            | QuantFormat::Q6K
     )
 }
 
