@@ -19,8 +19,8 @@ use crate::error::{ModelError, Result};
 use crate::kernels::{
     causal_attention, fused_attention_supported, fused_rms_norm_supported, fused_swiglu_supported,
     linear_nt, lora_linear, lora_linear_quant, lora_linear_supported, matmul_nt, matmul_nt_packed,
-    matmul_nt_quant_op, packed_attention, use_matmul_nt, PackedBf16, PackedHeads, PackedSeq,
-    QuantWeight, RopeTables,
+    matmul_nt_quant_op, packed_attention, use_matmul_nt, HeadKernel, PackedBf16, PackedHeads,
+    PackedSeq, QuantWeight, RopeTables,
 };
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::precision::Precision;
@@ -419,17 +419,31 @@ pub struct Segment<'a> {
     pub cache: Option<&'a mut KvCache>,
 }
 
+/// A `[rows, cols]` f32 stand-in for a matrix kept quantized: it gives the
+/// shape that shape checks read and is one NaN broadcast (no memory), so
+/// a reader that ignored the quantized form would produce NaN, never
+/// plausible numbers.
+fn quantized_placeholder(q: &QuantWeight) -> Result<Tensor> {
+    Ok(Tensor::new(f32::NAN, &Device::Cpu)?.broadcast_as(q.dims())?)
+}
+
 /// A Llama / Qwen2 / Qwen3 decoder with frozen (or fully trainable) weights.
 #[derive(Debug, Clone)]
 pub struct Model {
     cfg: ModelConfig,
+    /// A shape placeholder (see [`quantized_placeholder`]) when
+    /// `embed_quant` holds the embedding.
     embed: Tensor,
+    /// The embedding's GGUF blocks kept quantized (`--dtype gguf`).
+    embed_quant: Option<QuantWeight>,
     layers: Vec<Layer>,
     norm: Tensor,
-    /// `None` when tied to `embed`.
+    /// `None` when tied to `embed`; a shape placeholder when `head_packed`
+    /// holds it quantized.
     lm_head: Option<Tensor>,
-    /// The head weight packed for the forward, with bf16 weights.
-    head_packed: Option<Arc<PackedBf16>>,
+    /// The head weight in its kernel's form: packed bf16 weights, or GGUF
+    /// blocks kept quantized (the embedding's, when tied).
+    head_packed: Option<HeadKernel>,
     rope: Rope,
     device: Device,
     dtype: DType,
@@ -439,7 +453,11 @@ impl Model {
     /// Build the model from a checkpoint, checking every tensor's shape.
     pub fn load(cfg: &ModelConfig, ck: &Checkpoint, dtype: DType, device: &Device) -> Result<Self> {
         let h = cfg.hidden_size;
-        let embed = ck.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let (embed, embed_quant) =
+            match ck.get_matrix("model.embed_tokens.weight", &[cfg.vocab_size, h])? {
+                Matrix::Dense(t) => (t, None),
+                Matrix::Quant(q) => (quantized_placeholder(&q)?, Some(q)),
+            };
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
@@ -476,18 +494,25 @@ impl Model {
             });
         }
         let norm = ck.get("model.norm.weight", &[h])?;
-        let lm_head = if cfg.tie_word_embeddings && !ck.contains("lm_head.weight") {
-            None
+        // A quantized head (or embedding, when tied) stays in its blocks:
+        // the logits are the quantized matmul's, the same bits as the f32
+        // model's, from the file's bytes instead of `vocab·hidden` floats.
+        let (lm_head, head_packed) = if cfg.tie_word_embeddings && !ck.contains("lm_head.weight") {
+            (None, embed_quant.clone().map(HeadKernel::Quant))
         } else {
-            Some(ck.get("lm_head.weight", &[cfg.vocab_size, h])?)
+            match ck.get_matrix("lm_head.weight", &[cfg.vocab_size, h])? {
+                Matrix::Dense(t) => (Some(t), None),
+                Matrix::Quant(q) => (Some(quantized_placeholder(&q)?), Some(HeadKernel::Quant(q))),
+            }
         };
         Ok(Self {
             cfg: cfg.clone(),
             embed,
+            embed_quant,
             layers,
             norm,
             lm_head,
-            head_packed: None,
+            head_packed,
             rope: Rope::new(cfg, dtype, device)?,
             device: device.clone(),
             dtype,
@@ -534,7 +559,7 @@ impl Model {
         if let Some(h) = self.lm_head.as_mut() {
             convert(h)?;
         }
-        self.head_packed = pack(self.head_weight())?;
+        self.head_packed = pack(self.head_weight())?.map(HeadKernel::Bf16);
         for l in self.layers.iter_mut() {
             for (_, lin) in l.linears_mut() {
                 convert(&mut lin.weight)?;
@@ -547,7 +572,7 @@ impl Model {
     /// The precision of the matmul weights (see [`Model::set_precision`]):
     /// bf16 exactly when they are packed for the bf16 kernel.
     pub fn precision(&self) -> Precision {
-        if self.head_packed.is_some() {
+        if matches!(self.head_packed, Some(HeadKernel::Bf16(_))) {
             Precision::Bf16
         } else if self.is_quantized() {
             Precision::Gguf
@@ -556,24 +581,32 @@ impl Model {
         }
     }
 
-    /// Whether some linear layer keeps GGUF blocks (see [`Precision::Gguf`]).
+    /// Whether some weight matrix keeps GGUF blocks (see [`Precision::Gguf`]).
     pub fn is_quantized(&self) -> bool {
-        self.layers
-            .iter()
-            .any(|l| l.linears().iter().any(|(_, lin)| lin.quant.is_some()))
+        !self.quant_formats().is_empty()
+    }
+
+    /// Whether the LM head (the embedding, when tied) is kept quantized.
+    pub fn head_is_quantized(&self) -> bool {
+        matches!(self.head_packed, Some(HeadKernel::Quant(_)))
     }
 
     /// The block formats of the matrices kept quantized, each once, in
     /// the order first met (empty unless [`Model::is_quantized`]).
     pub fn quant_formats(&self) -> Vec<crate::kernels::QuantFormat> {
+        let head = match &self.head_packed {
+            Some(HeadKernel::Quant(q)) => Some(q),
+            _ => None,
+        };
         let mut out = Vec::new();
-        for l in &self.layers {
-            for (_, lin) in l.linears() {
-                if let Some(f) = lin.quant.as_ref().map(|q| q.format) {
-                    if !out.contains(&f) {
-                        out.push(f);
-                    }
-                }
+        let matrices = self
+            .layers
+            .iter()
+            .flat_map(|l| l.linears().into_iter().map(|(_, lin)| lin.quant.as_ref()))
+            .chain([self.embed_quant.as_ref(), head]);
+        for f in matrices.flatten().map(|q| q.format) {
+            if !out.contains(&f) {
+                out.push(f);
             }
         }
         out
@@ -705,7 +738,11 @@ impl Model {
     /// Every weight under its Hugging Face checkpoint name (tied `lm_head`
     /// omitted), for saving; quantized blocks dequantized to f32.
     pub fn named_weights(&self) -> Result<Vec<(String, Tensor)>> {
-        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed.detach())];
+        let embed = match &self.embed_quant {
+            Some(q) => q.dequantize()?,
+            None => self.embed.detach(),
+        };
+        let mut out = vec![("model.embed_tokens.weight".to_string(), embed)];
         for (i, l) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
             out.push((format!("{p}.input_layernorm.weight"), l.input_norm.detach()));
@@ -728,7 +765,11 @@ impl Model {
         }
         out.push(("model.norm.weight".into(), self.norm.detach()));
         if let Some(h) = &self.lm_head {
-            out.push(("lm_head.weight".into(), h.detach()));
+            let h = match &self.head_packed {
+                Some(HeadKernel::Quant(q)) => q.dequantize()?,
+                _ => h.detach(),
+            };
+            out.push(("lm_head.weight".into(), h));
         }
         Ok(out)
     }
@@ -808,6 +849,12 @@ impl Model {
     /// The embeddings of `ids` in the model's dtype.
     fn embed_rows(&self, ids: &[u32]) -> Result<Tensor> {
         self.check_ids(ids)?;
+        if let Some(q) = &self.embed_quant {
+            // The rows dequantized as the loader would (the same values).
+            let h = self.cfg.hidden_size;
+            let v = q.gather_rows(ids)?;
+            return Ok(Tensor::from_vec(v, (ids.len(), h), &self.device)?.to_dtype(self.dtype)?);
+        }
         let idx = Tensor::new(ids, &self.device)?;
         Ok(self.embed.index_select(&idx, 0)?.to_dtype(self.dtype)?)
     }
@@ -855,17 +902,20 @@ impl Model {
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let head = self.head_weight();
         match &self.head_packed {
-            Some(p) if use_matmul_nt(hidden, head) => matmul_nt_packed(hidden, p),
+            Some(HeadKernel::Quant(q)) => matmul_nt_quant_op(hidden, q),
+            Some(HeadKernel::Bf16(p)) if use_matmul_nt(hidden, head) => matmul_nt_packed(hidden, p),
             _ => linear_nt(hidden, head),
         }
     }
 
-    /// The head weight packed for the forward (bf16 weights only).
-    pub(crate) fn head_packed(&self) -> Option<&Arc<PackedBf16>> {
+    /// The head weight in its kernel's form (packed bf16 or quantized
+    /// weights; `None` for a plain f32 one).
+    pub(crate) fn head_packed(&self) -> Option<&HeadKernel> {
         self.head_packed.as_ref()
     }
 
-    /// The output projection `[vocab, hidden]` (the embedding when tied).
+    /// The output projection `[vocab, hidden]` (the embedding when tied);
+    /// only a shape placeholder when [`Model::head_packed`] is quantized.
     pub(crate) fn head_weight(&self) -> &Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }

@@ -151,7 +151,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Resident-set sizes from `/proc/self/status` (Linux), in MB.
-mod rss {
+pub(crate) mod rss {
     /// `VmRSS` (now) or `VmHWM` (peak) in MB; `None` where /proc is absent.
     fn field(name: &str) -> Option<f64> {
         let status = std::fs::read_to_string("/proc/self/status").ok()?;

@@ -17,6 +17,17 @@
 //! decodes them in lockstep without sampling (`llama-batched-bench`, its
 //! generated tokens over its prefill + decode time). Each side reports the
 //! best of `repeats` measurements per level.
+//!
+//! With llama.cpp, a second table splits the work as `llama-batched-bench`
+//! does: prefill tokens/s (C prompts of `prompt_len` tokens, its `S_PP`)
+//! and decode tokens/s (C sequences in lockstep, its `S_TG`). temper's side
+//! runs the in-process sampler (no HTTP) on C distinct prompts twice: with
+//! one new token (the prefill and one step) and with `max_tokens`; prefill
+//! is `C·prompt_len` over the first time, decode `C·(max_tokens − 1)` over
+//! the difference. Then the peak RSS of each side: temper's process from
+//! the loaded model on (the peak is reset after loading where Linux
+//! allows), llama.cpp's largest `ru_maxrss` over its runs. A GGUF kept
+//! quantized (`--dtype gguf`) is given to llama.cpp as it is: the same file.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -63,8 +74,8 @@ pub struct ServeBenchArgs {
     /// builds it): adds a llama.cpp column.
     #[arg(long)]
     llama_batched_bench: Option<PathBuf>,
-    /// GGUF file llama.cpp runs (default: the served weights exported as
-    /// f32 GGUF).
+    /// GGUF file llama.cpp runs (default: `--model` itself when it is a
+    /// GGUF kept quantized, else the served weights exported as f32 GGUF).
     #[arg(long, requires = "llama_batched_bench")]
     llama_gguf: Option<PathBuf>,
 }
@@ -211,15 +222,35 @@ fn served_model(
     Ok((model, dir, what))
 }
 
-/// llama.cpp's tokens/s per concurrency: generated tokens over prefill +
-/// decode time, best of `repeats` runs of `llama-batched-bench`.
+/// One concurrency level of a speed table, each rate the best of its runs.
+#[derive(Debug, Default, Clone, Copy)]
+struct Rates {
+    /// Generated tokens over prefill + decode time.
+    overall: f64,
+    /// Prompt tokens over prefill time.
+    prefill: f64,
+    /// Decoded tokens over decode time.
+    decode: f64,
+}
+
+impl Rates {
+    fn best(&mut self, other: Rates) {
+        self.overall = self.overall.max(other.overall);
+        self.prefill = self.prefill.max(other.prefill);
+        self.decode = self.decode.max(other.decode);
+    }
+}
+
+/// llama.cpp's rates per concurrency (best of `repeats` runs of
+/// `llama-batched-bench`: `pl·tg / t`, `S_PP`, `S_TG`) and its peak RSS in
+/// MB (the largest of its runs).
 fn llama_cpp(
     bin: &Path,
     gguf: &Path,
     levels: &[usize],
     args: &ServeBenchArgs,
     threads: usize,
-) -> Result<HashMap<usize, f64>> {
+) -> Result<(HashMap<usize, Rates>, f64)> {
     let most = levels.iter().copied().max().unwrap_or(1);
     let ctx = most * (args.prompt_len + args.max_tokens) + 16;
     let npl = levels
@@ -227,18 +258,19 @@ fn llama_cpp(
         .map(usize::to_string)
         .collect::<Vec<_>>()
         .join(",");
-    let mut best: HashMap<usize, f64> = HashMap::new();
+    let mut best: HashMap<usize, Rates> = HashMap::new();
+    let mut peak_mb = 0f64;
     for _ in 0..args.repeats.max(1) {
-        let out = Command::new(bin)
-            .arg("-m")
+        let mut cmd = Command::new(bin);
+        cmd.arg("-m")
             .arg(gguf)
             .args(["-c", &ctx.to_string(), "-b", "2048", "-ub", "512"])
             .args(["-npp", &args.prompt_len.to_string()])
             .args(["-ntg", &args.max_tokens.to_string()])
             .args(["-npl", &npl, "-t", &threads.to_string()])
-            .args(["--output-format", "jsonl"])
-            .output()
-            .with_context(|| format!("running {}", bin.display()))?;
+            .args(["--output-format", "jsonl"]);
+        let (out, rss_mb) = output_with_peak_rss(cmd, bin)?;
+        peak_mb = peak_mb.max(rss_mb);
         if !out.status.success() {
             bail!(
                 "{} failed:\n{}",
@@ -261,16 +293,119 @@ fn llama_cpp(
                     .with_context(|| format!("llama-batched-bench line without {k}: {line}"))
             };
             let (pl, tg, t) = (field("pl")?, field("tg")?, field("t")?);
-            let rate = pl * tg / t;
-            let e = best.entry(pl as usize).or_insert(0.0);
-            *e = e.max(rate);
+            let rates = Rates {
+                overall: pl * tg / t,
+                prefill: field("speed_pp")?,
+                decode: field("speed_tg")?,
+            };
+            best.entry(pl as usize).or_default().best(rates);
             seen += 1;
         }
         if seen == 0 {
             bail!("{} printed no results:\n{text}", bin.display());
         }
     }
-    Ok(best)
+    Ok((best, peak_mb))
+}
+
+/// Run `cmd` to completion with its output captured, and its peak RSS in
+/// MB (`ru_maxrss` of that child, from `wait4`).
+fn output_with_peak_rss(mut cmd: Command, bin: &Path) -> Result<(std::process::Output, f64)> {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {}", bin.display()))?;
+    let read = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                r.read_to_end(&mut buf).map(|_| buf)
+            } else {
+                Ok(buf)
+            }
+        })
+    };
+    let out = read(
+        child
+            .stdout
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let err = read(
+        child
+            .stderr
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: `rusage` is plain integers, for which all-zero bytes is valid.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let mut status = 0;
+    // SAFETY: `pid` is our unwaited child; `status` and `usage` are valid
+    // for the call to fill. The child is reaped here, so `child` is never
+    // waited on again.
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    if r != pid {
+        bail!(
+            "waiting for {}: {}",
+            bin.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    let join = |h: std::thread::JoinHandle<std::io::Result<Vec<u8>>>| -> Result<Vec<u8>> {
+        h.join()
+            .map_err(|_| anyhow::anyhow!("reading {}'s output", bin.display()))?
+            .with_context(|| format!("reading {}'s output", bin.display()))
+    };
+    let output = std::process::Output {
+        status: std::process::ExitStatus::from_raw(status),
+        stdout: join(out)?,
+        stderr: join(err)?,
+    };
+    // Linux reports `ru_maxrss` in KiB.
+    Ok((output, usage.ru_maxrss as f64 / 1024.0))
+}
+
+/// temper's prefill and decode tokens/s at `c` sequences, measured as
+/// `llama-batched-bench` splits them (see the module docs): the in-process
+/// sampler on `c` distinct prompts with 1 and with `max_tokens` new tokens.
+fn split_rates(model: &Pretrained, c: usize, args: &ServeBenchArgs) -> Result<Rates> {
+    let vocab = model.config.vocab_size;
+    let sampler = temper_model::Sampler::new(&model.model, &model.tokenizer, vec![]);
+    let run = |max_tokens: usize| -> Result<f64> {
+        let reqs: Vec<temper_model::GenerationRequest> = (0..c)
+            .map(|s| temper_model::GenerationRequest {
+                prompt: (0..args.prompt_len)
+                    .map(|i| ((s * 131 + i * 7 + 3) % (vocab - 8)) as u32)
+                    .collect(),
+                n: 1,
+                params: temper_model::SamplingParams {
+                    max_tokens,
+                    temperature: 1.0,
+                    ignore_eos: true,
+                    seed: Some(s as u64),
+                    ..Default::default()
+                },
+            })
+            .collect();
+        let t0 = Instant::now();
+        let out = sampler.generate(&reqs, None)?;
+        let secs = t0.elapsed().as_secs_f64();
+        if out.iter().any(|o| o[0].tokens.len() != max_tokens) {
+            bail!("the sampler stopped before {max_tokens} tokens");
+        }
+        Ok(secs)
+    };
+    let (t1, tn) = (run(1)?, run(args.max_tokens)?);
+    let prompt = (c * args.prompt_len) as f64;
+    Ok(Rates {
+        overall: (c * args.max_tokens) as f64 / tn,
+        prefill: prompt / t1,
+        decode: (c * (args.max_tokens - 1)) as f64 / (tn - t1).max(f64::MIN_POSITIVE),
+    })
 }
 
 fn bench(
@@ -287,9 +422,14 @@ fn bench(
     let llama = match &args.llama_batched_bench {
         None => None,
         Some(bin) => {
-            let gguf = match &args.llama_gguf {
-                Some(g) => g.clone(),
-                None => {
+            let same_file = args
+                .model
+                .as_ref()
+                .filter(|p| p.is_file() && model.model.is_quantized());
+            let gguf = match (&args.llama_gguf, same_file) {
+                (Some(g), _) => g.clone(),
+                (None, Some(file)) => file.clone(),
+                (None, None) => {
                     let g = work.join("model-f32.gguf");
                     temper_model::save_gguf(&model, &model.model, &g, GgufQuant::F32)
                         .context("exporting the f32 GGUF for llama.cpp")?;
@@ -300,7 +440,11 @@ fn bench(
         }
     };
     let cfg = ServeConfig::defaults("bench", &model);
-    let state = OpenAiState::new(Arc::new(model), cfg);
+    let model = Arc::new(model);
+    // From here on the peak is the served model's, not the loading's.
+    let loaded_mb = crate::bench::rss::now_mb();
+    crate::bench::rss::reset_peak();
+    let state = OpenAiState::new(model.clone(), cfg);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -334,6 +478,20 @@ fn bench(
         Ok::<_, anyhow::Error>(out)
     })?;
     drop(rt);
+    let split: Vec<Rates> = if llama.is_some() {
+        let mut out = Vec::new();
+        for &c in levels {
+            let mut best = Rates::default();
+            for _ in 0..args.repeats.max(1) {
+                best.best(split_rates(&model, c, args)?);
+            }
+            out.push(best);
+        }
+        out
+    } else {
+        Vec::new()
+    };
+    let temper_peak_mb = crate::bench::rss::peak_mb();
     let peer: Option<HashMap<String, f64>> = if args.no_peer {
         None
     } else {
@@ -361,14 +519,17 @@ fn bench(
         Some(serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?)
     };
     let llama = match &llama {
-        Some((bin, gguf)) => Some((gguf, llama_cpp(bin, gguf, levels, args, threads)?)),
+        Some((bin, gguf)) => {
+            let (rates, peak) = llama_cpp(bin, gguf, levels, args, threads)?;
+            Some((gguf, rates, peak))
+        }
         None => None,
     };
     println!(
         "temper bench serve: {what}, prompt {} tokens, {} new tokens per request, {} request(s) per client, {threads} threads, CPU, best of {}",
         args.prompt_len, args.max_tokens, args.rounds, args.repeats.max(1)
     );
-    if let Some((gguf, _)) = &llama {
+    if let Some((gguf, _, _)) = &llama {
         println!("llama.cpp: {} (no sampling)", gguf.display());
     }
     println!(
@@ -384,8 +545,45 @@ fn bench(
             ours,
             peer.as_ref().and_then(|p| p.get(&c.to_string()).copied()),
         );
-        let (lc, lc_ratio) = cell(ours, llama.as_ref().and_then(|(_, l)| l.get(&c).copied()));
+        let theirs = llama
+            .as_ref()
+            .and_then(|(_, l, _)| l.get(&c).map(|r| r.overall));
+        let (lc, lc_ratio) = cell(ours, theirs);
         println!("{c:>11}  {ours:>13.1}  {hf:>18}  {hf_ratio:>6}  {lc:>15}  {lc_ratio:>6}");
     }
+    let Some((_, theirs, llama_peak)) = &llama else {
+        return Ok(());
+    };
+    println!(
+        "prefill and decode as llama-batched-bench splits them (temper: in-process sampler, {} prompt tokens, then {} decode steps)",
+        args.prompt_len,
+        args.max_tokens - 1
+    );
+    println!(
+        "{:>11}  {:>14}  {:>17}  {:>6}  {:>13}  {:>16}  {:>6}",
+        "concurrency",
+        "temper prefill",
+        "llama.cpp prefill",
+        "ratio",
+        "temper decode",
+        "llama.cpp decode",
+        "ratio"
+    );
+    for (&c, ours) in levels.iter().zip(&split) {
+        let t = theirs.get(&c);
+        let (pp, pp_ratio) = cell(ours.prefill, t.map(|r| r.prefill));
+        let (tg, tg_ratio) = cell(ours.decode, t.map(|r| r.decode));
+        println!(
+            "{c:>11}  {:>14.1}  {pp:>17}  {pp_ratio:>6}  {:>13.1}  {tg:>16}  {tg_ratio:>6}",
+            ours.prefill, ours.decode
+        );
+    }
+    let mb = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} MB"));
+    println!(
+        "peak RSS: temper {} (after loading {}; {} weights), llama-batched-bench {llama_peak:.0} MB",
+        mb(temper_peak_mb),
+        mb(loaded_mb),
+        model.model.precision()
+    );
     Ok(())
 }

@@ -26,7 +26,21 @@ use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::matmul_bf16::PackedBf16;
+use super::quant::QuantWeight;
 use crate::error::{ModelError, Result};
+
+/// The LM head in a form its kernels read instead of the plain weight
+/// tensor (which then only gives the shape, see [`HeadKernel::Quant`]).
+#[derive(Debug, Clone)]
+pub enum HeadKernel {
+    /// bf16 weights packed for the bf16 kernel.
+    Bf16(Arc<PackedBf16>),
+    /// GGUF blocks kept quantized (`--dtype gguf`): the logits are the
+    /// quantized matmul's, the same bits as the f32 kernel on the
+    /// dequantized weight. The weight tensor passed beside it is a
+    /// placeholder of the right shape and is never read.
+    Quant(QuantWeight),
+}
 
 /// Rows of logits materialised at a time (`ROW_BLOCK × vocab` f32).
 pub const ROW_BLOCK: usize = 64;
@@ -41,7 +55,7 @@ pub fn lm_head_logprobs(
     weight: &Tensor,
     targets: &[u32],
     temperature: f64,
-    packed: Option<&Arc<PackedBf16>>,
+    packed: Option<&HeadKernel>,
 ) -> Result<(Tensor, Tensor)> {
     let (n, h) = hidden.dims2()?;
     let (vocab, wh) = weight.dims2()?;
@@ -57,7 +71,7 @@ pub fn lm_head_logprobs(
         )));
     }
     let op = LmHeadLogprobs {
-        weight: head_operand(weight)?,
+        weight: head_operand(weight, packed)?,
         packed: packed.cloned(),
         targets: Arc::new(targets.to_vec()),
         inv_temp: (1.0 / temperature) as f32,
@@ -79,7 +93,7 @@ pub fn for_each_logprob_row(
     hidden: &Tensor,
     weight: &Tensor,
     temperature: f64,
-    packed: Option<&Arc<PackedBf16>>,
+    packed: Option<&HeadKernel>,
     mut f: impl FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<()> {
     let (n, h) = hidden.dims2()?;
@@ -89,7 +103,7 @@ pub fn for_each_logprob_row(
             "for_each_logprob_row: hidden {n}x{h}, weight {vocab}x{wh}"
         )));
     }
-    let weight = head_operand(weight)?;
+    let weight = head_operand(weight, packed)?;
     let x: Vec<f32> = hidden
         .detach()
         .to_dtype(DType::F32)?
@@ -119,9 +133,13 @@ pub fn fused_lm_head_supported(hidden: &Tensor, weight: &Tensor) -> bool {
 
 /// The head weight as the kernels read it: a bf16 weight on the CPU stays
 /// bf16 (its logits are then those of [`super::matmul_nt`] on it, as in a
-/// decode step), anything else becomes f32.
-fn head_operand(weight: &Tensor) -> candle_core::Result<Tensor> {
+/// decode step), anything else becomes f32; beside a quantized head it is
+/// the shape's placeholder, left as it is.
+fn head_operand(weight: &Tensor, packed: Option<&HeadKernel>) -> candle_core::Result<Tensor> {
     let w = weight.detach();
+    if let Some(HeadKernel::Quant(_)) = packed {
+        return Ok(w);
+    }
     if w.dtype() == DType::BF16 && w.device().is_cpu() {
         return w.contiguous();
     }
@@ -130,8 +148,9 @@ fn head_operand(weight: &Tensor) -> candle_core::Result<Tensor> {
 
 struct LmHeadLogprobs {
     weight: Tensor,
-    /// The packed bf16 head, which computes the logits when present.
-    packed: Option<Arc<PackedBf16>>,
+    /// The packed bf16 or quantized head, which computes the logits when
+    /// present.
+    packed: Option<HeadKernel>,
     targets: Arc<Vec<u32>>,
     inv_temp: f32,
     /// Store `d logprob / d hidden` in the forward (input is tracked).
@@ -231,9 +250,20 @@ fn block_logits(
     rows: usize,
     h: usize,
     weight: &Tensor,
-    packed: Option<&Arc<PackedBf16>>,
+    packed: Option<&HeadKernel>,
 ) -> candle_core::Result<Vec<f32>> {
-    if let (Some(p), super::ForwardMatmul::BatchInvariant) = (packed, super::forward_matmul()) {
+    if let Some(HeadKernel::Quant(q)) = packed {
+        // The quantized head has no other kernel: the decode step's.
+        let (vocab, _) = q.dims();
+        return q.with_rows(|w| {
+            let mut y = vec![0f32; rows * vocab];
+            super::quant::matmul_nt_quant(xb, w, rows, vocab, h, &mut y);
+            Ok(y)
+        });
+    }
+    if let (Some(HeadKernel::Bf16(p)), super::ForwardMatmul::BatchInvariant) =
+        (packed, super::forward_matmul())
+    {
         // The model's bf16 forward: the same packed kernel as its decode
         // logits.
         return Ok(super::matmul::rows_times_packed(xb, rows, p));
@@ -293,7 +323,24 @@ impl LmHeadLogprobs {
     /// packed kernel on its transpose.
     fn times_weight(&self, ds: Vec<f32>, rows: usize) -> candle_core::Result<Tensor> {
         let (vocab, h) = self.weight.dims2()?;
-        if let (Some(p), super::ForwardMatmul::BatchInvariant) =
+        if let Some(HeadKernel::Quant(q)) = &self.packed {
+            // Through the dequantized rows, as every quantized weight's
+            // input gradient.
+            let mut dx = vec![0f32; rows * h];
+            q.with_rows(|w| {
+                super::matmul_nn::matmul_nn_rows(
+                    &ds,
+                    super::WeightRows::Quant(w),
+                    rows,
+                    vocab,
+                    h,
+                    &mut dx,
+                );
+                Ok(())
+            })?;
+            return Tensor::from_vec(dx, (rows, h), &Device::Cpu);
+        }
+        if let (Some(HeadKernel::Bf16(p)), super::ForwardMatmul::BatchInvariant) =
             (self.packed.as_ref(), super::forward_matmul())
         {
             // `ds` rounded to bf16, as the forward rounds its inputs.

@@ -269,6 +269,10 @@ mod portable {
     }
 }
 
+/// The AVX2 kernel's lane sum, for kernels that must round as it does.
+#[cfg(target_arch = "x86_64")]
+pub(super) use avx2::hsum as hsum_avx2;
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -282,7 +286,7 @@ mod avx2 {
     /// The CPU must have AVX2 and FMA.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(in crate::kernels) unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))

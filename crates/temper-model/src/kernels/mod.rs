@@ -52,6 +52,8 @@ mod matmul_bf16;
 mod matmul_nn;
 mod packed_attention;
 mod quant;
+#[cfg(target_arch = "x86_64")]
+mod quant_avx2;
 mod rms_norm;
 mod swiglu;
 #[cfg(test)]
@@ -63,7 +65,7 @@ pub(crate) use exp::exp_weights;
 
 pub use lm_head::{
     for_each_logprob_row, fused_lm_head_supported, lm_head_logprobs, row_log_softmax, row_logprob,
-    ROW_BLOCK,
+    HeadKernel, ROW_BLOCK,
 };
 
 pub use lora_linear::{lora_linear, lora_linear_quant, lora_linear_supported};

@@ -42,11 +42,11 @@
 //! takes integer dots against the weight blocks: faster, but every logit
 //! then differs from the dequantized model's by the activation rounding, and
 //! the backward (`dx = g·W`), which has no such rounding, would not be the
-//! transpose of the forward's arithmetic. temper keeps f32 activations: a
-//! block of weight rows is dequantized to f32 (`q·d + m`, multiplied then
-//! added, exactly as the loader's dequantization computes it) into a small
-//! buffer that stays in cache, and the f32 matmul kernel ([`super::matmul`])
-//! runs on it. So
+//! transpose of the forward's arithmetic. temper keeps f32 activations:
+//! each weight is decoded to f32 (`q·d + m`, multiplied then added, exactly
+//! as the loader's dequantization computes it) and multiplied by the
+//! activation in the f32 matmul kernel's order ([`super::matmul`]: eight
+//! lane sums of fused multiply-adds over `k`, then a fixed tree). So
 //! - every output is the f32 kernel's fixed-order reduction over the very
 //!   values the dequantized model holds: `--dtype gguf` gives the same bits
 //!   as `--dtype f32` on the same file, only from 4–7× less memory;
@@ -55,8 +55,18 @@
 //! - the input gradient dequantizes the weight the same way and runs the f32
 //!   backward kernel: QLoRA's gradients are the dequantized model's.
 //!
-//! The dequantization is plain Rust compiled twice (baseline and AVX2, chosen
-//! at run time); without fused multiply-adds both copies round identically.
+//! # Decoders ([`Decoder`])
+//! With AVX2 and FMA, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks are decoded in
+//! registers (`quant_avx2`): a decode-sized call (≤ 8 rows) multiplies
+//! each eight decoded weights straight into its lane sums and never writes
+//! an f32 weight; a longer call dequantizes 48 rows at a time into a buffer
+//! that stays in cache and runs the f32 kernel's register tiles on it. Other
+//! formats and CPUs take the portable path: plain Rust compiled twice
+//! (baseline and AVX2, chosen at run time; without fused multiply-adds both
+//! copies round identically) into the same buffer. The f32 kernel has no
+//! AVX-512 tiles, and 16-lane sums would change its order, so there is no
+//! AVX-512 decoder either: its wider registers could only hold two rows'
+//! eight lanes side by side.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
@@ -163,6 +173,21 @@ impl QuantRows<'_> {
 
     /// Rows `r0..r1` as f32, into `out` (`(r1 − r0)·cols` values).
     pub(crate) fn dequantize(&self, r0: usize, r1: usize, out: &mut [f32]) {
+        self.dequantize_with(Decoder::best(self.format), r0, r1, out)
+    }
+
+    /// [`QuantRows::dequantize`] with a chosen decoder (the same values).
+    pub(crate) fn dequantize_with(&self, decoder: Decoder, r0: usize, r1: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if decoder == Decoder::Registers
+            && super::quant_avx2::available()
+            && super::quant_avx2::decodes(self.format)
+        {
+            // SAFETY: the CPU and the format qualify (checked just above).
+            unsafe { super::quant_avx2::dequantize(*self, r0, r1, out) };
+            return;
+        }
+        let _ = decoder;
         let rb = self.format.row_bytes(self.cols);
         dequantize_blocks(
             self.format,
@@ -269,7 +294,7 @@ fn q5_1(blk: &[u8], y: &mut [f32]) {
 /// `j` and `j + 4`; `j ≥ 4` a nibble of byte `j + 4` and the top 2 bits of
 /// bytes `j − 4` and `j`.
 #[inline(always)]
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+pub(super) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
@@ -349,10 +374,54 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `y[m, n] = dot(x[m, :], w[n, :])` for a quantized `w` `[n, k]`: each
-/// block of rows dequantized, then the f32 kernel's tiles — the same bits
-/// as `matmul_nt_f32` on the dequantized weight.
+/// How the quantized matmul turns blocks into f32 values. Both give the
+/// same values, so the same bits; only the speed differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Decoder {
+    /// Decoded in AVX2 registers (`quant_avx2`): decode-sized calls
+    /// multiply the decoded values straight away, longer ones dequantize a
+    /// block of rows with them.
+    Registers,
+    /// Plain Rust dequantization of a block of rows into a buffer, then the
+    /// f32 kernel.
+    Portable,
+}
+
+impl Decoder {
+    /// The fastest decoder this CPU has for `format`. `TEMPER_QUANT_SIMD=0`
+    /// forces the portable one (to measure what the registers buy).
+    pub(crate) fn best(format: QuantFormat) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let off =
+                *OFF.get_or_init(|| std::env::var("TEMPER_QUANT_SIMD").is_ok_and(|v| v == "0"));
+            if !off && super::quant_avx2::available() && super::quant_avx2::decodes(format) {
+                return Self::Registers;
+            }
+        }
+        let _ = format;
+        Self::Portable
+    }
+}
+
+/// `y[m, n] = dot(x[m, :], w[n, :])` for a quantized `w` `[n, k]`: the same
+/// bits as `matmul_nt_f32` on the dequantized weight (see [`Decoder`]).
 pub(crate) fn matmul_nt_quant(
+    x: &[f32],
+    w: QuantRows<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+) {
+    matmul_nt_quant_with(Decoder::best(w.format), x, w, m, n, k, y)
+}
+
+/// [`matmul_nt_quant`] with a chosen decoder (`Registers` only where
+/// [`Decoder::best`] would pick it).
+pub(crate) fn matmul_nt_quant_with(
+    decoder: Decoder,
     x: &[f32],
     w: QuantRows<'_>,
     m: usize,
@@ -364,16 +433,28 @@ pub(crate) fn matmul_nt_quant(
     if m == 0 || n == 0 {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    let registers = decoder == Decoder::Registers
+        && super::quant_avx2::available()
+        && super::quant_avx2::decodes(w.format);
     let kernel = super::matmul::kernel();
     let out = SendPtr(y.as_mut_ptr());
     let run = |b: usize| {
         let (n0, n1) = (b * N_BLOCK, ((b + 1) * N_BLOCK).min(n));
+        #[cfg(target_arch = "x86_64")]
+        if registers && m <= super::quant_avx2::FUSED_ROWS {
+            // SAFETY: the CPU has AVX2 and FMA and the format a decoder
+            // (checked above); block `b` writes only columns `n0..n1` of
+            // `y`, disjoint from every other block's; `y` outlives the loop.
+            unsafe { super::quant_avx2::fused(x, w, m, n, k, n0, n1, out.get()) };
+            return;
+        }
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             if s.len() < N_BLOCK * k {
                 s.resize(N_BLOCK * k, 0.0);
             }
-            w.dequantize(n0, n1, &mut s);
+            w.dequantize_with(decoder, n0, n1, &mut s);
             // SAFETY: block `b` writes only columns `n0..n1` of `y` (the
             // kernel's columns `0..n1-n0` from `y + n0`, row stride `n`),
             // disjoint from every other block's; `y` outlives the loop.
@@ -448,6 +529,25 @@ impl QuantWeight {
             bytes: &v[a..b],
             cols: self.cols,
         })
+    }
+
+    /// Rows `ids` dequantized, one after the other (an embedding lookup:
+    /// the loader's values).
+    pub fn gather_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let (out, cols) = self.dims();
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= out) {
+            return Err(ModelError::InvalidInput(format!(
+                "row {bad} of a {out}-row quantized matrix"
+            )));
+        }
+        let mut v = vec![0f32; ids.len() * cols];
+        self.with_rows(|r| {
+            for (&i, o) in ids.iter().zip(v.chunks_exact_mut(cols)) {
+                r.dequantize(i as usize, i as usize + 1, o);
+            }
+            Ok(())
+        })?;
+        Ok(v)
     }
 
     /// The weight dequantized to f32 `[out, in]` (the loader's values).
@@ -557,6 +657,11 @@ mod tests {
             };
             assert_eq!(rows.rows(), 7);
             assert_eq!(rows.to_f32(), want, "{f:?} (dispatched)");
+            for d in decoders(f) {
+                let mut got = vec![f32::NAN; 3 * 512];
+                rows.dequantize_with(d, 2, 5, &mut got);
+                assert_eq!(got, want[2 * 512..5 * 512], "{f:?} {d:?} rows 2..5");
+            }
             // The portable body, whatever the CPU.
             let mut portable = vec![0f32; want.len()];
             dequantize_blocks_body(f, &bytes, &mut portable);
@@ -564,28 +669,49 @@ mod tests {
         }
     }
 
+    /// The decoders to check: the register one only where this CPU runs it.
+    fn decoders(f: QuantFormat) -> Vec<Decoder> {
+        let mut d = vec![Decoder::Portable];
+        if Decoder::best(f) == Decoder::Registers {
+            d.push(Decoder::Registers);
+        }
+        d
+    }
+
     #[test]
     fn quantized_matmul_equals_the_f32_kernel_on_the_dequantized_weight() {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // The register path must actually be under test on such a CPU.
+            assert_eq!(Decoder::best(QuantFormat::Q4K), Decoder::Registers);
+        }
         for f in QuantFormat::ALL {
-            // n spans several row blocks and a partial one; m odd.
-            let (m, n, k) = (5, 2 * N_BLOCK + 7, 256);
+            // n spans several row blocks and a partial one; two K-quant
+            // super-blocks per row; m = 5 decodes in registers, m = 13
+            // dequantizes blocks of rows.
+            let (n, k) = (2 * N_BLOCK + 7, 512);
             let (bytes, deq) = quantized(f, n, k, 11);
-            let x = super::super::test_util::rand_vec(m * k, 12);
-            let mut want = vec![0f32; m * n];
-            super::super::matmul::matmul_nt_f32(&x, &deq, m, n, k, &mut want);
-            let mut got = vec![0f32; m * n];
             let w = QuantRows {
                 format: f,
                 bytes: &bytes,
                 cols: k,
             };
-            matmul_nt_quant(&x, w, m, n, k, &mut got);
-            assert_eq!(got, want, "{f:?}");
-            // One row at a time: the same bits (batch invariance).
-            for i in 0..m {
-                let mut row = vec![0f32; n];
-                matmul_nt_quant(&x[i * k..(i + 1) * k], w, 1, n, k, &mut row);
-                assert_eq!(row, want[i * n..(i + 1) * n], "{f:?} row {i}");
+            for m in [5, 13] {
+                let x = super::super::test_util::rand_vec(m * k, 12);
+                let mut want = vec![0f32; m * n];
+                super::super::matmul::matmul_nt_f32(&x, &deq, m, n, k, &mut want);
+                for d in decoders(f) {
+                    let mut got = vec![0f32; m * n];
+                    matmul_nt_quant_with(d, &x, w, m, n, k, &mut got);
+                    assert!(got == want, "{f:?} {d:?} m={m}");
+                    // One row at a time: the same bits (batch invariance).
+                    for i in 0..m {
+                        let mut row = vec![0f32; n];
+                        matmul_nt_quant_with(d, &x[i * k..(i + 1) * k], w, 1, n, k, &mut row);
+                        assert!(row == want[i * n..(i + 1) * n], "{f:?} {d:?} row {i}");
+                    }
+                }
             }
         }
     }

@@ -14,6 +14,10 @@ fn kept_quantized_logits_and_greedy_text_equal_the_dequantized_models() {
             let q = load_quantized(name, quant, tmp.path(), Precision::Gguf);
             let f = load_quantized(name, quant, tmp.path(), Precision::F32);
             assert_eq!(q.model.precision(), Precision::Gguf);
+            // The head (tied or not) stays in its blocks too: memory is the
+            // file's size, and its logits are still the f32 model's bits.
+            assert!(q.model.head_is_quantized(), "{name} {quant:?}: head");
+            assert!(!f.model.head_is_quantized());
             formats.extend(q.model.quant_formats());
             let inputs = golden_inputs(name);
             for input in &inputs {

@@ -1,0 +1,309 @@
+//! The quantized matmul decoded in AVX2 registers (`--dtype gguf`).
+//!
+//! Eight weights at a time are decoded from their block into a `__m256`
+//! (bytes widened to `i32` lanes, nibbles and bit pairs masked out, converted
+//! to f32, then scaled: `q·d`, `q·d + m` or `d₁·q − m₁` with one `vmulps`
+//! and one `vaddps`/`vsubps`, never fused, so each lane holds exactly the
+//! value the loader's dequantization computes) and used straight away by
+//! the f32 kernel's arithmetic: one fused multiply-add per activation row
+//! into eight lane sums over `k = l, l+8, …` in `k` order, the lanes added
+//! in [`super::matmul`]'s fixed tree. Every output is therefore the very
+//! reduction `matmul_nt_f32` computes on the dequantized weight, whatever
+//! the number of rows in the call.
+//!
+//! Calls of at most [`FUSED_ROWS`] rows (decode steps) decode each weight
+//! row once and run all their activation rows against it, so no f32 copy of
+//! the weight is ever written. Longer calls (prefill, training) dequantize a
+//! block of rows with the same decoders into a cache-resident buffer and run
+//! the f32 kernel's register tiles on it: there the decoding is shared by
+//! every row of the call.
+//!
+//! Only the formats SmolLM2's and the common Q4_K_M / Q8_0 files use have a
+//! decoder here (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K); the others run the portable
+//! dequantization.
+
+use std::arch::x86_64::*;
+
+use super::quant::{QuantFormat, QuantRows};
+
+/// Calls with at most this many rows decode in registers and never write
+/// the f32 weight (the f32 kernel's `STREAM_ROWS`).
+pub(super) const FUSED_ROWS: usize = 8;
+
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_1: u8 = 2;
+const Q4K: u8 = 3;
+const Q6K: u8 = 4;
+
+/// Whether this path runs: the CPU has AVX2 and FMA — exactly when the f32
+/// kernel runs its AVX2 tiles, whose rounding this path reproduces.
+pub(super) fn available() -> bool {
+    static A: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *A.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    })
+}
+
+/// Whether `format` has a register decoder.
+pub(super) fn decodes(format: QuantFormat) -> bool {
+    matches!(
+        format,
+        QuantFormat::Q8_0
+            | QuantFormat::Q4_0
+            | QuantFormat::Q4_1
+            | QuantFormat::Q4K
+            | QuantFormat::Q6K
+    )
+}
+
+#[inline(always)]
+fn f16_at(p: *const u8) -> f32 {
+    // SAFETY (callers): `p` points to two readable bytes of a block.
+    let b = unsafe { [*p, *p.add(1)] };
+    half::f16::from_le_bytes(b).to_f32()
+}
+
+/// Eight bytes at `p` widened to eight `i32` lanes (`u8` values).
+///
+/// # Safety
+/// The CPU must have AVX2; `p` must point to 8 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bytes8(p: *const u8) -> __m256i {
+    // SAFETY: AVX2 and the 8 bytes are the caller's contract.
+    unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)) }
+}
+
+/// The 32 values of group `g` (values `32g..32g+32` of the row) as four
+/// vectors of eight, in `k` order; each lane the loader's value.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `row` must point to a whole row of `F`'s
+/// blocks holding value `32g + 31`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group<const F: u8>(row: *const u8, g: usize) -> [__m256; 4] {
+    // SAFETY: every read is inside the block holding group `g`, at the
+    // offsets `ggml-common.h`'s layout gives (see `quant`'s module docs).
+    unsafe {
+        let nib = _mm256_set1_epi32(0x0F);
+        let mut w = [_mm256_setzero_ps(); 4];
+        match F {
+            Q8_0 => {
+                let blk = row.add(34 * g);
+                let d = _mm256_set1_ps(f16_at(blk));
+                for (c, w) in w.iter_mut().enumerate() {
+                    let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(blk.add(2 + 8 * c) as *const _));
+                    *w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+                }
+            }
+            Q4_0 | Q4_1 => {
+                let (blk, qs) = if F == Q4_0 {
+                    (row.add(18 * g), 2)
+                } else {
+                    (row.add(20 * g), 4)
+                };
+                let d = _mm256_set1_ps(f16_at(blk));
+                let eight = _mm256_set1_epi32(8);
+                for c in 0..2 {
+                    let b = bytes8(blk.add(qs + 8 * c));
+                    let lo = _mm256_and_si256(b, nib);
+                    let hi = _mm256_srli_epi32(b, 4);
+                    for (i, q) in [(c, lo), (c + 2, hi)] {
+                        w[i] = if F == Q4_0 {
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, eight)), d)
+                        } else {
+                            let m = _mm256_set1_ps(f16_at(blk.add(2)));
+                            _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), d), m)
+                        };
+                    }
+                }
+            }
+            Q4K => {
+                let (blk, s) = (row.add(144 * (g / 8)), g % 8);
+                let (d, dmin) = (f16_at(blk), f16_at(blk.add(2)));
+                let scales = std::slice::from_raw_parts(blk.add(4), 12);
+                let (sc, mn) = super::quant::scale_min_k4(s, scales);
+                let d1 = _mm256_set1_ps(d * sc as f32);
+                let m1 = _mm256_set1_ps(dmin * mn as f32);
+                let qs = blk.add(16 + 32 * (s / 2));
+                let shift = _mm_cvtsi32_si128(4 * (s % 2) as i32);
+                for (c, w) in w.iter_mut().enumerate() {
+                    let q = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * c)), shift), nib);
+                    *w = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(q)), m1);
+                }
+            }
+            Q6K => {
+                let (blk, q) = (row.add(210 * (g / 8)), g % 8);
+                let (h, i) = (q / 4, q % 4);
+                let d = f16_at(blk.add(208));
+                let ql = blk.add(64 * h + 32 * (i % 2));
+                let qh = blk.add(128 + 32 * h);
+                let sc = blk.add(192 + 8 * h);
+                let lshift = _mm_cvtsi32_si128(4 * (i / 2) as i32);
+                let hshift = _mm_cvtsi32_si128(2 * i as i32);
+                let (three, bias) = (_mm256_set1_epi32(3), _mm256_set1_epi32(32));
+                for (c, w) in w.iter_mut().enumerate() {
+                    let l0 = 8 * c;
+                    let ds = _mm256_set1_ps(d * (*sc.add(l0 / 16 + 2 * i) as i8) as f32);
+                    let lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(ql.add(l0)), lshift), nib);
+                    let hi = _mm256_and_si256(_mm256_srl_epi32(bytes8(qh.add(l0)), hshift), three);
+                    let v = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias);
+                    *w = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(v));
+                }
+            }
+            _ => unreachable!("no register decoder for format {F}"),
+        }
+        w
+    }
+}
+
+/// `R` activation rows (stride `k`) against one quantized weight row:
+/// `y[r·ldy] = dot(x[r], w)` with the f32 kernel's lanes and tree.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` must point to `R` rows of `k`
+/// floats, `row` to one weight row of `k` values in `F`'s blocks, `y` to
+/// `R` writable floats at stride `ldy`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_dot<const F: u8, const R: usize>(
+    x: *const f32,
+    k: usize,
+    row: *const u8,
+    y: *mut f32,
+    ldy: usize,
+) {
+    // SAFETY: reads stay inside `R` rows of `x` and the weight row (`g <
+    // k/32`); writes are the `R` outputs the caller provides.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for g in 0..k / 32 {
+            let w = group::<F>(row, g);
+            for (c, w) in w.iter().enumerate() {
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let xv = _mm256_loadu_ps(x.add(r * k + 32 * g + 8 * c));
+                    *a = _mm256_fmadd_ps(xv, *w, *a);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            *y.add(r * ldy) = super::matmul::hsum_avx2(*a);
+        }
+    }
+}
+
+/// Weight rows `n0..n1` against all `m ≤ FUSED_ROWS` rows of `x`.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` must hold `m·k` floats, `w` rows
+/// `0..n1`, `y` point to `m·n` floats of which no other thread writes
+/// columns `n0..n1`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn fused_block<const F: u8>(
+    x: &[f32],
+    w: QuantRows<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    n0: usize,
+    n1: usize,
+    y: *mut f32,
+) {
+    let rb = w.format.row_bytes(k);
+    let x = x.as_ptr();
+    // SAFETY: weight row `j < n1` lies in `w.bytes`; output `(i, j)` with
+    // `i < m`, `n0 ≤ j < n1` is the caller's to write.
+    unsafe {
+        for j in n0..n1 {
+            let row = w.bytes.as_ptr().add(j * rb);
+            let y = y.add(j);
+            match m {
+                1 => rows_dot::<F, 1>(x, k, row, y, n),
+                2 => rows_dot::<F, 2>(x, k, row, y, n),
+                3 => rows_dot::<F, 3>(x, k, row, y, n),
+                4 => rows_dot::<F, 4>(x, k, row, y, n),
+                5 => rows_dot::<F, 5>(x, k, row, y, n),
+                6 => rows_dot::<F, 6>(x, k, row, y, n),
+                7 => rows_dot::<F, 7>(x, k, row, y, n),
+                8 => rows_dot::<F, 8>(x, k, row, y, n),
+                _ => unreachable!("fused_block takes at most {FUSED_ROWS} rows"),
+            }
+        }
+    }
+}
+
+/// Columns `n0..n1` of `y = x·Wᵀ` for `m ≤ FUSED_ROWS` rows, decoding in
+/// registers.
+///
+/// # Safety
+/// As [`fused_block`]; `w.format` must be one [`decodes`] accepts and the
+/// CPU must pass [`available`].
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn fused(
+    x: &[f32],
+    w: QuantRows<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    n0: usize,
+    n1: usize,
+    y: *mut f32,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match w.format {
+            QuantFormat::Q8_0 => fused_block::<Q8_0>(x, w, m, n, k, n0, n1, y),
+            QuantFormat::Q4_0 => fused_block::<Q4_0>(x, w, m, n, k, n0, n1, y),
+            QuantFormat::Q4_1 => fused_block::<Q4_1>(x, w, m, n, k, n0, n1, y),
+            QuantFormat::Q4K => fused_block::<Q4K>(x, w, m, n, k, n0, n1, y),
+            QuantFormat::Q6K => fused_block::<Q6K>(x, w, m, n, k, n0, n1, y),
+            f => unreachable!("no register decoder for {f:?}"),
+        }
+    }
+}
+
+/// Rows `r0..r1` as f32 into `out` with the register decoders.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `w.format` one [`decodes`] accepts;
+/// `out` must hold `(r1 − r0)·cols` floats.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dequantize_rows<const F: u8>(w: QuantRows<'_>, r0: usize, r1: usize, out: &mut [f32]) {
+    let (k, rb) = (w.cols, w.format.row_bytes(w.cols));
+    assert!(out.len() >= (r1 - r0) * k && w.bytes.len() >= r1 * rb);
+    // SAFETY: row `r < r1` lies in `w.bytes`; group `g < k/32` of output
+    // row `r − r0` is inside `out` (asserted above).
+    unsafe {
+        for r in r0..r1 {
+            let row = w.bytes.as_ptr().add(r * rb);
+            let o = out.as_mut_ptr().add((r - r0) * k);
+            for g in 0..k / 32 {
+                for (c, v) in group::<F>(row, g).iter().enumerate() {
+                    _mm256_storeu_ps(o.add(32 * g + 8 * c), *v);
+                }
+            }
+        }
+    }
+}
+
+/// Rows `r0..r1` of `w` as f32 into `out` (`(r1 − r0)·cols` floats).
+///
+/// # Safety
+/// The CPU must pass [`available`] and `w.format` be one [`decodes`]
+/// accepts.
+pub(super) unsafe fn dequantize(w: QuantRows<'_>, r0: usize, r1: usize, out: &mut [f32]) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match w.format {
+            QuantFormat::Q8_0 => dequantize_rows::<Q8_0>(w, r0, r1, out),
+            QuantFormat::Q4_0 => dequantize_rows::<Q4_0>(w, r0, r1, out),
+            QuantFormat::Q4_1 => dequantize_rows::<Q4_1>(w, r0, r1, out),
+            QuantFormat::Q4K => dequantize_rows::<Q4K>(w, r0, r1, out),
+            QuantFormat::Q6K => dequantize_rows::<Q6K>(w, r0, r1, out),
+            f => unreachable!("no register decoder for {f:?}"),
+        }
+    }
+}
