@@ -66,10 +66,11 @@ pub use decode::{FinishReason, SamplingParams};
 pub use error::{ModelError, Result};
 pub use export::{hf_config_json, model_name, path_name, save_gguf, save_hf, GgufQuant};
 pub use gguf::{gguf_tensor_name, is_gguf, GgufFile};
+pub use kernels::ForwardMatmul;
 pub use lora::{LoraAdapter, LoraConfig, LoraPair, Target};
 pub use model::{KvCache, Model, Segment};
 pub use precision::Precision;
-pub use pretrained::{GenerationDefaults, LoadOptions, Pretrained};
+pub use pretrained::{GenerationDefaults, LoadOptions, Numerics, Pretrained};
 pub use random::{random_weights, write_random_model, RandomInit};
 pub use rope::{inv_freq, Rope};
 pub use sampling::{Completion, GenerationRequest, Sampler};
@@ -125,16 +126,17 @@ pub fn keep_heap_within_steps() {
     }
 }
 
-/// Apply `TEMPER_MATMUL` (`invariant`, the default, or `candle`): which
-/// matmul the forward uses on the CPU in f32 (see [`kernels::ForwardMatmul`]).
-/// Unset keeps the default; any other value is an error.
-pub fn forward_matmul_from_env() -> Result<()> {
+/// `TEMPER_MATMUL` (`invariant`, the default, or `candle`): the forward
+/// matmul a command's models use on the CPU in f32 (see
+/// [`kernels::ForwardMatmul`]). The binary reads it once and passes the
+/// value down in [`Numerics`]; unset is the default, anything else an error.
+pub fn forward_matmul_from_env() -> Result<ForwardMatmul> {
     match std::env::var("TEMPER_MATMUL") {
-        Ok(v) => {
-            kernels::set_forward_matmul(v.parse()?);
-            Ok(())
-        }
-        Err(std::env::VarError::NotPresent) => Ok(()),
+        Ok(v) => v.parse().map_err(|e| match e {
+            ModelError::InvalidInput(m) => ModelError::InvalidInput(format!("TEMPER_MATMUL: {m}")),
+            other => other,
+        }),
+        Err(std::env::VarError::NotPresent) => Ok(ForwardMatmul::default()),
         Err(std::env::VarError::NotUnicode(v)) => Err(ModelError::InvalidInput(format!(
             "TEMPER_MATMUL={v:?} is not valid UTF-8"
         ))),

@@ -19,8 +19,8 @@ use crate::error::{ModelError, Result};
 use crate::kernels::{
     causal_attention, fused_attention_supported, fused_rms_norm_supported, fused_swiglu_supported,
     linear_nt, lora_linear, lora_linear_quant, lora_linear_supported, matmul_nt, matmul_nt_packed,
-    matmul_nt_quant_op, packed_attention, use_matmul_nt, HeadKernel, PackedBf16, PackedHeads,
-    PackedSeq, QuantWeight, RopeTables,
+    matmul_nt_quant_op, packed_attention, use_matmul_nt, ForwardMatmul, HeadKernel, PackedBf16,
+    PackedHeads, PackedSeq, QuantWeight, RopeTables,
 };
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::precision::Precision;
@@ -38,6 +38,8 @@ struct Linear {
     /// GGUF blocks kept quantized (`--dtype gguf`); `weight` then holds the
     /// same bytes, `[out, row_bytes]` `u8`.
     quant: Option<QuantWeight>,
+    /// The model's forward matmul (see [`Model::set_forward_matmul`]).
+    matmul: ForwardMatmul,
 }
 
 impl Linear {
@@ -56,6 +58,7 @@ impl Linear {
             bias,
             packed: None,
             quant,
+            matmul: ForwardMatmul::default(),
         })
     }
 
@@ -91,7 +94,7 @@ impl Linear {
             });
         }
         if let Some((a, b, scale)) = &adapter {
-            if lora_linear_supported(x, &self.weight, a, b) {
+            if lora_linear_supported(self.matmul, x, &self.weight, a, b) {
                 // The base matmul and the update in one op (`kernels`).
                 let y = lora_linear(x, &self.weight, self.packed.as_ref(), a, b, *scale)?;
                 return Ok(match &self.bias {
@@ -104,7 +107,7 @@ impl Linear {
             && x.track_op()
             && x.device().is_cpu()
             && matches!(x.dtype(), DType::F32 | DType::F64);
-        let mut y = if use_matmul_nt(x, &self.weight) {
+        let mut y = if use_matmul_nt(self.matmul, x, &self.weight) {
             match &self.packed {
                 Some(p) => matmul_nt_packed(x, p)?,
                 None => matmul_nt(x, &self.weight)?,
@@ -124,8 +127,8 @@ impl Linear {
         }
         if let Some((a, b, scale)) = adapter {
             // Composed: off the CPU, or with `TEMPER_MATMUL=candle`.
-            let down = linear_nt(x, &a)?;
-            let up = linear_nt(&down, &b)?;
+            let down = linear_nt(self.matmul, x, &a)?;
+            let up = linear_nt(self.matmul, &down, &b)?;
             y = (y + up.affine(scale, 0.0)?)?;
         }
         Ok(y)
@@ -444,6 +447,8 @@ pub struct Model {
     /// The head weight in its kernel's form: packed bf16 weights, or GGUF
     /// blocks kept quantized (the embedding's, when tied).
     head_packed: Option<HeadKernel>,
+    /// Which matmul the forward uses (see [`Model::set_forward_matmul`]).
+    matmul: ForwardMatmul,
     rope: Rope,
     device: Device,
     dtype: DType,
@@ -513,6 +518,7 @@ impl Model {
             norm,
             lm_head,
             head_packed,
+            matmul: ForwardMatmul::default(),
             rope: Rope::new(cfg, dtype, device)?,
             device: device.clone(),
             dtype,
@@ -567,6 +573,25 @@ impl Model {
             }
         }
         Ok(())
+    }
+
+    /// Choose the forward's matmul for this model's linear layers and LM
+    /// head: [`ForwardMatmul::BatchInvariant`] (the default) or candle's
+    /// `gemm`, for comparisons. A property of the model, so two models in
+    /// one process can differ and a library caller gets the default
+    /// whatever else runs.
+    pub fn set_forward_matmul(&mut self, m: ForwardMatmul) {
+        self.matmul = m;
+        for l in self.layers.iter_mut() {
+            for (_, lin) in l.linears_mut() {
+                lin.matmul = m;
+            }
+        }
+    }
+
+    /// The forward's matmul (see [`Model::set_forward_matmul`]).
+    pub fn forward_matmul(&self) -> ForwardMatmul {
+        self.matmul
     }
 
     /// The precision of the matmul weights (see [`Model::set_precision`]):
@@ -903,8 +928,10 @@ impl Model {
         let head = self.head_weight();
         match &self.head_packed {
             Some(HeadKernel::Quant(q)) => matmul_nt_quant_op(hidden, q),
-            Some(HeadKernel::Bf16(p)) if use_matmul_nt(hidden, head) => matmul_nt_packed(hidden, p),
-            _ => linear_nt(hidden, head),
+            Some(HeadKernel::Bf16(p)) if use_matmul_nt(self.matmul, hidden, head) => {
+                matmul_nt_packed(hidden, p)
+            }
+            _ => linear_nt(self.matmul, hidden, head),
         }
     }
 

@@ -9,6 +9,7 @@ use crate::chat::ChatTemplate;
 use crate::config::{ids_of, HfConfig, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::{is_gguf, GgufFile};
+use crate::kernels::ForwardMatmul;
 use crate::model::Model;
 use crate::precision::Precision;
 use crate::tokenizer::{load_chat_template, Tokenizer};
@@ -56,6 +57,33 @@ pub struct LoadOptions {
     /// passes its `--dtype`): the numerics are this value's, never a
     /// process-wide setting's.
     pub precision: Precision,
+    /// The forward's matmul on the CPU (see [`Model::set_forward_matmul`]):
+    /// batch-invariant unless the caller chooses candle's for comparisons.
+    pub matmul: ForwardMatmul,
+}
+
+/// The numerics a caller picks for the models it loads: the matmul weights'
+/// precision and the forward's matmul. The CLI builds it once from
+/// `--dtype` and `TEMPER_MATMUL` and passes it down; nothing reads a
+/// process-wide setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Numerics {
+    /// The matmul weights' precision.
+    pub precision: Precision,
+    /// The forward's matmul.
+    pub matmul: ForwardMatmul,
+}
+
+impl Numerics {
+    /// Load options on `device` in `dtype` with these numerics.
+    pub fn load_options(self, device: Device, dtype: DType) -> LoadOptions {
+        LoadOptions {
+            device,
+            dtype,
+            precision: self.precision,
+            matmul: self.matmul,
+        }
+    }
 }
 
 impl Default for LoadOptions {
@@ -64,6 +92,7 @@ impl Default for LoadOptions {
             device: Device::Cpu,
             dtype: DType::F32,
             precision: Precision::F32,
+            matmul: ForwardMatmul::default(),
         }
     }
 }
@@ -89,6 +118,7 @@ impl Pretrained {
         let ck = Checkpoint::open(dir, opts.dtype, &opts.device)?;
         let mut model = Model::load(&config, &ck, opts.dtype, &opts.device)?;
         model.set_precision(opts.precision)?;
+        model.set_forward_matmul(opts.matmul);
         let chat_template = load_chat_template(dir, &tokenizer)?;
         let generation = read_generation_config(dir)?;
         Ok(Self::assemble(
@@ -124,6 +154,7 @@ impl Pretrained {
             .keep_quantized(opts.precision == Precision::Gguf && opts.dtype == DType::F32);
         let mut model = Model::load(&config, &ck, opts.dtype, &opts.device)?;
         model.set_precision(opts.precision)?;
+        model.set_forward_matmul(opts.matmul);
         Ok(Self::assemble(
             path,
             config,

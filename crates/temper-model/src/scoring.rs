@@ -58,7 +58,7 @@ impl Model {
         let head = self.head_weight();
         Ok(fused_lm_head_supported(&probe, head)
             && fused_attention_supported(&probe)
-            && use_matmul_nt(&probe, head))
+            && use_matmul_nt(self.forward_matmul(), &probe, head))
     }
 
     /// Logprobs and entropy of `targets` after each prefix of `input`
@@ -94,8 +94,14 @@ impl Model {
         if fused_lm_head_supported(&hidden, head) {
             // The LM head, log-softmax, gather and entropy in one op that
             // never keeps `[len, vocab]` logits (see `kernels`).
-            let (logprobs, entropy) =
-                lm_head_logprobs(&hidden, head, targets, temperature, self.head_packed())?;
+            let (logprobs, entropy) = lm_head_logprobs(
+                &hidden,
+                head,
+                targets,
+                temperature,
+                self.head_packed(),
+                self.forward_matmul(),
+            )?;
             return Ok(TokenScores { logprobs, entropy });
         }
         // `[len, vocab]` logits are the largest tensor of a step (151k-token
@@ -258,6 +264,7 @@ impl Model {
                 &targets,
                 temperature,
                 self.head_packed(),
+                self.forward_matmul(),
             )?
         };
         layout

@@ -72,7 +72,8 @@ impl Model {
         let head = self.head_weight();
         if fused_lm_head_supported(&hidden, head) {
             // The same blocks and reductions as `score`'s fused LM head.
-            for_each_logprob_row(&hidden, head, temperature, self.head_packed(), |i, row| {
+            let kernel = (self.head_packed(), self.forward_matmul());
+            for_each_logprob_row(&hidden, head, temperature, kernel, |i, row| {
                 logprobs.push(row[targets[i] as usize]);
                 top.push(top_k(row, k));
                 Ok(())

@@ -1,6 +1,6 @@
 //! The batch-invariant matmul against candle's on whole models: the same
-//! logprobs and LoRA gradients up to f32 rounding. Its own test binary
-//! because it flips the process-wide forward-matmul switch.
+//! logprobs and LoRA gradients up to f32 rounding. The matmul is each
+//! model's own setting (`Model::set_forward_matmul`), not the process's.
 
 #[path = "it/common.rs"]
 mod common;
@@ -8,7 +8,7 @@ mod common;
 use std::collections::HashMap;
 
 use temper_model::candle_core::{DType, Tensor};
-use temper_model::kernels::{forward_matmul, set_forward_matmul, ForwardMatmul};
+use temper_model::kernels::ForwardMatmul;
 use temper_model::{LoraAdapter, Pretrained};
 
 use common::*;
@@ -56,9 +56,10 @@ fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn invariant_and_candle_matmuls_agree_on_logprobs_and_lora_gradients() {
-    assert_eq!(forward_matmul(), ForwardMatmul::BatchInvariant, "default");
     for name in FAMILIES {
-        let p = load(name);
+        let mut p = load(name);
+        let m = p.model.forward_matmul();
+        assert_eq!(m, ForwardMatmul::BatchInvariant, "default");
         // The fixture adapter's B is non-zero: every LoRA matmul contributes.
         let a = adapter(&p, name);
         let (g, _) = golden(name);
@@ -68,11 +69,11 @@ fn invariant_and_candle_matmuls_agree_on_logprobs_and_lora_gradients() {
             .iter()
             .map(|x| x.as_u64().expect("id") as u32)
             .collect();
-        set_forward_matmul(ForwardMatmul::BatchInvariant);
+        p.model.set_forward_matmul(ForwardMatmul::BatchInvariant);
         let (lp_nt, g_nt) = logprobs_and_grads(&p, &seq, &a);
-        set_forward_matmul(ForwardMatmul::Candle);
+        p.model.set_forward_matmul(ForwardMatmul::Candle);
         let (lp_c, g_c) = logprobs_and_grads(&p, &seq, &a);
-        set_forward_matmul(ForwardMatmul::BatchInvariant);
+        p.model.set_forward_matmul(ForwardMatmul::BatchInvariant);
 
         let worst_lp = lp_nt
             .iter()

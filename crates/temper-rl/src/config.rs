@@ -28,6 +28,11 @@ pub struct ModelSection {
     /// (bf16 where the CPU has avx512_bf16). Unset: the command's
     /// `--dtype` (default f32).
     pub dtype: Option<String>,
+    /// The forward's matmul on the CPU: `"invariant"` (every row reduced in
+    /// one fixed order, so sampler and trainer agree bit for bit) or
+    /// `"candle"` (candle's gemm, for comparisons). Unset: the command's
+    /// `TEMPER_MATMUL` (default invariant).
+    pub matmul: Option<String>,
     /// Sizes for the `tiny` preset.
     pub tiny: TinyPreset,
 }

@@ -13,7 +13,7 @@ use std::ops::Deref;
 use std::path::PathBuf;
 
 use temper_engine::Loss;
-use temper_model::{LoraConfig, Precision, Target};
+use temper_model::{ForwardMatmul, LoraConfig, Precision, Target};
 
 use crate::config::{
     DataSection, DistillSection, DpoConfig, EnvSection, LoraSection, ModelSection, PrefDataSection,
@@ -42,6 +42,8 @@ pub struct ModelPlan {
     pub lora: Option<LoraConfig>,
     /// The matmul weights' precision (`[model] dtype`, else `--dtype`).
     pub precision: Precision,
+    /// The forward's matmul (`[model] matmul`, else `TEMPER_MATMUL`).
+    pub matmul: ForwardMatmul,
 }
 
 /// The optimiser's schedule: what RL and SFT share of `[trainer]`.
@@ -564,10 +566,18 @@ fn model_plan(m: &ModelSection, l: &LoraSection) -> Result<ModelPlan> {
             precision.as_str()
         ));
     }
+    let matmul = match m.matmul.as_deref() {
+        Some(s) => s.parse::<ForwardMatmul>().map_err(|e| match e {
+            temper_model::ModelError::InvalidInput(m) => RlError::Config(format!("[model] {m}")),
+            other => RlError::Config(other.to_string()),
+        })?,
+        None => ForwardMatmul::default(),
+    };
     Ok(ModelPlan {
         source,
         adapter: m.adapter.clone(),
         precision,
+        matmul,
         lora: if l.enabled {
             Some(lora_config(l)?)
         } else {

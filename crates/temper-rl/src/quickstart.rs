@@ -45,9 +45,9 @@ pub struct QuickstartOptions {
     pub seed: u64,
     /// Progress lines on stderr.
     pub progress: bool,
-    /// The RL run's matmul weights (the CLI's `--dtype`); the SFT warm-up
-    /// trains every weight, in f32 whatever this says.
-    pub precision: temper_model::Precision,
+    /// The RL run's numerics (the CLI's `--dtype` and `TEMPER_MATMUL`); the
+    /// SFT warm-up trains every weight, in f32 whatever the precision says.
+    pub numerics: temper_model::Numerics,
 }
 
 impl Default for QuickstartOptions {
@@ -61,7 +61,7 @@ impl Default for QuickstartOptions {
             teacher_noise: 0.75,
             seed: 0,
             progress: true,
-            precision: temper_model::Precision::F32,
+            numerics: temper_model::Numerics::default(),
         }
     }
 }
@@ -96,6 +96,7 @@ pub fn sft_config(o: &QuickstartOptions) -> SftConfig {
             adapter: None,
             // Full-parameter SFT keeps f32 weights whatever `--dtype` says.
             dtype: Some("f32".into()),
+            matmul: Some(o.numerics.matmul.as_str().into()),
         },
         lora: LoraSection {
             enabled: false,
@@ -149,7 +150,8 @@ pub fn rl_config(o: &QuickstartOptions, sft_model: &Path) -> RlConfig {
             preset: None,
             tiny: TinyPreset::default(),
             adapter: None,
-            dtype: Some(o.precision.to_string()),
+            dtype: Some(o.numerics.precision.to_string()),
+            matmul: Some(o.numerics.matmul.as_str().into()),
         },
         lora: LoraSection {
             enabled: true,

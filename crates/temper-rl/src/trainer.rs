@@ -60,6 +60,7 @@ pub fn local_trainer_on(
     let dir = model_dir(&model.source, run_dir)?;
     let opts = LoadOptions {
         precision: model.precision,
+        matmul: model.matmul,
         ..LoadOptions::default()
     };
     let base = Arc::new(Pretrained::load(&dir, &opts)?);
@@ -115,6 +116,7 @@ pub async fn trainer_for(
     let dir = model_dir(&model.source, &run_dir)?;
     let opts = LoadOptions {
         precision: model.precision,
+        matmul: model.matmul,
         ..LoadOptions::default()
     };
     let base = off_runtime(move || Ok(Arc::new(Pretrained::load(&dir, &opts)?))).await?;

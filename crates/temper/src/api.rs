@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use temper_model::{default_device, default_dtype, LoadOptions, Precision, Pretrained};
+use temper_model::{default_device, default_dtype, LoadOptions, Numerics, Pretrained};
 use temper_server::training_api::{
     app, ApiConfig, ApiLimits, ApiState, BaseModel, ServedAdapter, PEFT_ADAPTER_PREFIX,
 };
@@ -92,18 +92,19 @@ fn peft_rank(dir: &std::path::Path) -> Result<usize> {
 }
 
 /// Run a command.
-pub fn run(cmd: ApiCommand, precision: Precision) -> Result<()> {
+pub fn run(cmd: ApiCommand, numerics: Numerics) -> Result<()> {
     match cmd {
-        ApiCommand::Serve(a) => serve(a, precision),
+        ApiCommand::Serve(a) => serve(a, numerics),
     }
 }
 
-fn serve(args: ServeArgs, precision: Precision) -> Result<()> {
+fn serve(args: ServeArgs, numerics: Numerics) -> Result<()> {
     let device = default_device()?;
     let opts = LoadOptions {
         dtype: default_dtype(&device),
         device,
-        precision,
+        precision: numerics.precision,
+        matmul: numerics.matmul,
     };
     let mut bases = Vec::new();
     for m in &args.models {

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use temper_model::candle_core::{DType, Device, Tensor};
 use temper_model::{
-    Checkpoint, GenerationRequest, LoadOptions, LoraAdapter, LoraConfig, Model, Precision,
+    Checkpoint, GenerationRequest, LoadOptions, LoraAdapter, LoraConfig, Model, Numerics,
     Pretrained, RandomInit, Sampler, SamplingParams, ScoreInput, Tokenizer,
 };
 
@@ -93,14 +93,14 @@ const PROMPT: usize = 16;
 const NEW: usize = 128;
 
 /// Run a benchmark.
-pub fn run(cmd: BenchCommand, precision: Precision) -> Result<()> {
+pub fn run(cmd: BenchCommand, numerics: Numerics) -> Result<()> {
     match cmd {
-        BenchCommand::Model(a) => model(a, precision),
-        BenchCommand::Api(a) => crate::bench_api::run(a, precision),
-        BenchCommand::Serve(a) => crate::bench_serve::run(a, precision),
+        BenchCommand::Model(a) => model(a, numerics),
+        BenchCommand::Api(a) => crate::bench_api::run(a, numerics),
+        BenchCommand::Serve(a) => crate::bench_serve::run(a, numerics),
         BenchCommand::Hub(a) => crate::hub_cmd::bench(a),
         BenchCommand::Kernels(a) => crate::bench_kernels::run(a),
-        BenchCommand::Parity(a) => crate::bench_parity::run(a, precision),
+        BenchCommand::Parity(a) => crate::bench_parity::run(a, numerics),
         BenchCommand::Tasks(a) => crate::tasks_cmd::bench(a),
     }
 }
@@ -117,13 +117,14 @@ fn config() -> serde_json::Value {
 
 /// A random checkpoint written to a scratch directory and loaded through the
 /// real loader.
-fn random_model(dev: &Device, dtype: DType, precision: Precision) -> Result<Model> {
+fn random_model(dev: &Device, dtype: DType, numerics: Numerics) -> Result<Model> {
     let dir = std::env::temp_dir().join(format!("temper-bench-{}", std::process::id()));
     let init = RandomInit { std: 0.05, seed: 0 };
     let cfg = temper_model::write_random_model(&dir, &config(), init)?;
     let ck = Checkpoint::open(&dir, dtype, dev)?;
     let model = Model::load(&cfg, &ck, dtype, dev).and_then(|mut m| {
-        m.set_precision(precision)?;
+        m.set_precision(numerics.precision)?;
+        m.set_forward_matmul(numerics.matmul);
         Ok(m)
     });
     drop(ck);
@@ -194,7 +195,7 @@ pub(crate) mod rss {
     }
 }
 
-fn model(args: ModelBenchArgs, precision: Precision) -> Result<()> {
+fn model(args: ModelBenchArgs, numerics: Numerics) -> Result<()> {
     let iters = args.iters.max(1);
     let dev = crate::bench_parity::parse_device(&args.device)?;
     let dtype = if dev.is_cpu() {
@@ -210,7 +211,8 @@ fn model(args: ModelBenchArgs, precision: Precision) -> Result<()> {
     let opts = LoadOptions {
         device: dev.clone(),
         dtype,
-        precision,
+        precision: numerics.precision,
+        matmul: numerics.matmul,
     };
     let (model, tok, eos, label) = match &args.model {
         Some(dir) => {
@@ -221,7 +223,7 @@ fn model(args: ModelBenchArgs, precision: Precision) -> Result<()> {
         }
         None => {
             let model =
-                random_model(&dev, dtype, precision).context("building the benchmark model")?;
+                random_model(&dev, dtype, numerics).context("building the benchmark model")?;
             (
                 model,
                 word_tokenizer()?,

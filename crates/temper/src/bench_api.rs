@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use temper_client::RemoteTrainer;
 use temper_engine::{AdamParams, Datum, Engine, LocalTrainer, Loss, LossInputs, Trainer};
-use temper_model::{LoadOptions, LoraConfig, Precision, Pretrained};
+use temper_model::{LoadOptions, LoraConfig, Numerics, Pretrained};
 use temper_server::training_api::{app, ApiConfig, ApiState, BaseModel, LORA_ALPHA};
 
 /// Arguments of `temper bench api`.
@@ -49,9 +49,10 @@ async fn steps(t: &dyn Trainer, data: &[Datum], n: usize) -> Result<Duration> {
 }
 
 /// Run the benchmark.
-pub fn run(args: ApiBenchArgs, precision: Precision) -> Result<()> {
+pub fn run(args: ApiBenchArgs, numerics: Numerics) -> Result<()> {
     let opts = LoadOptions {
-        precision,
+        precision: numerics.precision,
+        matmul: numerics.matmul,
         ..LoadOptions::default()
     };
     let base = Arc::new(

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use temper_model::candle_core::{DType, Device, Tensor};
 use temper_model::{
-    GenerationRequest, LoadOptions, LoraAdapter, Precision, Pretrained, Sampler, SamplingParams,
+    GenerationRequest, LoadOptions, LoraAdapter, Numerics, Pretrained, Sampler, SamplingParams,
     ScoreInput,
 };
 
@@ -88,7 +88,7 @@ fn to_f32s(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// Run `temper bench parity`.
-pub fn run(a: ParityArgs, precision: Precision) -> Result<()> {
+pub fn run(a: ParityArgs, numerics: Numerics) -> Result<()> {
     let work: Work = serde_json::from_str(
         &std::fs::read_to_string(&a.work).with_context(|| format!("read {}", a.work.display()))?,
     )
@@ -105,7 +105,8 @@ pub fn run(a: ParityArgs, precision: Precision) -> Result<()> {
     let opts = LoadOptions {
         device: device.clone(),
         dtype,
-        precision,
+        precision: numerics.precision,
+        matmul: numerics.matmul,
     };
     let t0 = Instant::now();
     let p = Pretrained::load(&a.model, &opts)

@@ -38,7 +38,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use temper_model::candle_core::DType;
-use temper_model::{GgufQuant, LoadOptions, Precision, Pretrained, RandomInit};
+use temper_model::{GgufQuant, LoadOptions, Numerics, Pretrained, RandomInit};
 use temper_server::openai::{app, OpenAiState, ServeConfig};
 
 /// Arguments of `temper bench serve`.
@@ -160,7 +160,7 @@ async fn measure(
 }
 
 /// Run the benchmark and print the table.
-pub fn run(args: ServeBenchArgs, precision: Precision) -> Result<()> {
+pub fn run(args: ServeBenchArgs, numerics: Numerics) -> Result<()> {
     let levels: Vec<usize> = args
         .concurrency
         .split(',')
@@ -177,7 +177,7 @@ pub fn run(args: ServeBenchArgs, precision: Precision) -> Result<()> {
         .ok()
         .and_then(|s| s.parse::<usize>().ok())
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let result = bench(&dir, &levels, &args, (threads, precision));
+    let result = bench(&dir, &levels, &args, (threads, numerics));
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
@@ -187,11 +187,12 @@ pub fn run(args: ServeBenchArgs, precision: Precision) -> Result<()> {
 fn served_model(
     work: &Path,
     args: &ServeBenchArgs,
-    precision: Precision,
+    numerics: Numerics,
 ) -> Result<(Pretrained, PathBuf, String)> {
     let opts = LoadOptions {
         dtype: DType::F32,
-        precision,
+        precision: numerics.precision,
+        matmul: numerics.matmul,
         ..LoadOptions::default()
     };
     let Some(path) = &args.model else {
@@ -412,9 +413,9 @@ fn bench(
     work: &Path,
     levels: &[usize],
     args: &ServeBenchArgs,
-    (threads, precision): (usize, Precision),
+    (threads, numerics): (usize, Numerics),
 ) -> Result<()> {
-    let (model, hf_dir, what) = served_model(work, args, precision)?;
+    let (model, hf_dir, what) = served_model(work, args, numerics)?;
     let vocab = model.config.vocab_size;
     if vocab <= 8 {
         bail!("the model's vocabulary ({vocab}) is too small to draw prompts from");

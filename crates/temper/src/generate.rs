@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use temper_model::{
-    default_device, default_dtype, GenerationRequest, LoadOptions, LoraAdapter, Precision,
+    default_device, default_dtype, GenerationRequest, LoadOptions, LoraAdapter, Numerics,
     Pretrained, Sampler, SamplingParams,
 };
 
@@ -57,7 +57,7 @@ pub struct GenerateArgs {
 }
 
 /// Load, sample, print.
-pub fn run(args: GenerateArgs, precision: Precision) -> Result<()> {
+pub fn run(args: GenerateArgs, numerics: Numerics) -> Result<()> {
     if args.n == 0 {
         bail!("--n must be at least 1");
     }
@@ -65,7 +65,8 @@ pub fn run(args: GenerateArgs, precision: Precision) -> Result<()> {
     let opts = LoadOptions {
         dtype: default_dtype(&device),
         device,
-        precision,
+        precision: numerics.precision,
+        matmul: numerics.matmul,
     };
     let t0 = Instant::now();
     let p = Pretrained::load(&args.model, &opts)

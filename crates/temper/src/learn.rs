@@ -162,8 +162,8 @@ pub struct LearnPlan {
 
 impl LearnPlan {
     /// Reads and checks `path`; `model` is the served model, whose
-    /// weights' precision (`--dtype`) the learner trains in too.
-    pub fn load(path: &Path, model: &Path, precision: temper_model::Precision) -> Result<Self> {
+    /// numerics (`--dtype`, `TEMPER_MATMUL`) the learner trains with too.
+    pub fn load(path: &Path, model: &Path, numerics: temper_model::Numerics) -> Result<Self> {
         let cfg: LearnConfig = temper_rl::config::load(path, &[])?;
         let l = &cfg.learn;
         let Some(env) = cfg.eval.env.clone() else {
@@ -203,7 +203,8 @@ impl LearnPlan {
             seed: cfg.seed,
             model: ModelSection {
                 path: Some(model.to_path_buf()),
-                dtype: Some(precision.to_string()),
+                dtype: Some(numerics.precision.to_string()),
+                matmul: Some(numerics.matmul.as_str().into()),
                 ..Default::default()
             },
             lora: cfg.lora.clone(),

@@ -104,14 +104,21 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    if let Err(e) = temper_model::forward_matmul_from_env() {
-        eprintln!("error: {e}");
-        return ExitCode::FAILURE;
-    }
+    // The numerics every command's models use, passed down as a value.
+    let numerics = match temper_model::forward_matmul_from_env() {
+        Ok(matmul) => temper_model::Numerics {
+            precision: cli.dtype,
+            matmul,
+        },
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.command {
-        Command::Generate(args) => generate::run(args, cli.dtype),
-        Command::Train(cmd) => train::run(cmd, cli.dtype),
-        Command::Quickstart(args) => train::run_quickstart(args, cli.dtype),
+        Command::Generate(args) => generate::run(args, numerics),
+        Command::Train(cmd) => train::run(cmd, numerics),
+        Command::Quickstart(args) => train::run_quickstart(args, numerics),
         Command::GenerateSft(args) => train::generate_sft(args),
         Command::Eval(args) => eval::run(args),
         Command::Init(args) => init::run(args),
@@ -120,10 +127,10 @@ fn main() -> ExitCode {
         Command::Login(args) => hub_cmd::login(args),
         Command::View(args) => view::run(args),
         Command::MockOpenai(args) => eval::mock(args),
-        Command::Bench(cmd) => bench::run(cmd, cli.dtype),
+        Command::Bench(cmd) => bench::run(cmd, numerics),
         Command::Sandbox(cmd) => sandbox::run(cmd),
-        Command::Api(cmd) => api::run(cmd, cli.dtype),
-        Command::Serve(args) => serve::run(args, cli.dtype),
+        Command::Api(cmd) => api::run(cmd, numerics),
+        Command::Serve(args) => serve::run(args, numerics),
         Command::Export(args) => export::run(args),
         Command::Tasks(cmd) => tasks_cmd::run(cmd),
         Command::Traces(cmd) => traces_cmd::run(cmd),

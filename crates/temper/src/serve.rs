@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use temper_model::{default_device, default_dtype, LoadOptions, Precision, Pretrained};
+use temper_model::{default_device, default_dtype, LoadOptions, Numerics, Pretrained};
 use temper_server::openai::{app, OpenAiState, ServeConfig};
 
 /// Arguments of `temper serve`.
@@ -101,17 +101,18 @@ fn lora_arg(s: &str) -> Result<(String, PathBuf)> {
 }
 
 /// Load, bind, print the address, serve until Ctrl-C.
-pub fn run(args: ServeArgs, precision: Precision) -> Result<()> {
+pub fn run(args: ServeArgs, numerics: Numerics) -> Result<()> {
     // A bad learning config fails before the model loads.
     let learn = match &args.learn {
-        Some(path) => Some(crate::learn::LearnPlan::load(path, &args.model, precision)?),
+        Some(path) => Some(crate::learn::LearnPlan::load(path, &args.model, numerics)?),
         None => None,
     };
     let device = default_device()?;
     let opts = LoadOptions {
         dtype: default_dtype(&device),
         device,
-        precision,
+        precision: numerics.precision,
+        matmul: numerics.matmul,
     };
     let model = Pretrained::load(&args.model, &opts)
         .with_context(|| format!("loading model from {}", args.model.display()))?;

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use temper_model::Precision;
+use temper_model::Numerics;
 use temper_rl::config::{self, DpoConfig, RlConfig, SftConfig};
 use temper_rl::quickstart::{quickstart, QuickstartOptions};
 use temper_rl::rl::{run_rl, RunOptions};
@@ -53,7 +53,7 @@ struct Resolved<T> {
 
 fn resolve<T: serde::de::DeserializeOwned + serde::Serialize>(
     args: &TrainArgs,
-    precision: Precision,
+    numerics: Numerics,
     set_dir: impl Fn(&mut T, PathBuf),
 ) -> Result<Resolved<T>> {
     // Flags written after an override land in the trailing list.
@@ -81,8 +81,13 @@ fn resolve<T: serde::de::DeserializeOwned + serde::Serialize>(
     };
     // `--dtype` is the default of the weights' precision that a config
     // leaves unset: the model's, and a distillation teacher's.
-    let defaults =
-        ["model.dtype", "distill.teacher.dtype"].map(|k| (k.into(), precision.to_string()));
+    let defaults = ["model.dtype", "distill.teacher.dtype"]
+        .map(|k| (k.into(), numerics.precision.to_string()));
+    let defaults = [
+        defaults.as_slice(),
+        &[("model.matmul".into(), numerics.matmul.as_str().into())],
+    ]
+    .concat();
     let mut cfg: T = config::load_with(&path, &defaults, &overrides)?;
     if let Some(dir) = resume {
         set_dir(&mut cfg, dir);
@@ -119,10 +124,10 @@ fn pull_env(e: &mut config::EnvSection) -> Result<()> {
 }
 
 /// Run a training command.
-pub fn run(cmd: TrainCommand, precision: Precision) -> Result<()> {
+pub fn run(cmd: TrainCommand, numerics: Numerics) -> Result<()> {
     match cmd {
         TrainCommand::Rl(args) => {
-            let mut r = resolve::<RlConfig>(&args, precision, |c, d| c.log.dir = d)?;
+            let mut r = resolve::<RlConfig>(&args, numerics, |c, d| c.log.dir = d)?;
             for e in &mut r.cfg.env {
                 pull_env(e)?;
             }
@@ -161,7 +166,7 @@ pub fn run(cmd: TrainCommand, precision: Precision) -> Result<()> {
             Ok(())
         }
         TrainCommand::Sft(args) => {
-            let mut r = resolve::<SftConfig>(&args, precision, |c, d| c.log.dir = d)?;
+            let mut r = resolve::<SftConfig>(&args, numerics, |c, d| c.log.dir = d)?;
             if let Some(e) = &mut r.cfg.data.env {
                 pull_env(e)?;
             }
@@ -196,7 +201,7 @@ pub fn run(cmd: TrainCommand, precision: Precision) -> Result<()> {
             Ok(())
         }
         TrainCommand::Dpo(args) => {
-            let mut r = resolve::<DpoConfig>(&args, precision, |c, d| c.log.dir = d)?;
+            let mut r = resolve::<DpoConfig>(&args, numerics, |c, d| c.log.dir = d)?;
             if let Some(e) = &mut r.cfg.data.env {
                 pull_env(e)?;
             }
@@ -423,7 +428,7 @@ pub struct QuickstartArgs {
 }
 
 /// Run the quickstart and print what it measured.
-pub fn run_quickstart(args: QuickstartArgs, precision: Precision) -> Result<()> {
+pub fn run_quickstart(args: QuickstartArgs, numerics: Numerics) -> Result<()> {
     let d = QuickstartOptions::default();
     let o = QuickstartOptions {
         dir: args.dir,
@@ -432,7 +437,7 @@ pub fn run_quickstart(args: QuickstartArgs, precision: Precision) -> Result<()> 
         eval_examples: args.eval_examples.unwrap_or(d.eval_examples),
         teacher_noise: args.teacher_noise.unwrap_or(d.teacher_noise),
         seed: args.seed,
-        precision,
+        numerics,
         ..d
     };
     let r = runtime()?.block_on(quickstart(&o))?;

@@ -56,6 +56,7 @@ pub fn lm_head_logprobs(
     targets: &[u32],
     temperature: f64,
     packed: Option<&HeadKernel>,
+    matmul: super::ForwardMatmul,
 ) -> Result<(Tensor, Tensor)> {
     let (n, h) = hidden.dims2()?;
     let (vocab, wh) = weight.dims2()?;
@@ -73,6 +74,7 @@ pub fn lm_head_logprobs(
     let op = LmHeadLogprobs {
         weight: head_operand(weight, packed)?,
         packed: packed.cloned(),
+        matmul,
         targets: Arc::new(targets.to_vec()),
         inv_temp: (1.0 / temperature) as f32,
         save_grad: hidden.track_op(),
@@ -93,7 +95,7 @@ pub fn for_each_logprob_row(
     hidden: &Tensor,
     weight: &Tensor,
     temperature: f64,
-    packed: Option<&HeadKernel>,
+    (packed, matmul): (Option<&HeadKernel>, super::ForwardMatmul),
     mut f: impl FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<()> {
     let (n, h) = hidden.dims2()?;
@@ -112,7 +114,8 @@ pub fn for_each_logprob_row(
     let inv_temp = (1.0 / temperature) as f32;
     for start in (0..n).step_by(ROW_BLOCK) {
         let rows = ROW_BLOCK.min(n - start);
-        let mut s = block_logits(&x[start * h..(start + rows) * h], rows, h, &weight, packed)?;
+        let xb = &x[start * h..(start + rows) * h];
+        let mut s = block_logits(xb, rows, h, &weight, (packed, matmul))?;
         s.par_chunks_mut(vocab)
             .for_each(|row| log_softmax_in_place(row, inv_temp));
         for (i, row) in s.chunks(vocab).enumerate() {
@@ -151,6 +154,8 @@ struct LmHeadLogprobs {
     /// The packed bf16 or quantized head, which computes the logits when
     /// present.
     packed: Option<HeadKernel>,
+    /// The model's forward matmul, which the logits follow.
+    matmul: super::ForwardMatmul,
     targets: Arc<Vec<u32>>,
     inv_temp: f32,
     /// Store `d logprob / d hidden` in the forward (input is tracked).
@@ -250,7 +255,7 @@ fn block_logits(
     rows: usize,
     h: usize,
     weight: &Tensor,
-    packed: Option<&HeadKernel>,
+    (packed, matmul): (Option<&HeadKernel>, super::ForwardMatmul),
 ) -> candle_core::Result<Vec<f32>> {
     if let Some(HeadKernel::Quant(q)) = packed {
         // The quantized head has no other kernel: the decode step's.
@@ -261,16 +266,14 @@ fn block_logits(
             Ok(y)
         });
     }
-    if let (Some(HeadKernel::Bf16(p)), super::ForwardMatmul::BatchInvariant) =
-        (packed, super::forward_matmul())
-    {
+    if let (Some(HeadKernel::Bf16(p)), super::ForwardMatmul::BatchInvariant) = (packed, matmul) {
         // The model's bf16 forward: the same packed kernel as its decode
         // logits.
         return Ok(super::matmul::rows_times_packed(xb, rows, p));
     }
     if matches!(weight.dtype(), DType::F32 | DType::BF16)
         && weight.device().is_cpu()
-        && super::forward_matmul() == super::ForwardMatmul::BatchInvariant
+        && matmul == super::ForwardMatmul::BatchInvariant
     {
         // Every row reduced in one fixed order: a one-token sequence's
         // logits equal its row in a longer call.
@@ -303,7 +306,13 @@ impl LmHeadLogprobs {
     ) -> candle_core::Result<Tensor> {
         let rows = g_lp.len();
         let (vocab, h) = self.weight.dims2()?;
-        let mut s = block_logits(xb, rows, h, &self.weight, self.packed.as_ref())?;
+        let mut s = block_logits(
+            xb,
+            rows,
+            h,
+            &self.weight,
+            (self.packed.as_ref(), self.matmul),
+        )?;
         let targets = &self.targets[start..start + rows];
         let inv_temp = self.inv_temp;
         s.par_chunks_mut(vocab)
@@ -341,7 +350,7 @@ impl LmHeadLogprobs {
             return Tensor::from_vec(dx, (rows, h), &Device::Cpu);
         }
         if let (Some(HeadKernel::Bf16(p)), super::ForwardMatmul::BatchInvariant) =
-            (self.packed.as_ref(), super::forward_matmul())
+            (self.packed.as_ref(), self.matmul)
         {
             // `ds` rounded to bf16, as the forward rounds its inputs.
             let y = super::matmul::rows_times_packed(&ds, rows, p.transposed());
@@ -415,7 +424,13 @@ impl CustomOp1 for LmHeadLogprobs {
         for start in (0..n).step_by(ROW_BLOCK) {
             let rows = ROW_BLOCK.min(n - start);
             let xb = &x[start * h..(start + rows) * h];
-            let mut s = block_logits(xb, rows, h, &self.weight, self.packed.as_ref())?;
+            let mut s = block_logits(
+                xb,
+                rows,
+                h,
+                &self.weight,
+                (self.packed.as_ref(), self.matmul),
+            )?;
             let targets = &self.targets[start..start + rows];
             let save_grad = self.save_grad;
             let inv_temp = self.inv_temp;
@@ -560,8 +575,15 @@ mod tests {
     fn fused_lm_head_matches_composed_values_and_gradients() {
         for (seed, t) in [(1u64, 1.0f64), (2, 0.7)] {
             let (hidden, weight, targets, a, b) = inputs(seed);
-            let (lp, ent) =
-                lm_head_logprobs(hidden.as_tensor(), &weight, &targets, t, None).unwrap();
+            let (lp, ent) = lm_head_logprobs(
+                hidden.as_tensor(),
+                &weight,
+                &targets,
+                t,
+                None,
+                Default::default(),
+            )
+            .unwrap();
             let (rlp, rent) = composed(hidden.as_tensor(), &weight, &targets, t);
             assert!(max_abs_diff(&v64(&lp), &v64(&rlp)) < 1e-5);
             assert!(max_abs_diff(&v64(&ent), &v64(&rent)) < 1e-5);
@@ -582,14 +604,23 @@ mod tests {
     fn fused_lm_head_gradient_matches_finite_differences() {
         let (hidden, weight, targets, a, b) = inputs(3);
         let t = 0.9;
-        let (lp, ent) = lm_head_logprobs(hidden.as_tensor(), &weight, &targets, t, None).unwrap();
+        let (lp, ent) = lm_head_logprobs(
+            hidden.as_tensor(),
+            &weight,
+            &targets,
+            t,
+            None,
+            Default::default(),
+        )
+        .unwrap();
         let g = loss(&lp, &ent, &a, &b).backward().unwrap();
         let g = v64(g.get(hidden.as_tensor()).expect("hidden grad"));
         let base: Vec<f32> = hidden.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         let eps = 1e-2f32;
         let eval = |v: Vec<f32>| -> f64 {
             let x = Tensor::from_vec(v, (N, H), &Device::Cpu).unwrap();
-            let (lp, ent) = lm_head_logprobs(&x, &weight, &targets, t, None).unwrap();
+            let (lp, ent) =
+                lm_head_logprobs(&x, &weight, &targets, t, None, Default::default()).unwrap();
             let l = loss(&lp, &ent, &a, &b).to_dtype(DType::F64).unwrap();
             l.to_scalar::<f64>().unwrap()
         };
@@ -607,7 +638,15 @@ mod tests {
     #[test]
     fn fused_lm_head_second_backward_recomputes_the_same_gradient() {
         let (hidden, weight, targets, a, b) = inputs(4);
-        let (lp, ent) = lm_head_logprobs(hidden.as_tensor(), &weight, &targets, 1.0, None).unwrap();
+        let (lp, ent) = lm_head_logprobs(
+            hidden.as_tensor(),
+            &weight,
+            &targets,
+            1.0,
+            None,
+            Default::default(),
+        )
+        .unwrap();
         // Logprob-only loss: the first backward uses the stored gradient, the
         // second (stored one consumed) recomputes it from the logits.
         let l = (lp * &a).unwrap().sum_all().unwrap();
@@ -622,6 +661,14 @@ mod tests {
     fn fused_lm_head_rejects_out_of_range_targets() {
         let (hidden, weight, mut targets, _, _) = inputs(5);
         targets[7] = V as u32;
-        assert!(lm_head_logprobs(hidden.as_tensor(), &weight, &targets, 1.0, None).is_err());
+        assert!(lm_head_logprobs(
+            hidden.as_tensor(),
+            &weight,
+            &targets,
+            1.0,
+            None,
+            Default::default()
+        )
+        .is_err());
     }
 }

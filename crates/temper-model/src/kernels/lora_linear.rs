@@ -39,8 +39,14 @@ use crate::error::{ModelError, Result};
 /// Whether [`lora_linear`] handles these operands: f32 input and adapter on
 /// the CPU, a frozen f32 or bf16 weight, and the batch-invariant forward
 /// matmul in use.
-pub fn lora_linear_supported(x: &Tensor, weight: &Tensor, a: &Tensor, b: &Tensor) -> bool {
-    super::use_matmul_nt(x, weight)
+pub fn lora_linear_supported(
+    m: super::ForwardMatmul,
+    x: &Tensor,
+    weight: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+) -> bool {
+    super::use_matmul_nt(m, x, weight)
         && !weight.is_variable()
         && [a, b]
             .iter()

@@ -21,7 +21,6 @@
 //! with the same lane structure (rounded differently, but one process only
 //! ever uses one of the two).
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
@@ -70,28 +69,25 @@ pub fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.contiguous()?.apply_op2(&w.contiguous()?, op)?)
 }
 
-/// Which matmul the model's forward uses for `x·Wᵀ` on the CPU in f32.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Which matmul the model's forward uses for `x·Wᵀ` on the CPU in f32: a
+/// model's own setting ([`crate::LoadOptions::matmul`]), never a process's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ForwardMatmul {
     /// [`matmul_nt`]: every row reduced in one fixed order (the default).
+    #[default]
     BatchInvariant,
     /// candle's `gemm`: rows round differently with the call's shape. For
     /// comparisons (`TEMPER_MATMUL=candle`).
     Candle,
 }
 
-static FORWARD: AtomicU8 = AtomicU8::new(0);
-
-/// Choose the forward matmul for this process.
-pub fn set_forward_matmul(m: ForwardMatmul) {
-    FORWARD.store(m as u8, Ordering::Relaxed);
-}
-
-/// The forward matmul in use (see [`set_forward_matmul`]).
-pub fn forward_matmul() -> ForwardMatmul {
-    match FORWARD.load(Ordering::Relaxed) {
-        0 => ForwardMatmul::BatchInvariant,
-        _ => ForwardMatmul::Candle,
+impl ForwardMatmul {
+    /// The name `TEMPER_MATMUL` and `[model] matmul` take.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::BatchInvariant => "invariant",
+            Self::Candle => "candle",
+        }
     }
 }
 
@@ -103,7 +99,7 @@ impl std::str::FromStr for ForwardMatmul {
             "invariant" => Ok(Self::BatchInvariant),
             "candle" => Ok(Self::Candle),
             other => Err(ModelError::InvalidInput(format!(
-                "TEMPER_MATMUL={other:?}: expected \"invariant\" or \"candle\""
+                "matmul {other:?}: expected \"invariant\" or \"candle\""
             ))),
         }
     }
@@ -119,9 +115,10 @@ pub fn matmul_nt_supported(x: &Tensor, w: &Tensor) -> bool {
 }
 
 /// Whether the forward runs `x·Wᵀ` through [`matmul_nt`]: supported
-/// operands and [`ForwardMatmul::BatchInvariant`] chosen.
-pub fn use_matmul_nt(x: &Tensor, w: &Tensor) -> bool {
-    forward_matmul() == ForwardMatmul::BatchInvariant && matmul_nt_supported(x, w)
+/// operands and [`ForwardMatmul::BatchInvariant`] chosen (`m`, the model's
+/// choice: see [`crate::Model::set_forward_matmul`]).
+pub fn use_matmul_nt(m: ForwardMatmul, x: &Tensor, w: &Tensor) -> bool {
+    m == ForwardMatmul::BatchInvariant && matmul_nt_supported(x, w)
 }
 
 struct MatmulNt {
@@ -534,8 +531,8 @@ pub(crate) fn rows_times_packed(xb: &[f32], rows: usize, packed: &PackedBf16) ->
 
 /// `x·Wᵀ` through [`matmul_nt`] when the forward uses it (see
 /// [`use_matmul_nt`]), else candle's matmul.
-pub fn linear_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if use_matmul_nt(x, w) {
+pub fn linear_nt(m: ForwardMatmul, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if use_matmul_nt(m, x, w) {
         matmul_nt(x, w)
     } else if w.dtype() != x.dtype() {
         // bf16 weights under candle's matmul (`TEMPER_MATMUL=candle`).

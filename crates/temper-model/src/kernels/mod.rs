@@ -83,8 +83,8 @@ pub use rms_norm::{fused_rms_norm_supported, rms_norm};
 pub use swiglu::{fused_swiglu_supported, swiglu};
 
 pub use matmul::{
-    forward_matmul, grad_times_packed, linear_nt, matmul_nt, matmul_nt_packed, matmul_nt_supported,
-    set_forward_matmul, use_matmul_nt, ForwardMatmul,
+    grad_times_packed, linear_nt, matmul_nt, matmul_nt_packed, matmul_nt_supported, use_matmul_nt,
+    ForwardMatmul,
 };
 
 /// An op's contiguous f32 input as a slice; errors name the op and input.
