@@ -91,27 +91,52 @@ pub(crate) fn checkpoint_due(ckpt: &CkptSection, step: u64, last_step: u64) -> b
     (ckpt.interval > 0 && step.is_multiple_of(ckpt.interval)) || step == last_step
 }
 
-/// SFT's and DPO's checkpoint after `step` steps when one is due (see
-/// [`checkpoint_due`]): the state path, or `None`. Keeps `ckpt.keep`
-/// checkpoints, as RL does.
-pub(crate) async fn save_if_due(
-    run_dir: &Path,
-    trainer: &dyn Trainer,
-    ckpt: &CkptSection,
-    (step, last_step): (u64, u64),
+/// SFT's and DPO's checkpoints: a run's directory, trainer, `[ckpt]` and
+/// seed, fixed for the run.
+pub(crate) struct Saver<'a> {
+    run_dir: &'a Path,
+    trainer: &'a dyn Trainer,
+    ckpt: &'a CkptSection,
     seed: u64,
-    eval_before: Option<EvalResult>,
-) -> Result<Option<String>> {
-    if !checkpoint_due(ckpt, step, last_step) {
-        return Ok(None);
+}
+
+impl<'a> Saver<'a> {
+    pub(crate) fn new(
+        run_dir: &'a Path,
+        trainer: &'a dyn Trainer,
+        ckpt: &'a CkptSection,
+        seed: u64,
+    ) -> Self {
+        Self {
+            run_dir,
+            trainer,
+            ckpt,
+            seed,
+        }
     }
-    let st = LoopState {
-        step,
-        seed,
-        eval_before,
-        ..LoopState::default()
-    };
-    save(run_dir, trainer, st, ckpt.keep).await.map(Some)
+
+    /// The checkpoint after `step` of `last_step` steps when one is due
+    /// (see [`checkpoint_due`]): the state path, or `None`. Keeps
+    /// `ckpt.keep` checkpoints, as RL does.
+    pub(crate) async fn save_if_due(
+        &self,
+        step: u64,
+        last_step: u64,
+        eval_before: Option<EvalResult>,
+    ) -> Result<Option<String>> {
+        if !checkpoint_due(self.ckpt, step, last_step) {
+            return Ok(None);
+        }
+        let st = LoopState {
+            step,
+            seed: self.seed,
+            eval_before,
+            ..LoopState::default()
+        };
+        save(self.run_dir, self.trainer, st, self.ckpt.keep)
+            .await
+            .map(Some)
+    }
 }
 
 /// Save trainer state for `st.step`, then (atomically) point

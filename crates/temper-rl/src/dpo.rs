@@ -738,6 +738,7 @@ async fn dpo_loop(cfg: DpoPlan, opts: RunOptions, run_dir: PathBuf) -> Result<Dp
         .stop_after
         .map_or(max_steps, |n| (start + n).min(max_steps));
     let mut last = Map::new();
+    let saver = checkpoint::Saver::new(&run_dir, &*trainer, &cfg.ckpt, cfg.seed);
     let t_run = Instant::now();
     let mut step = start;
     while step < end {
@@ -775,16 +776,9 @@ async fn dpo_loop(cfg: DpoPlan, opts: RunOptions, run_dir: PathBuf) -> Result<Dp
         }
         last = m.clone();
         log.write(m)?;
-        let (steps, seed) = ((step, max_steps), cfg.seed);
-        checkpoint::save_if_due(
-            &run_dir,
-            &*trainer,
-            &cfg.ckpt,
-            steps,
-            seed,
-            eval_before.clone(),
-        )
-        .await?;
+        saver
+            .save_if_due(step, max_steps, eval_before.clone())
+            .await?;
     }
     log.write_plots(&run_dir, "temper DPO run", PLOTS, "")?;
     let output = checkpoint::export_weights(&*trainer, &run_dir, cfg.model.lora.is_some()).await?;

@@ -376,6 +376,7 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
         .map_or(max_steps, |n| (start + n).min(max_steps));
     let mut final_loss = f64::NAN;
     let mut last_state = String::new();
+    let saver = checkpoint::Saver::new(&run_dir, &*trainer, &cfg.ckpt, cfg.seed);
     let t_run = Instant::now();
     let mut step = start;
     while step < end {
@@ -419,16 +420,10 @@ async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftO
             eprintln!("{}", m.progress_line(max_steps));
         }
         log.write(m.to_record()?)?;
-        let (steps, seed) = ((step, max_steps), cfg.seed);
-        let ckpt = checkpoint::save_if_due(
-            &run_dir,
-            &*trainer,
-            &cfg.ckpt,
-            steps,
-            seed,
-            eval_before.clone(),
-        );
-        if let Some(path) = ckpt.await? {
+        if let Some(path) = saver
+            .save_if_due(step, max_steps, eval_before.clone())
+            .await?
+        {
             last_state = path;
         }
     }

@@ -516,6 +516,16 @@ mod tests {
     const H: usize = 24;
     const V: usize = 301;
 
+    /// The head without a packed kernel, with the default matmul.
+    fn plain_head(
+        hidden: &Tensor,
+        weight: &Tensor,
+        targets: &[u32],
+        t: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        lm_head_logprobs(hidden, weight, targets, t, None, Default::default())
+    }
+
     fn inputs(seed: u64) -> (Var, Tensor, Vec<u32>, Tensor, Tensor) {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
@@ -575,15 +585,7 @@ mod tests {
     fn fused_lm_head_matches_composed_values_and_gradients() {
         for (seed, t) in [(1u64, 1.0f64), (2, 0.7)] {
             let (hidden, weight, targets, a, b) = inputs(seed);
-            let (lp, ent) = lm_head_logprobs(
-                hidden.as_tensor(),
-                &weight,
-                &targets,
-                t,
-                None,
-                Default::default(),
-            )
-            .unwrap();
+            let (lp, ent) = plain_head(hidden.as_tensor(), &weight, &targets, t).unwrap();
             let (rlp, rent) = composed(hidden.as_tensor(), &weight, &targets, t);
             assert!(max_abs_diff(&v64(&lp), &v64(&rlp)) < 1e-5);
             assert!(max_abs_diff(&v64(&ent), &v64(&rent)) < 1e-5);
@@ -604,23 +606,14 @@ mod tests {
     fn fused_lm_head_gradient_matches_finite_differences() {
         let (hidden, weight, targets, a, b) = inputs(3);
         let t = 0.9;
-        let (lp, ent) = lm_head_logprobs(
-            hidden.as_tensor(),
-            &weight,
-            &targets,
-            t,
-            None,
-            Default::default(),
-        )
-        .unwrap();
+        let (lp, ent) = plain_head(hidden.as_tensor(), &weight, &targets, t).unwrap();
         let g = loss(&lp, &ent, &a, &b).backward().unwrap();
         let g = v64(g.get(hidden.as_tensor()).expect("hidden grad"));
         let base: Vec<f32> = hidden.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         let eps = 1e-2f32;
         let eval = |v: Vec<f32>| -> f64 {
             let x = Tensor::from_vec(v, (N, H), &Device::Cpu).unwrap();
-            let (lp, ent) =
-                lm_head_logprobs(&x, &weight, &targets, t, None, Default::default()).unwrap();
+            let (lp, ent) = plain_head(&x, &weight, &targets, t).unwrap();
             let l = loss(&lp, &ent, &a, &b).to_dtype(DType::F64).unwrap();
             l.to_scalar::<f64>().unwrap()
         };
@@ -638,15 +631,7 @@ mod tests {
     #[test]
     fn fused_lm_head_second_backward_recomputes_the_same_gradient() {
         let (hidden, weight, targets, a, b) = inputs(4);
-        let (lp, ent) = lm_head_logprobs(
-            hidden.as_tensor(),
-            &weight,
-            &targets,
-            1.0,
-            None,
-            Default::default(),
-        )
-        .unwrap();
+        let (lp, ent) = plain_head(hidden.as_tensor(), &weight, &targets, 1.0).unwrap();
         // Logprob-only loss: the first backward uses the stored gradient, the
         // second (stored one consumed) recomputes it from the logits.
         let l = (lp * &a).unwrap().sum_all().unwrap();
@@ -661,14 +646,6 @@ mod tests {
     fn fused_lm_head_rejects_out_of_range_targets() {
         let (hidden, weight, mut targets, _, _) = inputs(5);
         targets[7] = V as u32;
-        assert!(lm_head_logprobs(
-            hidden.as_tensor(),
-            &weight,
-            &targets,
-            1.0,
-            None,
-            Default::default()
-        )
-        .is_err());
+        assert!(plain_head(hidden.as_tensor(), &weight, &targets, 1.0).is_err());
     }
 }
