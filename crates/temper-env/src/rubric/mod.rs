@@ -7,11 +7,11 @@
 //! metric under its name; the reward is Σ weight · score, so weight 0 makes
 //! a function a metric only.
 //!
-//! One file per family of reward functions: [`builtin`] (answer matching,
-//! JSON, format, length), [`judge`] and [`relative_judge`] (LLM judges),
-//! [`code_tests`] and [`suite`] (code run in the sandbox), [`program`]
-//! (reward programs in any language), [`json_fields`] and
-//! [`regex_extract`]; [`spec`] reads `env.toml` entries into them.
+//! One file per family of reward functions: `builtin` (answer matching,
+//! JSON, format, length), `judge` and [`relative_judge`] (LLM judges),
+//! `code_tests` and [`suite`] (code run in the sandbox), `program` (reward
+//! programs in any language), `json_fields` and `regex_extract`; `spec`
+//! reads `env.toml` entries into them, `context` is what they all see.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
