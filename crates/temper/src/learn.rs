@@ -44,7 +44,7 @@ use temper_rl::datum::TrainTurns;
 use temper_rl::dpo::PrefPair;
 use temper_rl::eval::{EvalResult, Evaluator};
 use temper_rl::policy::{Batcher, EnginePolicy, Renderer};
-use temper_rl::rollout::Group;
+use temper_rl::sampled::Group;
 use temper_rl::runlog::{MetricsLog, RunRecord};
 use temper_rl::step::train_step;
 use temper_rl::RlPlan;
