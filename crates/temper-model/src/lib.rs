@@ -47,6 +47,7 @@ pub mod decode;
 mod error;
 mod export;
 mod gguf;
+mod gguf_tokenizer;
 pub mod kernels;
 mod lora;
 mod model;
