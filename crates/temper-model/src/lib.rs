@@ -27,7 +27,7 @@
 //! trainer's for the same token and the [`Sampler`] (and the server) take
 //! logprobs straight from them; elsewhere they re-score each finished
 //! sequence with [`Model::score`], the trainer's own function. Either way the
-//! reported logprobs equal what the trainer computes. See [`scoring`].
+//! reported logprobs equal what the trainer computes. See [`logprobs`].
 //!
 //! ```no_run
 //! use temper_model::{GenerationRequest, LoadOptions, Pretrained, Sampler, SamplingParams};
@@ -49,6 +49,7 @@ mod export;
 mod gguf;
 mod gguf_tokenizer;
 pub mod kernels;
+pub mod logprobs;
 mod lora;
 mod model;
 mod precision;
@@ -56,7 +57,6 @@ mod pretrained;
 mod random;
 mod rope;
 pub mod sampling;
-pub mod scoring;
 mod tokenizer;
 mod top_logprobs;
 mod weights;
@@ -67,6 +67,7 @@ pub use decode::{FinishReason, SamplingParams};
 pub use error::{ModelError, Result};
 pub use export::{hf_config_json, model_name, path_name, save_gguf, save_hf, GgufQuant};
 pub use gguf::{gguf_tensor_name, is_gguf, GgufFile};
+pub use logprobs::{pack_batch, ScoreInput, TokenScores, MIN_SHARED_PREFIX, PACK_TOKENS};
 pub use lora::{LoraAdapter, LoraConfig, LoraPair, Target};
 pub use model::{KvCache, Model, Segment};
 pub use precision::{default_precision, set_default_precision, Precision};
@@ -74,7 +75,6 @@ pub use pretrained::{GenerationDefaults, LoadOptions, Pretrained};
 pub use random::{random_weights, write_random_model, RandomInit};
 pub use rope::{inv_freq, Rope};
 pub use sampling::{Completion, GenerationRequest, Sampler};
-pub use scoring::{pack_batch, ScoreInput, TokenScores, MIN_SHARED_PREFIX, PACK_TOKENS};
 pub use tokenizer::{chat_template_source, load_chat_template, Tokenizer};
 pub use top_logprobs::{top_k, TopLogprobs};
 pub use weights::Checkpoint;

@@ -14,7 +14,7 @@
 //! temperature-scaled model distribution *before* logit bias, penalties and
 //! top-k / top-p / min-p truncation (greedy, `T = 0`, reports the `T = 1`
 //! distribution), bit-identical to what the trainer computes for the same
-//! tokens and weights ([`Model::score`]; see [`crate::scoring`]).
+//! tokens and weights ([`Model::score`]; see [`crate::logprobs`]).
 //!
 //! On the CPU in f32 with the batch-invariant matmul (the default) every
 //! kernel of the forward gives a row the same bits in a decode step as in the
