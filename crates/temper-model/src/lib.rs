@@ -41,43 +41,38 @@
 //! ```
 #![deny(missing_docs)]
 
+mod arch;
 mod chat;
-mod config;
-pub mod decode;
 mod error;
-mod export;
-mod gguf;
-mod gguf_tokenizer;
+mod formats;
+mod generation;
 pub mod kernels;
-pub mod logprobs;
 mod lora;
-mod model;
 mod precision;
 mod pretrained;
 mod random;
-mod rope;
-pub mod sampling;
 mod tokenizer;
-mod top_logprobs;
-mod weights;
 
+pub use arch::config::{Family, HfConfig, ModelConfig, RopeScaling};
+pub use arch::model::{KvCache, Model, Segment};
+pub use arch::rope::{inv_freq, Rope};
 pub use chat::ChatTemplate;
-pub use config::{Family, HfConfig, ModelConfig, RopeScaling};
-pub use decode::{FinishReason, SamplingParams};
 pub use error::{ModelError, Result};
-pub use export::{hf_config_json, model_name, path_name, save_gguf, save_hf, GgufQuant};
-pub use gguf::{gguf_tensor_name, is_gguf, GgufFile};
-pub use logprobs::{pack_batch, ScoreInput, TokenScores, MIN_SHARED_PREFIX, PACK_TOKENS};
+pub use formats::export::{hf_config_json, model_name, path_name, save_gguf, save_hf, GgufQuant};
+pub use formats::gguf::{gguf_tensor_name, is_gguf, GgufFile};
+pub use formats::weights::Checkpoint;
+pub use generation::decode::{FinishReason, SamplingParams};
+pub use generation::logprobs::{
+    pack_batch, ScoreInput, TokenScores, MIN_SHARED_PREFIX, PACK_TOKENS,
+};
+pub use generation::sampling::{Completion, GenerationRequest, Sampler};
+pub use generation::top_logprobs::{top_k, TopLogprobs};
+pub use generation::{decode, logprobs, sampling};
 pub use lora::{LoraAdapter, LoraConfig, LoraPair, Target};
-pub use model::{KvCache, Model, Segment};
 pub use precision::{default_precision, set_default_precision, Precision};
 pub use pretrained::{GenerationDefaults, LoadOptions, Pretrained};
 pub use random::{random_weights, write_random_model, RandomInit};
-pub use rope::{inv_freq, Rope};
-pub use sampling::{Completion, GenerationRequest, Sampler};
 pub use tokenizer::{chat_template_source, load_chat_template, Tokenizer};
-pub use top_logprobs::{top_k, TopLogprobs};
-pub use weights::Checkpoint;
 
 /// Re-exported so callers can name devices, dtypes and tensors.
 pub use candle_core;

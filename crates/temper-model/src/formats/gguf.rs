@@ -19,7 +19,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 
-use crate::config::HfConfig;
+use crate::arch::config::HfConfig;
 use crate::error::{ModelError, Result};
 use crate::kernels::{QuantFormat, QuantWeight};
 

@@ -13,7 +13,7 @@ use candle_core::quantized::gguf_file::Value;
 use serde_json::{json, Map as JsonMap, Value as Json};
 
 use crate::error::{ModelError, Result};
-use crate::gguf::{is_gguf, meta_f64, meta_u64, GgufFile};
+use crate::formats::gguf::{is_gguf, meta_f64, meta_u64, GgufFile};
 use crate::tokenizer::{chat_template_source, Tokenizer};
 
 impl GgufFile {

@@ -18,11 +18,11 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value as Json};
 
-use crate::config::{Family, ModelConfig, RopeScaling};
+use crate::arch::config::{Family, ModelConfig, RopeScaling};
+use crate::arch::model::Model;
 use crate::error::{ModelError, Result};
-use crate::gguf::{gguf_tensor_name, llama3_factors, permute_qk, GgufFile};
-use crate::gguf_tokenizer::tokenizer_metadata;
-use crate::model::Model;
+use crate::formats::gguf::{gguf_tensor_name, llama3_factors, permute_qk, GgufFile};
+use crate::formats::gguf_tokenizer::tokenizer_metadata;
 use crate::pretrained::Pretrained;
 
 /// Tensor type of an exported GGUF.
@@ -297,8 +297,8 @@ pub fn save_hf(base: &Pretrained, model: &Model, dir: &Path) -> Result<()> {
 /// A model's name: a GGUF's `general.name`, else the file or directory name
 /// (what `temper serve` calls it, so an exported model keeps its base's name).
 pub fn model_name(path: &Path) -> String {
-    if crate::gguf::is_gguf(path) {
-        if let Some(n) = crate::gguf::GgufFile::open(path)
+    if crate::formats::gguf::is_gguf(path) {
+        if let Some(n) = crate::formats::gguf::GgufFile::open(path)
             .ok()
             .and_then(|g| g.general_name().map(str::to_string))
         {
