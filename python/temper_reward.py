@@ -31,7 +31,7 @@ and returns a number, or (number, {"metric": number}), or
 {"reward": number, "metrics": {...}}. The metrics are reported as
 `name/metric`. Accept **_ so that new arguments do not break it.
 
-Protocol (temper's side is crates/temper-env/src/rubric.rs; the same JSON
+Protocol (temper's side is crates/temper-env/src/rubric/program.rs; the same JSON
 lines as external environments): each request is {"id", "method",
 "params"}, each answer {"id", "result"} or {"id", "error"}.
   info  -> {"functions": [names]}

@@ -66,10 +66,8 @@ pub mod math;
 mod model;
 pub mod openai;
 mod parser;
-pub mod relative_judge;
 pub mod rubric;
 pub mod service;
-pub mod suite;
 mod types;
 
 pub use env::{

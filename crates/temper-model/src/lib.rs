@@ -27,7 +27,7 @@
 //! trainer's for the same token and the [`Sampler`] (and the server) take
 //! logprobs straight from them; elsewhere they re-score each finished
 //! sequence with [`Model::score`], the trainer's own function. Either way the
-//! reported logprobs equal what the trainer computes. See [`scoring`].
+//! reported logprobs equal what the trainer computes. See [`logprobs`].
 //!
 //! ```no_run
 //! use temper_model::{GenerationRequest, LoadOptions, Pretrained, Sampler, SamplingParams};
@@ -41,43 +41,39 @@
 //! ```
 #![deny(missing_docs)]
 
+mod arch;
 mod chat;
-mod config;
-pub mod decode;
 mod error;
-mod export;
-mod gguf;
+mod formats;
+mod generation;
 pub mod kernels;
 mod lora;
-mod model;
 mod precision;
 mod pretrained;
 mod random;
-mod rope;
-pub mod sampling;
-pub mod scoring;
 mod tokenizer;
-mod top_logprobs;
-mod weights;
 
+pub use arch::config::{Family, HfConfig, ModelConfig, RopeScaling};
+pub use arch::model::{KvCache, Model, Segment};
+pub use arch::rope::{inv_freq, Rope};
 pub use chat::ChatTemplate;
-pub use config::{Family, HfConfig, ModelConfig, RopeScaling};
-pub use decode::{FinishReason, SamplingParams};
 pub use error::{ModelError, Result};
-pub use export::{hf_config_json, model_name, path_name, save_gguf, save_hf, GgufQuant};
-pub use gguf::{gguf_tensor_name, is_gguf, GgufFile};
+pub use formats::export::{hf_config_json, model_name, path_name, save_gguf, save_hf, GgufQuant};
+pub use formats::gguf::{gguf_tensor_name, is_gguf, GgufFile};
+pub use formats::weights::Checkpoint;
+pub use generation::decode::{FinishReason, SamplingParams};
+pub use generation::logprobs::{
+    pack_batch, ScoreInput, TokenScores, MIN_SHARED_PREFIX, PACK_TOKENS,
+};
+pub use generation::sampling::{Completion, GenerationRequest, Sampler};
+pub use generation::top_logprobs::{top_k, TopLogprobs};
+pub use generation::{decode, logprobs, sampling};
 pub use kernels::ForwardMatmul;
 pub use lora::{LoraAdapter, LoraConfig, LoraPair, Target};
-pub use model::{KvCache, Model, Segment};
 pub use precision::Precision;
 pub use pretrained::{GenerationDefaults, LoadOptions, Numerics, Pretrained};
 pub use random::{random_weights, write_random_model, RandomInit};
-pub use rope::{inv_freq, Rope};
-pub use sampling::{Completion, GenerationRequest, Sampler};
-pub use scoring::{pack_batch, ScoreInput, TokenScores, MIN_SHARED_PREFIX, PACK_TOKENS};
 pub use tokenizer::{chat_template_source, load_chat_template, Tokenizer};
-pub use top_logprobs::{top_k, TopLogprobs};
-pub use weights::Checkpoint;
 
 /// Re-exported so callers can name devices, dtypes and tensors.
 pub use candle_core;

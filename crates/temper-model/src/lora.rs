@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::config::ModelConfig;
+use crate::arch::config::ModelConfig;
 use crate::error::{ModelError, Result};
 
 /// A linear layer LoRA can target, named as in the checkpoint.

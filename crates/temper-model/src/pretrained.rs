@@ -5,15 +5,15 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 
+use crate::arch::config::{ids_of, HfConfig, ModelConfig};
+use crate::arch::model::Model;
 use crate::chat::ChatTemplate;
-use crate::config::{ids_of, HfConfig, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::gguf::{is_gguf, GgufFile};
+use crate::formats::gguf::{is_gguf, GgufFile};
+use crate::formats::weights::Checkpoint;
 use crate::kernels::ForwardMatmul;
-use crate::model::Model;
 use crate::precision::Precision;
 use crate::tokenizer::{load_chat_template, Tokenizer};
-use crate::weights::Checkpoint;
 
 /// Sampling defaults from `generation_config.json`.
 #[derive(Debug, Clone, Default)]

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::config::{HfConfig, ModelConfig};
+use crate::arch::config::{HfConfig, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::lora::Target;
 

@@ -142,8 +142,8 @@ pub fn load_chat_template(dir: &Path, tokenizer: &Tokenizer) -> Result<Option<Ch
 /// The chat template's Jinja source in a model directory (see
 /// [`load_chat_template`]), or in a GGUF file (`tokenizer.chat_template`).
 pub fn chat_template_source(dir: &Path) -> Result<Option<String>> {
-    if crate::gguf::is_gguf(dir) {
-        return Ok(crate::gguf::GgufFile::open(dir)?.chat_template());
+    if crate::formats::gguf::is_gguf(dir) {
+        return Ok(crate::formats::gguf::GgufFile::open(dir)?.chat_template());
     }
     let jinja = dir.join("chat_template.jinja");
     if jinja.exists() {

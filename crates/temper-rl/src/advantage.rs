@@ -3,7 +3,7 @@
 //! needed. A group whose rewards are all equal has nothing to teach and is
 //! skipped downstream.
 
-use crate::rollout::Group;
+use crate::sampled::Group;
 
 /// Advantages of one group: reward minus the group mean, optionally over
 /// the group's standard deviation. All zero when every reward is equal.

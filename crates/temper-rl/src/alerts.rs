@@ -11,59 +11,9 @@
 //! An alert is raised when its rule starts to hold, and again only after
 //! the rule stopped holding for a step.
 
-use serde::{Deserialize, Serialize};
-
+use crate::config::AlertsSection;
 use crate::error::{Result, RlError};
 use crate::metrics::{mean, StepMetrics};
-
-/// `[alerts]`: the rules' thresholds.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AlertsSection {
-    /// Compute alerts at all.
-    pub enabled: bool,
-    /// Steps averaged by each rule (the windows compared).
-    pub window: usize,
-    /// `length_growth`: the mean completion length of the last `window`
-    /// steps is at least `1 + length_growth` times that of the `window`
-    /// steps before, while their mean reward rose.
-    pub length_growth: f64,
-    /// `entropy_collapse`: the mean entropy of the last `window` steps is
-    /// at most this fraction of the first `window` steps'.
-    pub entropy_collapse: f64,
-    /// `truncation`: the mean truncation rate of the last `window` steps is
-    /// at least this.
-    pub truncation_rate: f64,
-    /// `heldout_divergence`: the held-out pass@1 fell by at least this
-    /// between two evaluations while the mean training reward of the
-    /// `window` steps before each rose.
-    pub heldout_drop: f64,
-    /// `zero_advantage`: at least this fraction of the groups of the last
-    /// `window` steps had all-equal rewards.
-    pub zero_advantage: f64,
-    /// `mismatch`: `mismatch/max` or `mismatch/probe_max` above this where the sampler is the
-    /// in-process engine (which samples with the learner's exact weights
-    /// and kernels: 0 expected).
-    pub mismatch: f64,
-    /// Rules that stop the run (with an error naming the alert) when raised.
-    pub stop_on: Vec<String>,
-}
-
-impl Default for AlertsSection {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            window: 5,
-            length_growth: 0.5,
-            entropy_collapse: 0.2,
-            truncation_rate: 0.3,
-            heldout_drop: 0.05,
-            zero_advantage: 0.8,
-            mismatch: 0.0,
-            stop_on: Vec::new(),
-        }
-    }
-}
 
 /// The rules, by name.
 pub const RULES: &[&str] = &[

@@ -18,7 +18,7 @@
 use temper_engine::{Datum, LossInputs};
 use temper_env::TokenTrace;
 
-use crate::rollout::Group;
+use crate::sampled::Group;
 
 /// Tokens of a [`TrainSeq`] that were sampled by the model: trained on.
 #[derive(Debug, Clone, PartialEq)]

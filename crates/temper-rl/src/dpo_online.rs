@@ -152,7 +152,7 @@ impl Online {
 
 /// A group's pair: the highest-reward single-turn completion chosen, the
 /// lowest rejected; `None` on a tie, an error, or a multi-turn episode.
-fn pair_of(g: &crate::rollout::Group) -> Option<PrefPair> {
+fn pair_of(g: &crate::sampled::Group) -> Option<PrefPair> {
     let mut scored = Vec::new();
     for (r, s) in g.rollouts.iter().zip(&g.scores) {
         if r.error.is_some() || s.error.is_some() || r.model_turns.len() != 1 {
@@ -179,7 +179,7 @@ fn pair_of(g: &crate::rollout::Group) -> Option<PrefPair> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rollout::Group;
+    use crate::sampled::Group;
     use temper_env::{Message, ModelTurn, Rollout, Row, Score, TokenTrace, Usage};
 
     fn rollout(completion: &[u32], turns: usize) -> Rollout {

@@ -15,6 +15,9 @@
 //! | log | [`metrics`] | the step's typed [`StepMetrics`] → a `metrics.jsonl` line |
 //! | checkpoint | [`checkpoint`] | trainer state + `latest.json`, for `--resume` |
 //!
+//! The stages hand each other [`sampled`]'s types (a prompt's scored
+//! rollouts, a step's groups) and import only downwards.
+//!
 //! Around it: [`config`] (the TOML file), [`trainer`] (in-process or remote
 //! trainer), [`policy`] (policies as chat models), [`eval`] (held-out
 //! evaluation), [`runlog`] (`metrics.jsonl`, `plots.html`), [`samples`]
@@ -46,7 +49,7 @@
 //! use temper_env::{Message, ModelTurn, Rollout, Row, Score, TokenTrace};
 //! use temper_rl::advantage::batch_advantages;
 //! use temper_rl::datum::TrainTurns;
-//! use temper_rl::rollout::Group;
+//! use temper_rl::sampled::Group;
 //!
 //! let rollout = |logprobs: Vec<f32>| Rollout {
 //!     model_turns: vec![ModelTurn {
@@ -107,6 +110,7 @@ pub mod quickstart;
 pub mod rl;
 pub mod rollout;
 pub mod runlog;
+pub mod sampled;
 pub mod samples;
 pub mod sft;
 pub mod step;

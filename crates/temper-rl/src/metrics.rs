@@ -16,7 +16,7 @@ use crate::datum::{ReverseKl, TrainTurns};
 use crate::error::{Result, RlError};
 use crate::eval::EvalResult;
 use crate::probe::ProbeOutput;
-use crate::rollout::Group;
+use crate::sampled::Group;
 use crate::step::StepOutput;
 
 /// One step's metrics: one line of `metrics.jsonl`.

@@ -82,10 +82,19 @@ macro_rules! optim_of {
     };
 }
 
+/// Linear warm-up to `lr` over `warmup` steps, then constant.
+pub fn learning_rate(lr: f64, warmup: u64, step: u64) -> f64 {
+    if warmup == 0 {
+        lr
+    } else {
+        lr * ((step + 1) as f64 / warmup as f64).min(1.0)
+    }
+}
+
 impl Optim {
     /// Linear warm-up to `lr` over `warmup_steps`, then constant.
     pub fn learning_rate(&self, step: u64) -> f64 {
-        crate::step::learning_rate(self.lr, self.warmup_steps, step)
+        learning_rate(self.lr, self.warmup_steps, step)
     }
 
     /// Sequences per forward_backward call for a batch of `n`.
@@ -804,5 +813,12 @@ mod tests {
         let e = SftPlan::try_from(resolve::<SftConfig>(noisy, &[]).unwrap()).unwrap_err();
         assert!(e.to_string().contains("teacher_noise"), "{e}");
         assert!(matches!(sft(&[]).unwrap().data, DataSource::File { .. }));
+    }
+
+    #[test]
+    fn warmup_ramps_linearly() {
+        assert_eq!(learning_rate(1.0, 0, 0), 1.0);
+        assert_eq!(learning_rate(1.0, 4, 0), 0.25);
+        assert_eq!(learning_rate(1.0, 4, 9), 1.0);
     }
 }

@@ -44,8 +44,8 @@ use crate::teacher::Teacher;
 pub use crate::advantage::group_advantages;
 pub use crate::eval::EvalResult;
 pub use crate::metrics::PLOTTED;
-pub use crate::rollout::{Batch, Group};
-pub use crate::step::learning_rate;
+pub use crate::plan::learning_rate;
+pub use crate::sampled::{Batch, Group};
 pub use crate::trainer::{local_trainer, lora_config, model_dir};
 
 /// How `run_rl` was asked to run.

@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 use temper_env::Message;
 
 use crate::error::{Result, RlError};
-use crate::rollout::Group;
 use crate::runlog::{escape, open_log, write_atomic};
+use crate::sampled::Group;
 
 /// One sampled rollout, as a user reads it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

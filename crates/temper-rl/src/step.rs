@@ -34,15 +34,6 @@ pub struct StepOutput {
     pub train_s: f64,
 }
 
-/// Linear warm-up to `lr` over `warmup` steps, then constant.
-pub fn learning_rate(lr: f64, warmup: u64, step: u64) -> f64 {
-    if warmup == 0 {
-        lr
-    } else {
-        lr * ((step + 1) as f64 / warmup as f64).min(1.0)
-    }
-}
-
 /// What [`forward_backward_step`] reports: the step's loss, gradient norm,
 /// learning rate and time.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -173,16 +164,4 @@ pub async fn train_step(
         .map(|s| s.logprobs.len())
         .sum();
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn warmup_ramps_linearly() {
-        assert_eq!(learning_rate(1.0, 0, 0), 1.0);
-        assert_eq!(learning_rate(1.0, 4, 0), 0.25);
-        assert_eq!(learning_rate(1.0, 4, 9), 1.0);
-    }
 }

@@ -15,7 +15,7 @@ use temper_rl::config::{self, RlConfig};
 use temper_rl::datum::TrainTurns;
 use temper_rl::plan::TeacherSource;
 use temper_rl::rl::{run_rl, RunOptions};
-use temper_rl::rollout::Group;
+use temper_rl::sampled::Group;
 use temper_rl::teacher::Teacher;
 
 fn fixture(name: &str) -> PathBuf {

@@ -10,8 +10,8 @@ use serde_json::{Map, Value};
 use temper_sandbox::{ExecResult, ExecStatus};
 
 use crate::atif::{self, Step, Trajectory};
-use crate::env::TrialEnv;
 use crate::task::Task;
+use crate::trial_env::TrialEnv;
 
 /// What an agent gets for one trial.
 pub struct AgentContext<'a> {

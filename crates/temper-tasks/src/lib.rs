@@ -50,7 +50,6 @@ pub mod atif;
 pub mod capture;
 pub mod command;
 pub mod dockerfile;
-pub mod env;
 pub mod environment;
 mod error;
 pub mod files;
@@ -60,6 +59,7 @@ pub mod task;
 pub mod terminal;
 pub mod traces;
 pub mod trial;
+pub mod trial_env;
 
 pub use agent::{Agent, AgentContext, AgentOutcome, Nop, Oracle};
 pub use environment::{loader, TasksEnv, TasksEnvArgs, TasksKind};

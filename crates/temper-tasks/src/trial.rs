@@ -23,8 +23,8 @@ use temper_sandbox::ExecStatus;
 use crate::agent::{Agent, AgentContext, AgentFailure};
 use crate::atif::now;
 use crate::dockerfile::{self, SetupStep};
-use crate::env::{EnvSpec, TrialEnv};
 use crate::task::Task;
+use crate::trial_env::{EnvSpec, TrialEnv};
 use crate::TaskError;
 
 /// Start and end of a phase.

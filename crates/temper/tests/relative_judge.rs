@@ -14,7 +14,7 @@ use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use temper_env::relative_judge::{parse_scores, RelativeJudge, RelativeJudgeConfig};
+use temper_env::rubric::relative_judge::{parse_scores, RelativeJudge, RelativeJudgeConfig};
 use temper_env::{Message, Parser, Reward, Rollout, Row, Rubric};
 
 /// What the scripted judge answers to a request body: HTTP status and the

@@ -2,14 +2,14 @@
 //! difficulty knob in its arguments.
 
 mod code_python;
-mod tasks;
+mod procedural;
 mod wordle;
 
 use serde_json::Value;
 
 use crate::{Env, EnvError};
 
-pub use tasks::countdown_valid;
+pub use procedural::countdown_valid;
 pub use wordle::feedback as wordle_feedback;
 
 /// Names of the built-in environments.
@@ -26,11 +26,11 @@ pub const BUILTIN_ENVS: &[&str] = &[
 /// Build a built-in environment; `None` when `name` is not one.
 pub fn builtin(name: &str, args: &Value) -> Option<Result<Env, EnvError>> {
     Some(match name {
-        "arithmetic" => tasks::arithmetic(args),
-        "reverse-text" => tasks::reverse_text(args),
-        "alphabet-sort" => tasks::alphabet_sort(args),
-        "countdown" => tasks::countdown(args),
-        "calculator-tools" => tasks::calculator_tools(args),
+        "arithmetic" => procedural::arithmetic(args),
+        "reverse-text" => procedural::reverse_text(args),
+        "alphabet-sort" => procedural::alphabet_sort(args),
+        "countdown" => procedural::countdown(args),
+        "calculator-tools" => procedural::calculator_tools(args),
         "wordle" => wordle::build(args),
         "code-python" => code_python::build(args),
         _ => return None,

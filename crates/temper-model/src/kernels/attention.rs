@@ -608,7 +608,7 @@ mod tests {
             .unwrap()
             .reshape((nkv, g * lq, lk))
             .unwrap();
-        let p = crate::model::softmax_last(&s).unwrap();
+        let p = crate::arch::model::softmax_last(&s).unwrap();
         p.matmul(v).unwrap().reshape((nh, lq, hd)).unwrap()
     }
 

@@ -550,7 +550,7 @@ mod tests {
             .unwrap()
             .affine(1.0 / t, 0.0)
             .unwrap();
-        let lp = crate::model::log_softmax_last(&logits).unwrap();
+        let lp = crate::arch::model::log_softmax_last(&logits).unwrap();
         let idx = Tensor::new(targets, &Device::Cpu)
             .unwrap()
             .unsqueeze(1)

@@ -12,7 +12,7 @@
 //! back in the packed layout: one graph node per layer whatever the batch.
 //!
 //! # Same bits as the per-sequence path
-//! The rotation is [`crate::rope::Rope::apply`]'s formula with the same
+//! The rotation is [`crate::arch::rope::Rope::apply`]'s formula with the same
 //! operations in the same order (`x·cos + rot(x)·sin`), and each query row
 //! runs the same `row_forward` over the same key blocks, so a token's output
 //! is bit-identical to rotating its sequence alone and calling

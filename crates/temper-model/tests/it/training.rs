@@ -341,7 +341,7 @@ fn saved_adapter_loads_back_bit_exact() {
 #[test]
 fn sequences_longer_than_a_score_chunk_agree_with_the_sampler() {
     let p = load("tiny-qwen2");
-    let n = temper_model::scoring::SCORE_CHUNK + 90;
+    let n = temper_model::logprobs::SCORE_CHUNK + 90;
     let prompt: Vec<u32> = (0..n).map(|i| ((i * 37) % 990) as u32).collect();
     let sampler = Sampler::new(&p.model, &p.tokenizer, vec![]);
     let out = sampler

@@ -9,9 +9,9 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::decode::parse;
 use super::futures::FutureState;
 use super::state::{ApiState, Sampler, TrainModel, PEFT_ADAPTER_PREFIX};
+use super::wire::parse;
 use crate::error::ApiError;
 
 /// A checkpoint name must be one plain path segment.

@@ -12,8 +12,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use temper_engine::EngineError;
 
-use super::decode::parse;
 use super::state::ApiState;
+use super::wire::parse;
 use crate::error::ApiError;
 
 pub(super) enum FutureState {

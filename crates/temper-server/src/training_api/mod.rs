@@ -11,17 +11,17 @@
 //!
 //! One module per concern: `state` (settings, limits, the shared tables),
 //! `futures` (results, eviction, `seq_id` dedupe, `retrieve_future`),
-//! `sessions` (sessions and training models), `decode` (JSON and protobuf
+//! `sessions` (sessions and training models), `wire` (JSON and protobuf
 //! request decoding), `training` (`forward_backward`, `optim_step`),
 //! `checkpoints` (save / load and their checked paths) and `sampling`.
 
 mod checkpoints;
-mod decode;
 mod futures;
 mod sampling;
 mod sessions;
 mod state;
 mod training;
+mod wire;
 
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};

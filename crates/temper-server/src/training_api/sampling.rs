@@ -10,9 +10,9 @@ use temper_engine::Pending;
 use temper_model::{Completion, FinishReason, SamplingParams};
 
 use super::checkpoints::parse_tinker_path;
-use super::decode::parse;
 use super::futures::FutureState;
 use super::state::{over_limit, ApiState, Sampler};
+use super::wire::parse;
 use crate::error::ApiError;
 use temper_api::proto;
 

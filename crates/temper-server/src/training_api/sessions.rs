@@ -8,9 +8,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use temper_model::{LoraConfig, Target};
 
-use super::decode::parse;
 use super::futures::FutureState;
 use super::state::{over_limit, ApiState, TrainModel, LORA_ALPHA};
+use super::wire::parse;
 use crate::error::ApiError;
 
 pub(super) async fn capabilities(State(s): State<ApiState>) -> Json<Value> {

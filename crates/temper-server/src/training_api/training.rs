@@ -8,9 +8,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use temper_engine::AdamParams;
 
-use super::decode::{datum_from_proto, forward_output_proto, loss_from_proto, parse};
 use super::futures::FutureState;
 use super::state::{over_limit, ApiState};
+use super::wire::{datum_from_proto, forward_output_proto, loss_from_proto, parse};
 use crate::error::ApiError;
 use temper_api::proto;
 

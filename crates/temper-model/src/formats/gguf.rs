@@ -10,7 +10,6 @@
 //! tokenizer it rebuilds from `tokenizer.ggml.*`), so a GGUF loads here as it
 //! does there.
 
-use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -18,12 +17,11 @@ use std::sync::{Mutex, PoisonError};
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{DType, Device, Tensor};
-use serde_json::{json, Map as JsonMap, Value as Json};
+use serde_json::json;
 
-use crate::config::HfConfig;
+use crate::arch::config::HfConfig;
 use crate::error::{ModelError, Result};
 use crate::kernels::{QuantFormat, QuantWeight};
-use crate::tokenizer::Tokenizer;
 
 /// Whether `path` is a file that starts with the GGUF magic.
 pub fn is_gguf(path: &Path) -> bool {
@@ -39,7 +37,7 @@ pub fn is_gguf(path: &Path) -> bool {
 
 /// An open GGUF file: its metadata, and tensors read on demand.
 pub struct GgufFile {
-    path: PathBuf,
+    pub(crate) path: PathBuf,
     content: Content,
     file: Mutex<File>,
     arch: String,
@@ -231,7 +229,7 @@ fn ggml_type_name(t: u32) -> Option<&'static str> {
     })
 }
 
-fn meta_u64(v: &Value) -> Option<u64> {
+pub(crate) fn meta_u64(v: &Value) -> Option<u64> {
     match v {
         Value::U8(x) => Some(*x as u64),
         Value::I8(x) => u64::try_from(*x).ok(),
@@ -245,7 +243,7 @@ fn meta_u64(v: &Value) -> Option<u64> {
     }
 }
 
-fn meta_f64(v: &Value) -> Option<f64> {
+pub(crate) fn meta_f64(v: &Value) -> Option<f64> {
     match v {
         Value::F32(x) => Some(*x as f64),
         Value::F64(x) => Some(*x),
@@ -570,360 +568,6 @@ impl GgufFile {
         }
         ids
     }
-
-    /// The tokenizer described by `tokenizer.ggml.*`, built as transformers'
-    /// GGUF loader builds it: byte-level BPE (`gpt2`) with the split regex of
-    /// `tokenizer.ggml.pre`, or SentencePiece BPE (`llama`) with byte
-    /// fallback; control tokens special, user-defined tokens added.
-    pub fn tokenizer(&self) -> Result<Tokenizer> {
-        let json = self.tokenizer_json()?;
-        let text = serde_json::to_string(&json).map_err(|e| ModelError::bad(&self.path, e))?;
-        let inner: tokenizers::Tokenizer = text
-            .parse()
-            .map_err(|e| ModelError::bad(&self.path, format!("GGUF tokenizer: {e}")))?;
-        let tokens = self.tokens()?;
-        let tok = |key: &str| {
-            self.metadata(key)
-                .and_then(meta_u64)
-                .and_then(|id| tokens.get(id as usize).cloned())
-        };
-        Ok(Tokenizer::from_inner(
-            inner,
-            tok("tokenizer.ggml.bos_token_id"),
-            tok("tokenizer.ggml.eos_token_id"),
-        ))
-    }
-
-    fn tokens(&self) -> Result<Vec<String>> {
-        self.string_array("tokenizer.ggml.tokens")?
-            .ok_or_else(|| ModelError::bad(&self.path, "GGUF has no tokenizer.ggml.tokens"))
-    }
-
-    fn string_array(&self, key: &str) -> Result<Option<Vec<String>>> {
-        match self.metadata(key) {
-            None => Ok(None),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| match v {
-                    Value::String(s) => Ok(s.clone()),
-                    _ => Err(ModelError::bad(&self.path, format!("{key}: not strings"))),
-                })
-                .collect::<Result<Vec<_>>>()
-                .map(Some),
-            Some(_) => Err(ModelError::bad(&self.path, format!("{key}: not an array"))),
-        }
-    }
-
-    fn flag(&self, key: &str) -> Option<bool> {
-        match self.metadata(key) {
-            Some(Value::Bool(b)) => Some(*b),
-            _ => None,
-        }
-    }
-
-    /// The tokenizer as a `tokenizer.json` document.
-    pub fn tokenizer_json(&self) -> Result<Json> {
-        let kind = match self.metadata("tokenizer.ggml.model") {
-            Some(Value::String(s)) => s.clone(),
-            _ => {
-                return Err(ModelError::bad(
-                    &self.path,
-                    "GGUF has no tokenizer.ggml.model",
-                ))
-            }
-        };
-        let tokens = self.tokens()?;
-        let types: Vec<u64> = match self.metadata("tokenizer.ggml.token_type") {
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| {
-                    meta_u64(v).ok_or_else(|| {
-                        ModelError::bad(&self.path, format!("tokenizer.ggml.token_type: {v:?}"))
-                    })
-                })
-                .collect::<Result<_>>()?,
-            _ => Vec::new(),
-        };
-        let merges_file = self.string_array("tokenizer.ggml.merges")?;
-        let byte_level = kind == "gpt2";
-        let (vocab_tokens, model, pre, decoder, add_bos_default) = match kind.as_str() {
-            "gpt2" => {
-                let spelled: Vec<String> = tokens.iter().map(|t| byte_level_spelling(t)).collect();
-                let merges = merges_file.ok_or_else(|| {
-                    ModelError::bad(&self.path, "byte-level GGUF tokenizer without merges")
-                })?;
-                let model = json!({
-                    "type": "BPE", "dropout": null, "unk_token": null,
-                    "continuing_subword_prefix": "", "end_of_word_suffix": "",
-                    "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                    "vocab": vocab_map(&spelled), "merges": split_merges(&merges, &self.path)?,
-                });
-                let pre = match self.metadata("tokenizer.ggml.pre") {
-                    Some(Value::String(p)) => split_regex(p),
-                    _ => None,
-                };
-                let pre = match pre {
-                    Some(re) => json!({"type": "Sequence", "pretokenizers": [
-                        {"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false},
-                        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
-                    ]}),
-                    None => {
-                        json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})
-                    }
-                };
-                let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
-                (spelled, model, pre, decoder, false)
-            }
-            "llama" => {
-                let merges = match merges_file {
-                    Some(m) => split_merges(&m, &self.path)?,
-                    None => {
-                        let scores: Vec<f64> =
-                            match self.metadata("tokenizer.ggml.scores") {
-                                Some(Value::Array(a)) => a
-                                    .iter()
-                                    .map(|v| {
-                                        meta_f64(v).ok_or_else(|| {
-                                            ModelError::bad(
-                                                &self.path,
-                                                format!("tokenizer.ggml.scores: {v:?}"),
-                                            )
-                                        })
-                                    })
-                                    .collect::<Result<_>>()?,
-                                _ => return Err(ModelError::bad(
-                                    &self.path,
-                                    "SentencePiece GGUF tokenizer with neither merges nor scores",
-                                )),
-                            };
-                        merges_from_scores(&tokens, &scores)
-                    }
-                };
-                let model = json!({
-                    "type": "BPE", "dropout": null, "unk_token": null,
-                    "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                    "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
-                    "vocab": vocab_map(&tokens), "merges": merges,
-                });
-                let pre = json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false});
-                let decoder = json!({"type": "Sequence", "decoders": [
-                    {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-                    {"type": "ByteFallback"},
-                    {"type": "Fuse"},
-                    {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-                ]});
-                (tokens.clone(), model, pre, decoder, true)
-            }
-            other => {
-                return Err(ModelError::UnsupportedConfig(format!(
-                    "GGUF tokenizer model {other:?} (supported: gpt2, llama)"
-                )))
-            }
-        };
-        // Control tokens are special (skipped when a byte-level vocabulary
-        // spells them outside its alphabet: a llama.cpp mislabel), then
-        // user-defined ones are added as plain tokens.
-        let alphabet: HashSet<char> = byte_alphabet().into_iter().collect();
-        let mut added: Vec<(u32, String, bool)> = Vec::new();
-        let mut seen = HashSet::new();
-        for (i, (t, ty)) in tokens.iter().zip(&types).enumerate() {
-            if *ty == 3
-                && (!byte_level || t.chars().all(|c| alphabet.contains(&c)))
-                && seen.insert(t.clone())
-            {
-                added.push((i as u32, vocab_tokens[i].clone(), true));
-            }
-        }
-        for (i, (t, ty)) in tokens.iter().zip(&types).enumerate() {
-            if *ty == 4 && seen.insert(t.clone()) {
-                added.push((i as u32, vocab_tokens[i].clone(), false));
-            }
-        }
-        let added: Vec<Json> = added
-            .into_iter()
-            .map(|(id, content, special)| {
-                json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-                       "rstrip": false, "normalized": false, "special": special})
-            })
-            .collect();
-        let add_bos = self
-            .flag("tokenizer.ggml.add_bos_token")
-            .unwrap_or(add_bos_default);
-        let add_eos = self.flag("tokenizer.ggml.add_eos_token").unwrap_or(false);
-        let special = |key: &str| -> Result<Option<(String, u32)>> {
-            match self.metadata(key).and_then(meta_u64) {
-                None => Ok(None),
-                Some(id) => vocab_tokens
-                    .get(id as usize)
-                    .map(|t| Some((t.clone(), id as u32)))
-                    .ok_or_else(|| ModelError::bad(&self.path, format!("{key} {id} out of range"))),
-            }
-        };
-        let bos = if add_bos {
-            special("tokenizer.ggml.bos_token_id")?
-        } else {
-            None
-        };
-        let eos = if add_eos {
-            special("tokenizer.ggml.eos_token_id")?
-        } else {
-            None
-        };
-        Ok(json!({
-            "version": "1.0", "truncation": null, "padding": null,
-            "added_tokens": added,
-            "normalizer": null,
-            "pre_tokenizer": pre,
-            "post_processor": template_processor(bos.as_ref(), eos.as_ref()),
-            "decoder": decoder,
-            "model": model,
-        }))
-    }
-}
-
-/// transformers' `update_post_processor`: `[BOS] $A [EOS]`, pairs likewise.
-fn template_processor(bos: Option<&(String, u32)>, eos: Option<&(String, u32)>) -> Json {
-    let piece =
-        |t: &(String, u32), type_id: u32| json!({"SpecialToken": {"id": t.0, "type_id": type_id}});
-    let seq = |id: &str, type_id: u32| json!({"Sequence": {"id": id, "type_id": type_id}});
-    let mut single = Vec::new();
-    let mut pair = Vec::new();
-    for (out, parts) in [
-        (&mut single, vec![("A", 0)]),
-        (&mut pair, vec![("A", 0), ("B", 1)]),
-    ] {
-        for (id, type_id) in parts {
-            if let Some(b) = bos {
-                out.push(piece(b, type_id));
-            }
-            out.push(seq(id, type_id));
-            if let Some(e) = eos {
-                out.push(piece(e, type_id));
-            }
-        }
-    }
-    let mut specials = JsonMap::new();
-    for t in [bos, eos].into_iter().flatten() {
-        specials.insert(
-            t.0.clone(),
-            json!({"id": t.0, "ids": [t.1], "tokens": [t.0]}),
-        );
-    }
-    json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials})
-}
-
-fn vocab_map(tokens: &[String]) -> Json {
-    let mut m = JsonMap::new();
-    for (i, t) in tokens.iter().enumerate() {
-        m.insert(t.clone(), json!(i));
-    }
-    Json::Object(m)
-}
-
-fn split_merges(merges: &[String], path: &Path) -> Result<Json> {
-    merges
-        .iter()
-        .map(|m| match m.split_once(' ') {
-            Some((a, b)) if !a.is_empty() && !b.is_empty() && !b.contains(' ') => Ok(json!([a, b])),
-            _ => Err(ModelError::bad(
-                path,
-                format!("tokenizer.ggml.merges entry {m:?} is not two tokens"),
-            )),
-        })
-        .collect::<Result<Vec<_>>>()
-        .map(Json::Array)
-}
-
-/// transformers' `generate_merges` with scores: every split of every token
-/// into two vocabulary pieces, best score first.
-fn merges_from_scores(tokens: &[String], scores: &[f64]) -> Json {
-    let mut vocab: HashMap<&str, usize> = HashMap::new();
-    for (i, t) in tokens.iter().enumerate() {
-        vocab.insert(t.as_str(), i);
-    }
-    // dict(zip(tokens, scores)): first position, last score.
-    let mut order: Vec<&str> = Vec::new();
-    let mut score_of: HashMap<&str, f64> = HashMap::new();
-    for (t, s) in tokens.iter().zip(scores) {
-        if score_of.insert(t.as_str(), *s).is_none() {
-            order.push(t.as_str());
-        }
-    }
-    let mut merges: Vec<(&str, &str, f64)> = Vec::new();
-    for t in order {
-        let score = score_of[t];
-        let mut local: Vec<(&str, &str, f64)> = Vec::new();
-        // Python slices by code point.
-        let bounds: Vec<usize> = t.char_indices().map(|(i, _)| i).skip(1).collect();
-        for b in bounds {
-            let (l, r) = t.split_at(b);
-            if vocab.contains_key(l) && vocab.contains_key(r) {
-                local.push((l, r, score));
-            }
-        }
-        local.sort_by_key(|x| (vocab[x.0], vocab[x.1]));
-        merges.extend(local);
-    }
-    // sorted(key=(score, len(l), len(r)), reverse=True), stable.
-    merges.sort_by(|a, b| {
-        let ka = (a.2, a.0.chars().count(), a.1.chars().count());
-        let kb = (b.2, b.0.chars().count(), b.1.chars().count());
-        kb.0.partial_cmp(&ka.0)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(kb.1.cmp(&ka.1))
-            .then(kb.2.cmp(&ka.2))
-    });
-    Json::Array(merges.into_iter().map(|(l, r, _)| json!([l, r])).collect())
-}
-
-/// GPT-2's byte → printable-character table (`bytes_to_unicode`).
-fn byte_alphabet() -> Vec<char> {
-    let mut table = vec!['\0'; 256];
-    let mut n = 0u32;
-    for b in 0..256u32 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-        let c = if printable {
-            b
-        } else {
-            n += 1;
-            255 + n
-        };
-        table[b as usize] = char::from_u32(c).unwrap_or('\0');
-    }
-    table
-}
-
-/// A byte-level token as the vocabulary spells it: unchanged when every
-/// character is in the byte alphabet, else its UTF-8 bytes respelled.
-fn byte_level_spelling(token: &str) -> String {
-    let table = byte_alphabet();
-    let alphabet: HashSet<char> = table.iter().copied().collect();
-    if token.chars().all(|c| alphabet.contains(&c)) {
-        token.to_string()
-    } else {
-        token.bytes().map(|b| table[b as usize]).collect()
-    }
-}
-
-pub(crate) const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-pub(crate) const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const GPT4O_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-/// The split regex transformers' GGUF loader uses for a `tokenizer.ggml.pre`
-/// value; `None` keeps GPT-2's byte-level regex (e.g. `smollm`, `gpt2`).
-fn split_regex(pre: &str) -> Option<&'static str> {
-    Some(match pre {
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
-        | "lfm2" | "jina-v5-nano" | "dbrx" | "smaug-bpe" => LLAMA3_SPLIT,
-        "tekken" => TEKKEN_SPLIT,
-        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => QWEN2_SPLIT,
-        "qwen35" => QWEN35_SPLIT,
-        "gpt-4o" | "llama4" | "kanana2" | "talkie" | "minimax-m2" => GPT4O_SPLIT,
-        _ => return None,
-    })
 }
 
 #[cfg(test)]
@@ -1041,23 +685,5 @@ mod tests {
         // Arbitrary divisors are not Llama 3 scaling.
         let odd: Vec<f64> = (0..64).map(|i| 1.0 + (i % 3) as f64).collect();
         assert_eq!(llama3_from_factors(&odd, 500000.0, 128), None);
-    }
-
-    #[test]
-    fn byte_level_spelling_respells_only_foreign_characters() {
-        assert_eq!(byte_level_spelling("Ġhello"), "Ġhello");
-        assert_eq!(byte_level_spelling("<|im_end|>"), "<|im_end|>");
-        // A space is not in the alphabet: respelled as Ġ.
-        assert_eq!(byte_level_spelling("a b"), "aĠb");
-    }
-
-    #[test]
-    fn merges_from_scores_prefer_higher_scores() {
-        let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        let m = merges_from_scores(&tokens, &[0., 0., 0., -1., -2., -0.5]);
-        assert_eq!(m, json!([["ab", "c"], ["a", "bc"], ["a", "b"], ["b", "c"]]));
     }
 }

@@ -10,7 +10,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
-use crate::gguf::GgufFile;
+use crate::formats::gguf::GgufFile;
 use crate::kernels::QuantWeight;
 
 /// A weight matrix as loaded: a tensor, or GGUF blocks kept quantized.

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::config::{ModelConfig, RopeScaling};
+use crate::arch::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 use crate::kernels::RopeTables;
 

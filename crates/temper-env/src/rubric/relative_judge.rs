@@ -20,7 +20,8 @@ use std::sync::Arc;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::rubric::RewardCtx;
+use super::context::RewardCtx;
+use super::judge::judge_endpoint;
 use crate::{ChatModel, ChatRequest, Message, SamplingArgs};
 
 /// `relative_judge` arguments.
@@ -87,8 +88,7 @@ impl RelativeJudge {
     /// A relative judge on an OpenAI-compatible endpoint, with the same
     /// client as the absolute `judge`.
     pub fn from_config(cfg: RelativeJudgeConfig) -> Result<Self, String> {
-        let endpoint =
-            crate::rubric::judge_endpoint(&cfg.base_url, &cfg.model, cfg.api_key_env.as_deref())?;
+        let endpoint = judge_endpoint(&cfg.base_url, &cfg.model, cfg.api_key_env.as_deref())?;
         Ok(RelativeJudge::on_endpoint(endpoint, cfg))
     }
 

@@ -16,13 +16,13 @@
 
 use candle_core::{DType, Tensor, D};
 
+use crate::arch::model::{log_softmax_last, Model, Segment};
 use crate::error::{ModelError, Result};
 use crate::kernels::PackedSeq;
 use crate::kernels::{
     fused_attention_supported, fused_lm_head_supported, lm_head_logprobs, use_matmul_nt,
 };
 use crate::lora::LoraAdapter;
-use crate::model::{log_softmax_last, Model, Segment};
 
 /// Rows of `[len, vocab]` logits materialised at a time.
 pub const SCORE_CHUNK: usize = 512;

@@ -8,11 +8,11 @@
 
 use candle_core::{DType, Tensor};
 
+use crate::arch::model::{log_softmax_last, Model, Segment};
 use crate::error::{ModelError, Result};
+use crate::generation::logprobs::SCORE_CHUNK;
 use crate::kernels::{for_each_logprob_row, fused_lm_head_supported};
 use crate::lora::LoraAdapter;
-use crate::model::{log_softmax_last, Model, Segment};
-use crate::scoring::SCORE_CHUNK;
 
 /// Target logprobs and, per position, the top alternatives.
 #[derive(Debug, Clone, Default, PartialEq)]

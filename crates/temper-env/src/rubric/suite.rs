@@ -20,7 +20,8 @@ use base64::Engine as _;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::rubric::{extract_code, RewardCtx};
+use super::code_tests::extract_code;
+use super::context::RewardCtx;
 
 const DRIVER: &str = include_str!("suite.py");
 const RESULT: &str = "suite_result.json";

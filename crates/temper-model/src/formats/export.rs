@@ -18,12 +18,12 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value as Json};
 
-use crate::config::{Family, ModelConfig, RopeScaling};
+use crate::arch::config::{Family, ModelConfig, RopeScaling};
+use crate::arch::model::Model;
 use crate::error::{ModelError, Result};
-use crate::gguf::{gguf_tensor_name, is_gguf, llama3_factors, permute_qk, GgufFile};
-use crate::model::Model;
+use crate::formats::gguf::{gguf_tensor_name, llama3_factors, permute_qk, GgufFile};
+use crate::formats::gguf_tokenizer::tokenizer_metadata;
 use crate::pretrained::Pretrained;
-use crate::tokenizer::chat_template_source;
 
 /// Tensor type of an exported GGUF.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,155 +294,11 @@ pub fn save_hf(base: &Pretrained, model: &Model, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn strings(v: Vec<String>) -> Value {
-    Value::Array(v.into_iter().map(Value::String).collect())
-}
-
-/// `tokenizer.ggml.*` metadata for `base`'s tokenizer: copied from its GGUF,
-/// or converted from its byte-level BPE `tokenizer.json`.
-fn tokenizer_metadata(base: &Pretrained, vocab_size: usize) -> Result<Vec<(String, Value)>> {
-    if is_gguf(&base.dir) {
-        let g = GgufFile::open(&base.dir)?;
-        return Ok(g.tokenizer_metadata());
-    }
-    let path = base.dir.join("tokenizer.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-    let tj: Json = serde_json::from_str(&text).map_err(|e| ModelError::bad(&path, e))?;
-    let unsupported = |why: &str| {
-        ModelError::UnsupportedConfig(format!(
-            "GGUF export of this tokenizer ({why}); supported: byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM style)"
-        ))
-    };
-    let model = &tj["model"];
-    if model["type"] != "BPE" || tj["decoder"]["type"] != "ByteLevel" {
-        return Err(unsupported("not byte-level BPE"));
-    }
-    let pre = &tj["pre_tokenizer"];
-    let pre_name = match pre["type"].as_str() {
-        // llama.cpp's name for GPT-2's split ("gpt2" is refused as unknown).
-        Some("ByteLevel") if pre["use_regex"] != json!(false) => "gpt-2",
-        Some("Sequence") => {
-            let parts = pre["pretokenizers"].as_array().cloned().unwrap_or_default();
-            match parts.as_slice() {
-                [a, b] if a["type"] == "Split" && b["type"] == "ByteLevel" => {
-                    match a["pattern"]["Regex"].as_str() {
-                        Some(r) if r == crate::gguf::QWEN2_SPLIT => "qwen2",
-                        Some(r) if r == crate::gguf::LLAMA3_SPLIT => "llama-bpe",
-                        _ => return Err(unsupported("unknown split regex")),
-                    }
-                }
-                [a, b] if a["type"] == "Digits" && b["type"] == "ByteLevel" => "smollm",
-                _ => return Err(unsupported("unknown pre-tokenizer sequence")),
-            }
-        }
-        _ => return Err(unsupported("unknown pre-tokenizer")),
-    };
-    let mut tokens: Vec<Option<String>> = vec![None; vocab_size];
-    let mut types = vec![1i32; vocab_size];
-    let vocab = model["vocab"]
-        .as_object()
-        .ok_or_else(|| ModelError::bad(&path, "model.vocab"))?;
-    let mut put = |id: u64, tok: &str, ty: i32| -> Result<()> {
-        let slot = tokens.get_mut(id as usize).ok_or_else(|| {
-            ModelError::UnsupportedConfig(format!(
-                "token id {id} beyond the model's vocab_size {vocab_size}"
-            ))
-        })?;
-        *slot = Some(tok.to_string());
-        types[id as usize] = ty;
-        Ok(())
-    };
-    for (tok, id) in vocab {
-        let id = id
-            .as_u64()
-            .ok_or_else(|| ModelError::bad(&path, format!("vocab id of {tok:?}")))?;
-        put(id, tok, 1)?;
-    }
-    for a in tj["added_tokens"].as_array().cloned().unwrap_or_default() {
-        let ty = if a["special"] == json!(true) { 3 } else { 4 };
-        let (Some(id), Some(content)) = (a["id"].as_u64(), a["content"].as_str()) else {
-            return Err(ModelError::bad(&path, format!("added token {a}")));
-        };
-        put(id, content, ty)?;
-    }
-    let mut tokens_out = Vec::with_capacity(vocab_size);
-    for (i, t) in tokens.into_iter().enumerate() {
-        match t {
-            Some(t) => tokens_out.push(t),
-            None => {
-                tokens_out.push(format!("[PAD{i}]"));
-                types[i] = 5; // unused
-            }
-        }
-    }
-    let merges: Vec<String> = model["merges"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|m| match &m {
-            Json::String(s) => Ok(s.clone()),
-            Json::Array(p) => match (
-                p.first().and_then(|x| x.as_str()),
-                p.get(1).and_then(|x| x.as_str()),
-            ) {
-                (Some(a), Some(b)) => Ok(format!("{a} {b}")),
-                _ => Err(ModelError::bad(&path, format!("merge {m}"))),
-            },
-            _ => Err(ModelError::bad(&path, format!("merge {m}"))),
-        })
-        .collect::<Result<_>>()?;
-    let add_bos = tj["post_processor"]
-        .pointer("/single/0/SpecialToken")
-        .is_some()
-        || tj["post_processor"]["processors"]
-            .as_array()
-            .is_some_and(|ps| {
-                ps.iter()
-                    .any(|p| p.pointer("/single/0/SpecialToken").is_some())
-            });
-    let tok = &base.tokenizer;
-    let mut meta = vec![
-        (
-            "tokenizer.ggml.model".to_string(),
-            Value::String("gpt2".into()),
-        ),
-        (
-            "tokenizer.ggml.pre".to_string(),
-            Value::String(pre_name.into()),
-        ),
-        ("tokenizer.ggml.tokens".to_string(), strings(tokens_out)),
-        (
-            "tokenizer.ggml.token_type".to_string(),
-            Value::Array(types.into_iter().map(Value::I32).collect()),
-        ),
-        ("tokenizer.ggml.merges".to_string(), strings(merges)),
-        (
-            "tokenizer.ggml.add_bos_token".to_string(),
-            Value::Bool(add_bos),
-        ),
-    ];
-    if let Some(id) = tok.bos_token().and_then(|t| tok.token_id(t)) {
-        meta.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(id)));
-    }
-    if let Some(id) = tok
-        .eos_token()
-        .and_then(|t| tok.token_id(t))
-        .or_else(|| base.generation.eos_token_ids.first().copied())
-    {
-        meta.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(id)));
-    }
-    if let Some(t) = chat_template_source(&base.dir)? {
-        meta.push(("tokenizer.chat_template".into(), Value::String(t)));
-    }
-    Ok(meta)
-}
-
 /// A model's name: a GGUF's `general.name`, else the file or directory name
 /// (what `temper serve` calls it, so an exported model keeps its base's name).
 pub fn model_name(path: &Path) -> String {
-    if crate::gguf::is_gguf(path) {
-        if let Some(n) = crate::gguf::GgufFile::open(path)
+    if crate::formats::gguf::is_gguf(path) {
+        if let Some(n) = crate::formats::gguf::GgufFile::open(path)
             .ok()
             .and_then(|g| g.general_name().map(str::to_string))
         {
@@ -501,7 +357,12 @@ pub fn save_gguf(base: &Pretrained, model: &Model, path: &Path, quant: GgufQuant
         meta.push((k("rope.scaling.type"), Value::String("linear".into())));
         meta.push((k("rope.scaling.factor"), Value::F32(factor as f32)));
     }
-    meta.extend(tokenizer_metadata(base, cfg.vocab_size)?);
+    meta.extend(tokenizer_metadata(
+        &base.dir,
+        &base.tokenizer,
+        &base.generation.eos_token_ids,
+        cfg.vocab_size,
+    )?);
 
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     for (hf, t) in model.named_weights()? {

@@ -7,14 +7,14 @@
 //! batched decode step ([`Model::forward_decode`], the server's).
 //!
 //! Each token is drawn and each sequence ended by the shared rules of
-//! [`crate::decode`] (the server's scheduler uses the same functions).
+//! [`crate::generation::decode`] (the server's scheduler uses the same functions).
 //!
 //! # Which logprobs are reported
 //! `Completion::logprobs[i]` is `log softmax(logits / T)[token_i]` — the
 //! temperature-scaled model distribution *before* logit bias, penalties and
 //! top-k / top-p / min-p truncation (greedy, `T = 0`, reports the `T = 1`
 //! distribution), bit-identical to what the trainer computes for the same
-//! tokens and weights ([`Model::score`]; see [`crate::scoring`]).
+//! tokens and weights ([`Model::score`]; see [`crate::generation::logprobs`]).
 //!
 //! On the CPU in f32 with the batch-invariant matmul (the default) every
 //! kernel of the forward gives a row the same bits in a decode step as in the
@@ -31,12 +31,12 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use crate::decode::{check_stop, next_token, scoring_temperature, visible_text};
-pub use crate::decode::{sample_token, FinishReason, SamplingParams};
+use crate::arch::model::{KvCache, Model, Segment};
 use crate::error::{ModelError, Result};
+use crate::generation::decode::{check_stop, next_token, scoring_temperature, visible_text};
+pub use crate::generation::decode::{sample_token, FinishReason, SamplingParams};
 use crate::kernels::row_logprob;
 use crate::lora::LoraAdapter;
-use crate::model::{KvCache, Model, Segment};
 use crate::tokenizer::Tokenizer;
 
 /// One generated sequence.

@@ -14,8 +14,10 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, Var, D};
 use rayon::prelude::*;
 
-use crate::config::ModelConfig;
+use crate::arch::config::ModelConfig;
+use crate::arch::rope::Rope;
 use crate::error::{ModelError, Result};
+use crate::formats::weights::{Checkpoint, Matrix};
 use crate::kernels::{
     causal_attention, fused_attention_supported, fused_rms_norm_supported, fused_swiglu_supported,
     linear_nt, lora_linear, lora_linear_quant, lora_linear_supported, matmul_nt, matmul_nt_packed,
@@ -24,8 +26,6 @@ use crate::kernels::{
 };
 use crate::lora::{LoraAdapter, LoraPair, Target};
 use crate::precision::Precision;
-use crate::rope::Rope;
-use crate::weights::{Checkpoint, Matrix};
 
 /// A linear layer `y = x·Wᵀ + b` with an optional LoRA update.
 #[derive(Debug, Clone)]
