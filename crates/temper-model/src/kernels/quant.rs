@@ -681,7 +681,9 @@ mod tests {
     #[test]
     fn quantized_matmul_equals_the_f32_kernel_on_the_dequantized_weight() {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
         {
             // The register path must actually be under test on such a CPU.
             assert_eq!(Decoder::best(QuantFormat::Q4K), Decoder::Registers);

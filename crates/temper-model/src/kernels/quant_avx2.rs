@@ -36,12 +36,15 @@ const Q4_1: u8 = 2;
 const Q4K: u8 = 3;
 const Q6K: u8 = 4;
 
-/// Whether this path runs: the CPU has AVX2 and FMA — exactly when the f32
-/// kernel runs its AVX2 tiles, whose rounding this path reproduces.
+/// Whether this path runs: the CPU has AVX2 and FMA — the f32 kernel then
+/// runs its AVX2 tiles, whose rounding this path reproduces — and F16C (every
+/// such CPU has it) for the block scales.
 pub(super) fn available() -> bool {
     static A: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *A.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     })
 }
 
@@ -57,19 +60,28 @@ pub(super) fn decodes(format: QuantFormat) -> bool {
     )
 }
 
-#[inline(always)]
-fn f16_at(p: *const u8) -> f32 {
-    // SAFETY (callers): `p` points to two readable bytes of a block.
-    let b = unsafe { [*p, *p.add(1)] };
-    half::f16::from_le_bytes(b).to_f32()
+/// The little-endian f16 at `p` as f32 (exact), with one `vcvtph2ps`: the
+/// `half` crate's portable conversion would cost more than the 32 values
+/// it scales.
+///
+/// # Safety
+/// The CPU must have F16C; `p` must point to two readable bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: F16C and the two bytes are the caller's contract.
+    unsafe {
+        let bits = u16::from_le_bytes([*p, *p.add(1)]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
 }
 
 /// Eight bytes at `p` widened to eight `i32` lanes (`u8` values).
 ///
 /// # Safety
-/// The CPU must have AVX2; `p` must point to 8 readable bytes.
+/// The CPU must have AVX2, FMA and F16C; `p` must point to 8 readable bytes.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn bytes8(p: *const u8) -> __m256i {
     // SAFETY: AVX2 and the 8 bytes are the caller's contract.
     unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)) }
@@ -79,10 +91,10 @@ unsafe fn bytes8(p: *const u8) -> __m256i {
 /// vectors of eight, in `k` order; each lane the loader's value.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `row` must point to a whole row of `F`'s
+/// The CPU must have AVX2, FMA and F16C; `row` must point to a whole row of `F`'s
 /// blocks holding value `32g + 31`.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn group<const F: u8>(row: *const u8, g: usize) -> [__m256; 4] {
     // SAFETY: every read is inside the block holding group `g`, at the
     // offsets `ggml-common.h`'s layout gives (see `quant`'s module docs).
@@ -105,6 +117,7 @@ unsafe fn group<const F: u8>(row: *const u8, g: usize) -> [__m256; 4] {
                     (row.add(20 * g), 4)
                 };
                 let d = _mm256_set1_ps(f16_at(blk));
+                let m = _mm256_set1_ps(if F == Q4_1 { f16_at(blk.add(2)) } else { 0.0 });
                 let eight = _mm256_set1_epi32(8);
                 for c in 0..2 {
                     let b = bytes8(blk.add(qs + 8 * c));
@@ -114,7 +127,6 @@ unsafe fn group<const F: u8>(row: *const u8, g: usize) -> [__m256; 4] {
                         w[i] = if F == Q4_0 {
                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, eight)), d)
                         } else {
-                            let m = _mm256_set1_ps(f16_at(blk.add(2)));
                             _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), d), m)
                         };
                     }
@@ -163,11 +175,11 @@ unsafe fn group<const F: u8>(row: *const u8, g: usize) -> [__m256; 4] {
 /// `y[r·ldy] = dot(x[r], w)` with the f32 kernel's lanes and tree.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `x` must point to `R` rows of `k`
+/// The CPU must have AVX2, FMA and F16C; `x` must point to `R` rows of `k`
 /// floats, `row` to one weight row of `k` values in `F`'s blocks, `y` to
 /// `R` writable floats at stride `ldy`.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_dot<const F: u8, const R: usize>(
     x: *const f32,
     k: usize,
@@ -197,10 +209,10 @@ unsafe fn rows_dot<const F: u8, const R: usize>(
 /// Weight rows `n0..n1` against all `m ≤ FUSED_ROWS` rows of `x`.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `x` must hold `m·k` floats, `w` rows
+/// The CPU must have AVX2, FMA and F16C; `x` must hold `m·k` floats, `w` rows
 /// `0..n1`, `y` point to `m·n` floats of which no other thread writes
 /// columns `n0..n1`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn fused_block<const F: u8>(
     x: &[f32],
@@ -268,9 +280,9 @@ pub(super) unsafe fn fused(
 /// Rows `r0..r1` as f32 into `out` with the register decoders.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `w.format` one [`decodes`] accepts;
+/// The CPU must have AVX2, FMA and F16C; `w.format` one [`decodes`] accepts;
 /// `out` must hold `(r1 − r0)·cols` floats.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dequantize_rows<const F: u8>(w: QuantRows<'_>, r0: usize, r1: usize, out: &mut [f32]) {
     let (k, rb) = (w.cols, w.format.row_bytes(w.cols));
     assert!(out.len() >= (r1 - r0) * k && w.bytes.len() >= r1 * rb);
