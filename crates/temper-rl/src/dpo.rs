@@ -45,7 +45,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Map, Value};
-use temper_engine::{Datum, Loss, LossInputs, PairLoss, Trainer};
+use temper_engine::{Datum, Loss, PairLoss, Trainer};
 use temper_model::{ChatTemplate, Pretrained, Tokenizer};
 
 use crate::checkpoint;
@@ -56,62 +56,7 @@ use crate::rl::RunOptions;
 use crate::sft::{epoch_batch, run_start, RunEval};
 use crate::step::{forward_backward_chunks, optim_step};
 
-/// One tokenized preference pair: a prompt and two completions of it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PrefPair {
-    /// Prompt tokens.
-    pub prompt: Vec<u32>,
-    /// The preferred completion's tokens.
-    pub chosen: Vec<u32>,
-    /// The other completion's tokens.
-    pub rejected: Vec<u32>,
-}
-
-impl PrefPair {
-    /// The datum of one side (`chosen` or `rejected`): the completion's
-    /// target tokens weighted `weight`, the prompt's 0.
-    fn datum(&self, completion: &[u32], weight: f32) -> Datum {
-        let mut tokens = self.prompt.clone();
-        tokens.extend_from_slice(completion);
-        let n = tokens.len();
-        let p = self.prompt.len();
-        Datum {
-            model_input: tokens[..n - 1].to_vec(),
-            loss_fn_inputs: LossInputs {
-                target_tokens: tokens[1..].to_vec(),
-                // Target i predicts token i + 1: completion targets start at p − 1.
-                weights: Some((1..n).map(|i| if i >= p { weight } else { 0.0 }).collect()),
-                ..Default::default()
-            },
-        }
-    }
-
-    /// Both sides' datums, chosen first.
-    fn datums(&self, w_chosen: f32, w_rejected: f32) -> [Datum; 2] {
-        [
-            self.datum(&self.chosen, w_chosen),
-            self.datum(&self.rejected, w_rejected),
-        ]
-    }
-
-    /// Both sides' datums for the engine's pair loss: weight 1 on the
-    /// completion's targets and the reference's summed completion logprob
-    /// as the `logprobs` of its last target (the loss takes only their
-    /// weighted sum, see [`temper_engine::Loss::Dpo`]).
-    fn pair_datums(&self, reference: PairLogps) -> [Datum; 2] {
-        let with_ref = |mut d: Datum, r: f64| {
-            let n = d.loss_fn_inputs.target_tokens.len();
-            let mut q = vec![0.0f32; n];
-            q[n - 1] = r as f32;
-            d.loss_fn_inputs.logprobs = Some(q);
-            d
-        };
-        [
-            with_ref(self.datum(&self.chosen, 1.0), reference.0),
-            with_ref(self.datum(&self.rejected, 1.0), reference.1),
-        ]
-    }
-}
+pub use crate::pref_pair::{PairLogps, PrefPair};
 
 /// A completion's summed logprob, from one datum's per-target logprobs.
 fn completion_logp(pair: &PrefPair, logprobs: &[f32]) -> f64 {
@@ -292,9 +237,6 @@ fn eos_text(base: &Pretrained) -> Result<String> {
         .decode(&[id], false)
         .map_err(|e| RlError::Data(format!("decode the EOS token: {e}")))
 }
-
-/// Summed completion logprobs of a pair: `(chosen, rejected)`.
-pub type PairLogps = (f64, f64);
 
 /// One pair's loss, its gradient with respect to the policy's summed
 /// completion logprobs, and its implicit rewards.
@@ -693,7 +635,8 @@ async fn step_gradient(
 
 /// [`run_dpo`] once the run directory is set up.
 async fn dpo_loop(cfg: DpoPlan, opts: RunOptions, run_dir: PathBuf) -> Result<DpoOutcome> {
-    let (base, trainer) = crate::trainer::trainer_for(&cfg.model, None, cfg.seed, &run_dir).await?;
+    let (base, trainer) =
+        crate::open_trainer::trainer_for(&cfg.model, None, cfg.seed, &run_dir).await?;
     let micro = micro_of(&cfg);
     if !trainer.takes_pair_loss() {
         warn_two_pass(cfg.log.progress);

@@ -14,10 +14,10 @@ use temper_engine::Trainer;
 use temper_model::Pretrained;
 
 use crate::config::{RlConfig, RlTrainerSection, SamplingSection};
-use crate::dpo::{PairLogps, PrefPair};
 use crate::error::{Result, RlError};
 use crate::plan::{DpoPlan, PrefSource, RlPlan};
 use crate::policy::{Batcher, EnginePolicy, Renderer};
+use crate::pref_pair::{PairLogps, PrefPair};
 use crate::publish::Published;
 use crate::rollout::RolloutPlan;
 

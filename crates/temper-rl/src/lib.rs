@@ -18,7 +18,7 @@
 //! The stages hand each other [`sampled`]'s types (a prompt's scored
 //! rollouts, a step's groups) and import only downwards.
 //!
-//! Around it: [`config`] (the TOML file), [`trainer`] (in-process or remote
+//! Around it: [`config`] (the TOML file), [`open_trainer`] (in-process or remote
 //! trainer), [`policy`] (policies as chat models), [`eval`] (held-out
 //! evaluation), [`runlog`] (`metrics.jsonl`, `plots.html`), [`samples`]
 //! (a few rollouts per step as text, `samples.jsonl`), [`sft`]
@@ -101,8 +101,10 @@ pub mod dpo_online;
 pub mod error;
 pub mod eval;
 pub mod metrics;
+pub mod open_trainer;
 pub mod plan;
 pub mod policy;
+pub mod pref_pair;
 pub mod preset;
 pub mod probe;
 pub mod publish;
@@ -116,7 +118,6 @@ pub mod sft;
 pub mod step;
 pub mod teacher;
 pub mod tensorboard;
-pub mod trainer;
 
 pub use error::{Result, RlError};
 pub use metrics::StepMetrics;

@@ -44,9 +44,9 @@ use crate::teacher::Teacher;
 pub use crate::advantage::group_advantages;
 pub use crate::eval::EvalResult;
 pub use crate::metrics::PLOTTED;
+pub use crate::open_trainer::{local_trainer, lora_config, model_dir};
 pub use crate::plan::learning_rate;
 pub use crate::sampled::{Batch, Group};
-pub use crate::trainer::{local_trainer, lora_config, model_dir};
 
 /// How `run_rl` was asked to run.
 #[derive(Debug, Clone, Default)]
@@ -165,7 +165,7 @@ where
     let max_steps = cfg.trainer.max_steps;
     let out = async {
         let (base, trainer) =
-            crate::trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir)
+            crate::open_trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir)
                 .await?;
         run_rl_with(cfg, opts, base, trainer).await
     }

@@ -343,7 +343,8 @@ where
 async fn sft_loop(cfg: SftPlan, opts: RunOptions, run_dir: &Path) -> Result<SftOutcome> {
     let run_dir = run_dir.to_path_buf();
     let (base, trainer) =
-        crate::trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir).await?;
+        crate::open_trainer::trainer_for(&cfg.model, cfg.remote.as_ref(), cfg.seed, &run_dir)
+            .await?;
     let (cfg2, base2) = (cfg.clone(), base.clone());
     let examples = tokio::task::spawn_blocking(move || load_examples(&cfg2, &base2))
         .await

@@ -342,7 +342,7 @@ impl Learner {
         let (model, seed, run_dir) = (plan.rl.model.clone(), plan.rl.seed, dir.clone());
         let (base, trainer) = tokio::task::spawn_blocking(move || -> Result<_> {
             let engine = temper_engine::Engine::on_pool(learner_pool(threads, nice)?);
-            Ok(temper_rl::trainer::local_trainer_on(
+            Ok(temper_rl::open_trainer::local_trainer_on(
                 &model, seed, &run_dir, engine,
             )?)
         })
