@@ -73,7 +73,7 @@ fn job(prompt: Vec<u32>, index: usize, max_tokens: usize, events: &UnboundedSend
         stream: false,
         events: events.clone(),
         grammar: None,
-        scores: None,
+        top_logprobs: None,
         cache_salt: None,
     }
 }
@@ -165,7 +165,7 @@ fn decode_scores_are_the_trainers_bit_for_bit() {
         j.n = n;
         j.params.temperature = temperature;
         j.params.seed = Some(i as u64);
-        j.scores = Some(k);
+        j.top_logprobs = Some(k);
         s.submit(j).expect("submit");
     }
     let done = collect(&mut rx, prompts.len() * n);
@@ -174,7 +174,7 @@ fn decode_scores_are_the_trainers_bit_for_bit() {
         "the budget must force preemption"
     );
     for f in &done {
-        let got = f.scores.as_ref().expect("scores were asked for");
+        let got = f.top_logprobs.as_ref().expect("scores were asked for");
         let prompt = &prompts[f.index / n];
         let full: Vec<u32> = prompt.iter().chain(&f.tokens).copied().collect();
         let mut want = model
@@ -195,7 +195,7 @@ fn decode_scores_are_the_trainers_bit_for_bit() {
     }
     // Not asked for: not computed.
     s.submit(job(vec![5, 6, 7], 0, 3, &tx)).expect("submit");
-    assert!(collect(&mut rx, 1)[0].scores.is_none());
+    assert!(collect(&mut rx, 1)[0].top_logprobs.is_none());
 }
 
 /// A choice's tokens, logprob bits and top alternatives.
@@ -215,7 +215,7 @@ fn a_prompt_extending_a_finished_sequence_starts_from_its_cache_with_identical_r
         let mut a = job(first.clone(), 0, 20, &tx);
         a.params.temperature = 0.8;
         a.params.seed = Some(1);
-        a.scores = Some(2);
+        a.top_logprobs = Some(2);
         s.submit(a).expect("submit");
         let a = collect(&mut rx, 1).remove(0);
         // The next turn: history (prompt + answer) + a new user message.
@@ -226,14 +226,14 @@ fn a_prompt_extending_a_finished_sequence_starts_from_its_cache_with_identical_r
         b.n = 3;
         b.params.temperature = 0.8;
         b.params.seed = Some(2);
-        b.scores = Some(2);
+        b.top_logprobs = Some(2);
         s.submit(b).expect("submit");
         let mut done = collect(&mut rx, 3);
         done.sort_by_key(|f| f.index);
         let out: Vec<Sample> = done
             .into_iter()
             .map(|f| {
-                let sc = f.scores.expect("scores");
+                let sc = f.top_logprobs.expect("scores");
                 let bits = sc.logprobs.iter().map(|x| x.to_bits()).collect();
                 (f.tokens, bits, sc.top)
             })

@@ -70,7 +70,7 @@ impl Prepared {
     /// What the scheduler should record per token: logprobs and top
     /// alternatives when the client asked, logprobs alone when the call is
     /// captured, nothing otherwise.
-    fn scores(&self) -> Option<usize> {
+    fn top_logprobs(&self) -> Option<usize> {
         if self.logprobs {
             Some(self.top_logprobs)
         } else {
@@ -209,7 +209,7 @@ pub(super) fn submit(
             n: p.sampling.n,
             first_index: i * p.sampling.n,
             params: p.sampling.params.clone(),
-            scores: p.scores(),
+            top_logprobs: p.top_logprobs(),
             adapter: p.adapter.clone(),
             stream,
             events: tx.clone(),
@@ -282,12 +282,12 @@ pub(super) async fn score(
     k: usize,
     prompt_too: bool,
 ) -> Result<TopLogprobs, OpenAiError> {
-    if let (Some(d), false) = (&f.scores, prompt_too) {
+    if let (Some(d), false) = (&f.top_logprobs, prompt_too) {
         let vocab = s.inner.model.config.vocab_size;
         if d.logprobs.len() == f.tokens.len() && d.top.iter().all(|t| t.len() == k.min(vocab)) {
             return Ok(d.clone());
         }
-        tracing::warn!("decode scores do not cover the choice; re-scoring it");
+        tracing::warn!("decode logprobs do not cover the choice; re-scoring it");
     }
     let model = s.inner.model.clone();
     let t = temper_model::decode::scoring_temperature(temperature);

@@ -471,7 +471,7 @@ mod tests {
             tokens: vec![3, 4, 5],
             text: full.clone(),
             finish_reason: FinishReason::Stop,
-            scores: None,
+            top_logprobs: None,
         };
         let (message, finish) = chat_message(&done, true, "chatcmpl-t");
         st.handle(Event::Done(done)).await.expect("done");

@@ -29,12 +29,12 @@ pub struct Job {
     /// Events of sample `j` carry index `first_index + j` (several jobs
     /// may share one event channel).
     pub first_index: usize,
-    /// How to sample; `logprobs` is ignored (see `scores`).
+    /// How to sample; `logprobs` is ignored (see `top_logprobs`).
     pub params: SamplingParams,
     /// `Some(k)`: report each sampled token's logprob and its `k` most
-    /// likely alternatives in [`Finished::scores`], taken from the decode
-    /// logits when they are exact (see [`Finished::scores`]).
-    pub scores: Option<usize>,
+    /// likely alternatives in [`Finished::top_logprobs`], taken from the decode
+    /// logits when they are exact (see [`Finished::top_logprobs`]).
+    pub top_logprobs: Option<usize>,
     /// `None`: the base model.
     pub adapter: Option<Arc<LoadedAdapter>>,
     /// Send [`Event::Delta`]s as text is generated.
@@ -83,12 +83,12 @@ pub struct Finished {
     /// Why it ended.
     pub finish_reason: FinishReason,
     /// Each token's `log softmax(logits / T)` (`T = 1` when greedy) and top
-    /// alternatives, when the job asked for `scores` and the decode logits
+    /// alternatives, when the job asked for `top_logprobs` and the decode logits
     /// are bit-identical to the trainer's
     /// ([`temper_model::Model::decode_logits_are_exact`]): then they equal
     /// [`temper_model::Model::score_with_top`]'s without a second forward.
     /// `None` otherwise: the caller scores the finished sequence.
-    pub scores: Option<TopLogprobs>,
+    pub top_logprobs: Option<TopLogprobs>,
 }
 
 impl Job {

@@ -119,7 +119,7 @@ impl Scheduler {
         let waiting = Arc::new(AtomicUsize::new(0));
         // Not exact (or not known): callers re-score finished sequences,
         // which is slower but equally right.
-        let exact_scores = model.model.decode_logits_are_exact().unwrap_or_else(|e| {
+        let exact_logprobs = model.model.decode_logits_are_exact().unwrap_or_else(|e| {
             tracing::warn!("cannot tell whether decode logits are exact ({e}); re-scoring instead");
             false
         });
@@ -133,7 +133,7 @@ impl Scheduler {
             rx,
             waiting.clone(),
             metrics.clone(),
-            exact_scores,
+            exact_logprobs,
             dead.clone(),
         );
         let spawned = std::thread::Builder::new()

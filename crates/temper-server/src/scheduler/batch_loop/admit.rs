@@ -196,7 +196,7 @@ impl BatchLoop {
             adapter: job.adapter,
             stream: job.stream,
             events: job.events,
-            scores: job.scores,
+            top_logprobs: job.top_logprobs,
             cache_salt: job.cache_salt,
         });
         let mut prefilled = Some(cache);
@@ -230,7 +230,7 @@ impl BatchLoop {
                 rng,
                 sent: String::new(),
                 grammar: job.grammar.as_ref().map(Grammar::fork),
-                scores: TopLogprobs::default(),
+                top_logprobs: TopLogprobs::default(),
             });
         }
     }

@@ -31,7 +31,7 @@ struct JobCtx {
     adapter: Option<Arc<LoadedAdapter>>,
     stream: bool,
     events: UnboundedSender<Event>,
-    scores: Option<usize>,
+    top_logprobs: Option<usize>,
     cache_salt: Option<Arc<str>>,
 }
 
@@ -53,7 +53,7 @@ struct Seq {
     /// tokens are kept too).
     grammar: Option<Grammar>,
     /// Scores of `tokens` so far (when the job asked and they are exact).
-    scores: TopLogprobs,
+    top_logprobs: TopLogprobs,
 }
 
 /// The loop on the engine thread: it owns the model and the waiting, running,
@@ -71,9 +71,9 @@ pub(super) struct BatchLoop {
     preempted: VecDeque<Seq>,
     /// Admitted prompts whose prefill is not finished.
     prefilling: Vec<Prefill>,
-    /// Whether decode logits equal the trainer's bit for bit, so scores are
+    /// Whether decode logits equal the trainer's bit for bit, so logprobs are
     /// taken from them.
-    exact_scores: bool,
+    exact_logprobs: bool,
     prefix_cache: PrefixCache,
     /// Set with the reason when the loop dies.
     dead: Arc<OnceLock<String>>,
@@ -135,7 +135,7 @@ impl BatchLoop {
         rx: mpsc::Receiver<Job>,
         waiting_count: Arc<AtomicUsize>,
         metrics: Arc<Metrics>,
-        exact_scores: bool,
+        exact_logprobs: bool,
         dead: Arc<OnceLock<String>>,
     ) -> Self {
         let prefix_cache = PrefixCache::new(cfg.prefix_cache_tokens);
@@ -150,7 +150,7 @@ impl BatchLoop {
             running: Vec::new(),
             preempted: VecDeque::new(),
             prefilling: Vec::new(),
-            exact_scores,
+            exact_logprobs,
             prefix_cache,
         }
     }

@@ -42,19 +42,19 @@ fn pick(seq: &mut Seq, exact: bool, eos: &[u32]) -> Result<u32, StepError> {
             .ok_or(StepError::EmptyMask)?
         }
     };
-    if let (Some(k), true) = (seq.job.scores, exact) {
+    if let (Some(k), true) = (seq.job.top_logprobs, exact) {
         // The unmasked, unprocessed model's distribution (what training
         // scores), reduced as the trainer's LM head reduces it.
         let t = scoring_temperature(p.temperature);
         if k == 0 {
-            seq.scores
+            seq.top_logprobs
                 .logprobs
                 .push(row_logprob(&seq.logits, tok as usize, t));
-            seq.scores.top.push(Vec::new());
+            seq.top_logprobs.top.push(Vec::new());
         } else {
             let row = row_log_softmax(&seq.logits, t);
-            seq.scores.logprobs.push(row[tok as usize]);
-            seq.scores.top.push(top_k(&row, k));
+            seq.top_logprobs.logprobs.push(row[tok as usize]);
+            seq.top_logprobs.top.push(top_k(&row, k));
         }
     }
     Ok(tok)
@@ -84,7 +84,7 @@ impl BatchLoop {
         // Drawing a token (and its logprobs) reads the sequence's own
         // logits and random stream only: sequences run across threads,
         // with the same result as one after another.
-        let exact = self.exact_scores;
+        let exact = self.exact_logprobs;
         let picks: Vec<Result<u32, StepError>> = running
             .par_iter_mut()
             .map(|s| {
@@ -193,8 +193,8 @@ impl BatchLoop {
             tokens: std::mem::take(&mut seq.tokens),
             text,
             finish_reason,
-            scores: (seq.job.scores.is_some() && self.exact_scores)
-                .then(|| std::mem::take(&mut seq.scores)),
+            top_logprobs: (seq.job.top_logprobs.is_some() && self.exact_logprobs)
+                .then(|| std::mem::take(&mut seq.top_logprobs)),
         }))
     }
 }
