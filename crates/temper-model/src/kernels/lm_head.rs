@@ -294,6 +294,17 @@ fn block_logits(
 }
 
 impl LmHeadLogprobs {
+    /// [`block_logits`] of one block through this head's kernel.
+    fn logits(&self, xb: &[f32], rows: usize, h: usize) -> candle_core::Result<Vec<f32>> {
+        block_logits(
+            xb,
+            rows,
+            h,
+            &self.weight,
+            (self.packed.as_ref(), self.matmul),
+        )
+    }
+
     /// `∂L/∂hidden` for one block given per-row upstream gradients of the
     /// logprob (`g_lp`) and entropy (`g_ent`): with `s = logits/T`,
     /// `∂L/∂s_j = g_lp (δ_jt − p_j) − g_ent p_j (log p_j + H)`, then `·W / T`.
@@ -306,13 +317,7 @@ impl LmHeadLogprobs {
     ) -> candle_core::Result<Tensor> {
         let rows = g_lp.len();
         let (vocab, h) = self.weight.dims2()?;
-        let mut s = block_logits(
-            xb,
-            rows,
-            h,
-            &self.weight,
-            (self.packed.as_ref(), self.matmul),
-        )?;
+        let mut s = self.logits(xb, rows, h)?;
         let targets = &self.targets[start..start + rows];
         let inv_temp = self.inv_temp;
         s.par_chunks_mut(vocab)
@@ -424,13 +429,7 @@ impl CustomOp1 for LmHeadLogprobs {
         for start in (0..n).step_by(ROW_BLOCK) {
             let rows = ROW_BLOCK.min(n - start);
             let xb = &x[start * h..(start + rows) * h];
-            let mut s = block_logits(
-                xb,
-                rows,
-                h,
-                &self.weight,
-                (self.packed.as_ref(), self.matmul),
-            )?;
+            let mut s = self.logits(xb, rows, h)?;
             let targets = &self.targets[start..start + rows];
             let save_grad = self.save_grad;
             let inv_temp = self.inv_temp;
