@@ -410,7 +410,8 @@ pub struct TeacherSection {
     pub path: Option<PathBuf>,
     /// A PEFT LoRA adapter applied to `path`.
     pub adapter: Option<PathBuf>,
-    /// Precision of the teacher's matmul weights (as `[model] dtype`).
+    /// Precision of the teacher's matmul weights (as `[model] dtype`);
+    /// unset: the student's.
     pub dtype: Option<String>,
     /// Or the base URL of an OpenAI-compatible server.
     pub url: Option<String>,

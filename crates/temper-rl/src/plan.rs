@@ -264,7 +264,7 @@ impl TryFrom<RlConfig> for RlPlan {
             );
         }
         let loss = rl_loss(&cfg.trainer)?;
-        let distill = distill_plan(&cfg.distill)?;
+        let distill = distill_plan(&cfg.distill, model.precision)?;
         let optim = optim_of!(cfg.trainer);
         Ok(Self {
             model,
@@ -464,8 +464,9 @@ fn precision_of(dtype: Option<&str>, what: &str) -> Result<Precision> {
     }
 }
 
-/// `[distill]` with a teacher, checked; `None` without one.
-fn distill_plan(d: &DistillSection) -> Result<Option<DistillPlan>> {
+/// `[distill]` with a teacher, checked; `None` without one. A local
+/// teacher without a `dtype` gets the student's precision (`student`).
+fn distill_plan(d: &DistillSection, student: Precision) -> Result<Option<DistillPlan>> {
     let Some(t) = &d.teacher else {
         return Ok(None);
     };
@@ -486,7 +487,10 @@ fn distill_plan(d: &DistillSection) -> Result<Option<DistillPlan>> {
             if t.model.is_some() || t.api_key_env.is_some() {
                 return bad("distill.teacher: `model` and `api_key_env` go with `url`, not `path`");
             }
-            let precision = precision_of(t.dtype.as_deref(), "distill.teacher:")?;
+            let precision = match t.dtype.as_deref() {
+                Some(_) => precision_of(t.dtype.as_deref(), "distill.teacher:")?,
+                None => student,
+            };
             TeacherSource::Local {
                 path: path.clone(),
                 adapter: t.adapter.clone(),

@@ -79,15 +79,12 @@ fn resolve<T: serde::de::DeserializeOwned + serde::Serialize>(
         (Some(p), None) => (p.clone(), false),
         (None, None) => bail!("give a config file (or --resume RUN_DIR)"),
     };
-    // `--dtype` is the default of the weights' precision that a config
-    // leaves unset: the model's, and a distillation teacher's.
-    let defaults = ["model.dtype", "distill.teacher.dtype"]
-        .map(|k| (k.into(), numerics.precision.to_string()));
+    // `--dtype` and `TEMPER_MATMUL` are the defaults of the model's numerics
+    // that a config leaves unset (a local teacher's follow the model's).
     let defaults = [
-        defaults.as_slice(),
-        &[("model.matmul".into(), numerics.matmul.as_str().into())],
-    ]
-    .concat();
+        ("model.dtype".into(), numerics.precision.to_string()),
+        ("model.matmul".into(), numerics.matmul.as_str().into()),
+    ];
     let mut cfg: T = config::load_with(&path, &defaults, &overrides)?;
     if let Some(dir) = resume {
         set_dir(&mut cfg, dir);
