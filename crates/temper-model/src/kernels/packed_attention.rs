@@ -696,6 +696,21 @@ mod tests {
         Tensor::cat(&outs, 0).unwrap()
     }
 
+    /// `ours` and `theirs` are bit-identical, and the gradients of
+    /// `Σ w·out` with respect to q, k and v agree within 1e-5 (relative).
+    fn same_bits_and_grads(ours: Tensor, theirs: Tensor, w: &Tensor, qkv: [&Var; 3], what: &str) {
+        assert_eq!(bits(&ours), bits(&theirs), "{what}outputs");
+        let ga = (ours * w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (theirs * w).unwrap().sum_all().unwrap().backward().unwrap();
+        for (name, x) in ["q", "k", "v"].into_iter().zip(qkv) {
+            let err = rel_err(
+                &v64(ga.get(x.as_tensor()).unwrap()),
+                &v64(gb.get(x.as_tensor()).unwrap()),
+            );
+            assert!(err < 1e-5, "{what}d{name} relative error {err}");
+        }
+    }
+
     fn whole(lens: &[usize]) -> Vec<PackedSeq> {
         lens.iter().map(|&l| PackedSeq::whole(l)).collect()
     }
@@ -744,21 +759,7 @@ mod tests {
                 &sin,
                 scale,
             );
-            assert_eq!(bits(&ours), bits(&theirs), "{lens:?}: outputs");
-            let ga = (ours * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let gb = (theirs * &w)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
-            for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
-                let err = rel_err(
-                    &v64(ga.get(x.as_tensor()).unwrap()),
-                    &v64(gb.get(x.as_tensor()).unwrap()),
-                );
-                assert!(err < 1e-5, "{lens:?}: d{name} relative error {err}");
-            }
+            same_bits_and_grads(ours, theirs, &w, [&q, &k, &v], &format!("{lens:?}: "));
         }
     }
 
@@ -822,16 +823,7 @@ mod tests {
             let kept = theirs
                 .index_select(&Tensor::new(keep.as_slice(), &Device::Cpu).unwrap(), 0)
                 .unwrap();
-            assert_eq!(bits(&ours), bits(&kept), "{seqs:?}: outputs");
-            let ga = (ours * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let gb = (kept * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
-                let err = rel_err(
-                    &v64(ga.get(x.as_tensor()).unwrap()),
-                    &v64(gb.get(x.as_tensor()).unwrap()),
-                );
-                assert!(err < 1e-5, "{seqs:?}: d{name} relative error {err}");
-            }
+            same_bits_and_grads(ours, kept, &w, [&q, &k, &v], &format!("{seqs:?}: "));
         }
     }
 
@@ -917,16 +909,7 @@ mod tests {
         let kept = theirs
             .index_select(&Tensor::new(keep.as_slice(), &Device::Cpu).unwrap(), 0)
             .unwrap();
-        assert_eq!(bits(&ours), bits(&kept), "outputs");
-        let ga = (ours * &w).unwrap().sum_all().unwrap().backward().unwrap();
-        let gb = (kept * &w).unwrap().sum_all().unwrap().backward().unwrap();
-        for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
-            let err = rel_err(
-                &v64(ga.get(x.as_tensor()).unwrap()),
-                &v64(gb.get(x.as_tensor()).unwrap()),
-            );
-            assert!(err < 1e-5, "d{name} relative error {err}");
-        }
+        same_bits_and_grads(ours, kept, &w, [&q, &k, &v], "");
     }
 
     #[test]
