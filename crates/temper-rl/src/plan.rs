@@ -453,14 +453,14 @@ pub(crate) fn check_env_weights(weights: &[f64]) -> Result<()> {
     Ok(())
 }
 
-/// A `dtype` key as a [`Precision`] (unset: `f32`; the CLI fills an unset
-/// key from its `--dtype` before planning); errors name the section `what`.
-fn precision_of(dtype: Option<&str>, what: &str) -> Result<Precision> {
+/// A `dtype` key as a [`Precision`] (unset: `unset`); errors name the
+/// section `what`.
+fn precision_of(dtype: Option<&str>, what: &str, unset: Precision) -> Result<Precision> {
     match dtype {
         Some(d) => d
             .parse::<Precision>()
             .map_err(|e| RlError::Config(format!("{what} {e}"))),
-        None => Ok(Precision::F32),
+        None => Ok(unset),
     }
 }
 
@@ -487,10 +487,7 @@ fn distill_plan(d: &DistillSection, student: Precision) -> Result<Option<Distill
             if t.model.is_some() || t.api_key_env.is_some() {
                 return bad("distill.teacher: `model` and `api_key_env` go with `url`, not `path`");
             }
-            let precision = match t.dtype.as_deref() {
-                Some(_) => precision_of(t.dtype.as_deref(), "distill.teacher:")?,
-                None => student,
-            };
+            let precision = precision_of(t.dtype.as_deref(), "distill.teacher:", student)?;
             TeacherSource::Local {
                 path: path.clone(),
                 adapter: t.adapter.clone(),
@@ -572,7 +569,8 @@ fn model_plan(m: &ModelSection, l: &LoraSection) -> Result<ModelPlan> {
     if m.adapter.is_some() && !l.enabled {
         return bad("[model] adapter needs [lora] enabled = true (it continues a LoRA run)");
     }
-    let precision = precision_of(m.dtype.as_deref(), "[model]")?;
+    // Unset: f32 (the CLI fills an unset key from `--dtype` before planning).
+    let precision = precision_of(m.dtype.as_deref(), "[model]", Precision::F32)?;
     if precision != Precision::F32 && !l.enabled {
         return bad(format!(
             "{} weights (from [model] dtype or --dtype) need [lora] enabled = true: full-parameter training keeps f32 weights; set [model] dtype = \"f32\"",
