@@ -699,7 +699,7 @@ mod tests {
                 bytes: &bytes,
                 cols: k,
             };
-            for m in [5, 13] {
+            for m in [2, 3, 4, 5, 7, 13] {
                 let x = super::super::test_util::rand_vec(m * k, 12);
                 let mut want = vec![0f32; m * n];
                 super::super::matmul::matmul_nt_f32(&x, &deq, m, n, k, &mut want);
