@@ -59,7 +59,9 @@
 //! With AVX2 and FMA, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks are decoded in
 //! registers (`quant_avx2`): a decode-sized call (≤ 8 rows) multiplies
 //! each eight decoded weights straight into its lane sums and never writes
-//! an f32 weight; a longer call dequantizes 48 rows at a time into a buffer
+//! an f32 weight, taking up to four weight rows side by side so that one
+//! activation row still has independent multiply-add chains to overlap,
+//! and prefetching the next rows as it reads these; a longer call dequantizes 48 rows at a time into a buffer
 //! that stays in cache and runs the f32 kernel's register tiles on it. Other
 //! formats and CPUs take the portable path: plain Rust compiled twice
 //! (baseline and AVX2, chosen at run time; without fused multiply-adds both
