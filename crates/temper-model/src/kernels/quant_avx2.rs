@@ -2,14 +2,14 @@
 //!
 //! Eight weights at a time are decoded from their block into a `__m256`
 //! (bytes widened to `i32` lanes, nibbles, fifth bits and bit pairs masked
-//! out, converted to f32, then scaled: `q·d`, `q·d + m` or `d₁·q − m₁` with one `vmulps`
-//! and one `vaddps`/`vsubps`, never fused, so each lane holds exactly the
-//! value the loader's dequantization computes) and used straight away by
-//! the f32 kernel's arithmetic: one fused multiply-add per activation row
-//! into eight lane sums over `k = l, l+8, …` in `k` order, the lanes added
-//! in [`super::matmul`]'s fixed tree. Every output is therefore the very
-//! reduction `matmul_nt_f32` computes on the dequantized weight, whatever
-//! the number of rows in the call.
+//! out, converted to f32, then scaled: `q·d`, `q·d + m` or `d₁·q − m₁`
+//! with one `vmulps` and one `vaddps`/`vsubps`, never fused, so each lane
+//! holds exactly the value the loader's dequantization computes) and used
+//! straight away by the f32 kernel's arithmetic: one fused multiply-add per
+//! activation row into eight lane sums over `k = l, l+8, …` in `k` order,
+//! the lanes added in [`super::matmul`]'s fixed tree. Every output is
+//! therefore the very reduction `matmul_nt_f32` computes on the dequantized
+//! weight, whatever the number of rows in the call.
 //!
 //! Calls of at most [`FUSED_ROWS`] rows (decode steps) decode each weight
 //! row once and run all their activation rows against it, so no f32 copy of
