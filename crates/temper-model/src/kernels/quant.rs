@@ -56,14 +56,15 @@
 //!   backward kernel: QLoRA's gradients are the dequantized model's.
 //!
 //! # Decoders ([`Decoder`])
-//! With AVX2 and FMA, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks are decoded in
-//! registers (`quant_avx2`): a decode-sized call (≤ 8 rows) multiplies
-//! each eight decoded weights straight into its lane sums and never writes
-//! an f32 weight, taking up to four weight rows side by side so that one
+//! With AVX2 and FMA, every format's blocks are decoded in registers
+//! (`quant_avx2`): a decode-sized call (≤ 8 rows) multiplies each eight
+//! decoded weights straight into its lane sums and never writes an f32
+//! weight, taking up to four weight rows side by side so that one
 //! activation row still has independent multiply-add chains to overlap,
-//! and prefetching the next rows as it reads these; a longer call dequantizes 48 rows at a time into a buffer
-//! that stays in cache and runs the f32 kernel's register tiles on it. Other
-//! formats and CPUs take the portable path: plain Rust compiled twice
+//! and prefetching the next rows as it reads these; a longer call
+//! dequantizes 48 rows at a time into a buffer that stays in cache and
+//! runs the f32 kernel's register tiles on it. Other CPUs (and
+//! `TEMPER_QUANT_SIMD=0`) take the portable path: plain Rust compiled twice
 //! (baseline and AVX2, chosen at run time; without fused multiply-adds both
 //! copies round identically) into the same buffer. The f32 kernel has no
 //! AVX-512 tiles, and 16-lane sums would change its order, so there is no
@@ -687,8 +688,11 @@ mod tests {
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c")
         {
-            // The register path must actually be under test on such a CPU.
-            assert_eq!(Decoder::best(QuantFormat::Q4K), Decoder::Registers);
+            // The register path must actually be under test on such a CPU,
+            // for every format.
+            for f in QuantFormat::ALL {
+                assert_eq!(Decoder::best(f), Decoder::Registers, "{f:?}");
+            }
         }
         for f in QuantFormat::ALL {
             // n spans several row blocks and a partial one; two K-quant
@@ -775,7 +779,7 @@ mod tests {
     }
 
     /// Hand-packed blocks: `q[i]` the stored integer of value `i`, laid out
-    /// as ggml's `quantize_row_*` writes it; the decoder must give
+    /// as ggml's `quantize_row_*` writes it; every decoder must give
     /// `want(i)` exactly (every product here is exact in f32).
     fn check_block(f: QuantFormat, block: &[u8], want: impl Fn(usize) -> f64) {
         assert_eq!(block.len(), f.block_bytes(), "{f:?}");
@@ -783,6 +787,16 @@ mod tests {
         dequantize_blocks_body(f, block, &mut y);
         for (i, &v) in y.iter().enumerate() {
             assert_eq!(v as f64, want(i), "{f:?} value {i}");
+        }
+        let rows = QuantRows {
+            format: f,
+            bytes: block,
+            cols: f.block_values(),
+        };
+        for d in decoders(f) {
+            let mut got = vec![f32::NAN; f.block_values()];
+            rows.dequantize_with(d, 0, 1, &mut got);
+            assert_eq!(got, y, "{f:?} {d:?}");
         }
     }
 

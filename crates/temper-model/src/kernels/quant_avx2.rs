@@ -1,15 +1,15 @@
 //! The quantized matmul decoded in AVX2 registers (`--dtype gguf`).
 //!
 //! Eight weights at a time are decoded from their block into a `__m256`
-//! (bytes widened to `i32` lanes, nibbles and bit pairs masked out, converted
-//! to f32, then scaled: `q·d`, `q·d + m` or `d₁·q − m₁` with one `vmulps`
-//! and one `vaddps`/`vsubps`, never fused, so each lane holds exactly the
-//! value the loader's dequantization computes) and used straight away by
-//! the f32 kernel's arithmetic: one fused multiply-add per activation row
-//! into eight lane sums over `k = l, l+8, …` in `k` order, the lanes added
-//! in [`super::matmul`]'s fixed tree. Every output is therefore the very
-//! reduction `matmul_nt_f32` computes on the dequantized weight, whatever
-//! the number of rows in the call.
+//! (bytes widened to `i32` lanes, nibbles, fifth bits and bit pairs masked
+//! out, converted to f32, then scaled: `q·d`, `q·d + m` or `d₁·q − m₁`
+//! with one `vmulps` and one `vaddps`/`vsubps`, never fused, so each lane
+//! holds exactly the value the loader's dequantization computes) and used
+//! straight away by the f32 kernel's arithmetic: one fused multiply-add per
+//! activation row into eight lane sums over `k = l, l+8, …` in `k` order,
+//! the lanes added in [`super::matmul`]'s fixed tree. Every output is
+//! therefore the very reduction `matmul_nt_f32` computes on the dequantized
+//! weight, whatever the number of rows in the call.
 //!
 //! Calls of at most [`FUSED_ROWS`] rows (decode steps) decode each weight
 //! row once and run all their activation rows against it, so no f32 copy of
@@ -22,9 +22,9 @@
 //! block (AVX-512VL `vpermt2ps`, the same values in fewer instructions) ran
 //! 15% slower per weight than this arithmetic on Zen 4.
 //!
-//! Only the formats SmolLM2's and the common Q4_K_M / Q8_0 files use have a
-//! decoder here (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K); the others run the portable
-//! dequantization.
+//! Every format `quant` keeps has a decoder here (Q8_0, Q4_0, Q4_1, Q5_0,
+//! Q5_1, Q4_K, Q5_K, Q6_K), each tested bit-identical to the portable
+//! dequantization, which remains for CPUs without AVX2, FMA and F16C.
 
 use std::arch::x86_64::*;
 
@@ -37,8 +37,11 @@ pub(super) const FUSED_ROWS: usize = 8;
 const Q8_0: u8 = 0;
 const Q4_0: u8 = 1;
 const Q4_1: u8 = 2;
-const Q4K: u8 = 3;
-const Q6K: u8 = 4;
+const Q5_0: u8 = 3;
+const Q5_1: u8 = 4;
+const Q4K: u8 = 5;
+const Q5K: u8 = 6;
+const Q6K: u8 = 7;
 
 /// Whether this path runs: the CPU has AVX2 and FMA — the f32 kernel then
 /// runs its AVX2 tiles, whose rounding this path reproduces — and F16C (every
@@ -59,7 +62,10 @@ pub(super) fn decodes(format: QuantFormat) -> bool {
         QuantFormat::Q8_0
             | QuantFormat::Q4_0
             | QuantFormat::Q4_1
+            | QuantFormat::Q5_0
+            | QuantFormat::Q5_1
             | QuantFormat::Q4K
+            | QuantFormat::Q5K
             | QuantFormat::Q6K
     )
 }
@@ -136,6 +142,38 @@ unsafe fn group<const F: u8>(row: *const u8, g: usize) -> [__m256; 4] {
                     }
                 }
             }
+            Q5_0 | Q5_1 => {
+                let (blk, qh, qs) = if F == Q5_0 {
+                    (row.add(22 * g), 2, 6)
+                } else {
+                    (row.add(24 * g), 4, 8)
+                };
+                let d = _mm256_set1_ps(f16_at(blk));
+                let m = _mm256_set1_ps(if F == Q5_1 { f16_at(blk.add(2)) } else { 0.0 });
+                // Value `v`'s fifth bit is bit `v` of the little-endian
+                // `u32` `qh`: every lane holds all 32 and shifts its own
+                // down (`vpsrlvd`), lane `l` of vector `i` being value `8i + l`.
+                let bits = _mm256_set1_epi32((blk.add(qh) as *const i32).read_unaligned());
+                let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let (one, sixteen) = (_mm256_set1_epi32(1), _mm256_set1_epi32(16));
+                for c in 0..2 {
+                    let b = bytes8(blk.add(qs + 8 * c));
+                    let lo = _mm256_and_si256(b, nib);
+                    let hi = _mm256_srli_epi32(b, 4);
+                    for (i, q) in [(c, lo), (c + 2, hi)] {
+                        let at = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * i as i32));
+                        let h = _mm256_and_si256(_mm256_srlv_epi32(bits, at), one);
+                        let q = _mm256_or_si256(q, _mm256_slli_epi32(h, 4));
+                        // Q5_0 subtracts 16 from the integer, then converts
+                        // (exact); Q5_1 multiplies, then adds `m`.
+                        w[i] = if F == Q5_0 {
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, sixteen)), d)
+                        } else {
+                            _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), d), m)
+                        };
+                    }
+                }
+            }
             Q4K => {
                 let (blk, s) = (row.add(144 * (g / 8)), g % 8);
                 let (d, dmin) = (f16_at(blk), f16_at(blk.add(2)));
@@ -147,6 +185,25 @@ unsafe fn group<const F: u8>(row: *const u8, g: usize) -> [__m256; 4] {
                 let shift = _mm_cvtsi32_si128(4 * (s % 2) as i32);
                 for (c, w) in w.iter_mut().enumerate() {
                     let q = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * c)), shift), nib);
+                    *w = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(q)), m1);
+                }
+            }
+            Q5K => {
+                let (blk, s) = (row.add(176 * (g / 8)), g % 8);
+                let (d, dmin) = (f16_at(blk), f16_at(blk.add(2)));
+                let scales = std::slice::from_raw_parts(blk.add(4), 12);
+                let (sc, mn) = super::quant::scale_min_k4(s, scales);
+                let d1 = _mm256_set1_ps(d * sc as f32);
+                let m1 = _mm256_set1_ps(dmin * mn as f32);
+                // Q4_K's nibbles, plus bit `s` of `qh[l]` as the fifth.
+                let (qh, qs) = (blk.add(16), blk.add(48 + 32 * (s / 2)));
+                let shift = _mm_cvtsi32_si128(4 * (s % 2) as i32);
+                let hshift = _mm_cvtsi32_si128(s as i32);
+                let one = _mm256_set1_epi32(1);
+                for (c, w) in w.iter_mut().enumerate() {
+                    let lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * c)), shift), nib);
+                    let hi = _mm256_and_si256(_mm256_srl_epi32(bytes8(qh.add(8 * c)), hshift), one);
+                    let q = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4));
                     *w = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(q)), m1);
                 }
             }
@@ -331,9 +388,11 @@ pub(super) unsafe fn fused(
             QuantFormat::Q8_0 => fused_block::<Q8_0>(x, w, m, n, k, n0, n1, y),
             QuantFormat::Q4_0 => fused_block::<Q4_0>(x, w, m, n, k, n0, n1, y),
             QuantFormat::Q4_1 => fused_block::<Q4_1>(x, w, m, n, k, n0, n1, y),
+            QuantFormat::Q5_0 => fused_block::<Q5_0>(x, w, m, n, k, n0, n1, y),
+            QuantFormat::Q5_1 => fused_block::<Q5_1>(x, w, m, n, k, n0, n1, y),
             QuantFormat::Q4K => fused_block::<Q4K>(x, w, m, n, k, n0, n1, y),
+            QuantFormat::Q5K => fused_block::<Q5K>(x, w, m, n, k, n0, n1, y),
             QuantFormat::Q6K => fused_block::<Q6K>(x, w, m, n, k, n0, n1, y),
-            f => unreachable!("no register decoder for {f:?}"),
         }
     }
 }
@@ -374,9 +433,11 @@ pub(super) unsafe fn dequantize(w: QuantRows<'_>, r0: usize, r1: usize, out: &mu
             QuantFormat::Q8_0 => dequantize_rows::<Q8_0>(w, r0, r1, out),
             QuantFormat::Q4_0 => dequantize_rows::<Q4_0>(w, r0, r1, out),
             QuantFormat::Q4_1 => dequantize_rows::<Q4_1>(w, r0, r1, out),
+            QuantFormat::Q5_0 => dequantize_rows::<Q5_0>(w, r0, r1, out),
+            QuantFormat::Q5_1 => dequantize_rows::<Q5_1>(w, r0, r1, out),
             QuantFormat::Q4K => dequantize_rows::<Q4K>(w, r0, r1, out),
+            QuantFormat::Q5K => dequantize_rows::<Q5K>(w, r0, r1, out),
             QuantFormat::Q6K => dequantize_rows::<Q6K>(w, r0, r1, out),
-            f => unreachable!("no register decoder for {f:?}"),
         }
     }
 }
