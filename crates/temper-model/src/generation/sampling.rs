@@ -93,7 +93,16 @@ impl<'a> Sampler<'a> {
     }
 
     /// Generate for every request; returns `n` completions per request, in order.
+    /// Runs on a thread of the kernels' pool ([`crate::on_pool`]).
     pub fn generate(
+        &self,
+        requests: &[GenerationRequest],
+        lora: Option<&LoraAdapter>,
+    ) -> Result<Vec<Vec<Completion>>> {
+        crate::on_pool(|| self.generate_here(requests, lora))
+    }
+
+    fn generate_here(
         &self,
         requests: &[GenerationRequest],
         lora: Option<&LoraAdapter>,

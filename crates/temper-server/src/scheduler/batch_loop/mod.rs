@@ -198,15 +198,19 @@ impl BatchLoop {
             while let Ok(j) = self.rx.try_recv() {
                 self.waiting.push_back(j);
             }
-            #[cfg(feature = "fault-hooks")]
-            crate::scheduler::fault::check_loop();
-            self.drop_cancelled_waiting();
-            self.admit();
-            self.prefill_step();
-            self.sample_all();
-            self.preempt();
-            self.decode();
-            self.publish();
+            // The step's kernels are called from a pool thread (see
+            // `temper_model::on_pool`); waiting for jobs stays off the pool.
+            temper_model::on_pool(|| {
+                #[cfg(feature = "fault-hooks")]
+                crate::scheduler::fault::check_loop();
+                self.drop_cancelled_waiting();
+                self.admit();
+                self.prefill_step();
+                self.sample_all();
+                self.preempt();
+                self.decode();
+                self.publish();
+            });
         }
     }
 
