@@ -25,6 +25,15 @@ training in bf16 (weights and activations cast with ``.to(torch.bfloat16)``,
 what ``torch_dtype=bfloat16`` gives). Each phase reports its peak resident set
 size (Linux ``VmHWM``, reset per phase via ``/proc/self/clear_refs``).
 
+``--temper-model FILE`` gives temper another file of the same model (e.g. a
+GGUF export of DIR, with ``--dtype gguf``). ``--peer-dtype bf16`` runs the
+torch side in bf16 only, the way a bf16 user runs it: DIR loaded with
+``dtype=bfloat16`` (no f32 copy), LoRA attached to it in place, and
+``generate`` through the adapter as temper samples (``--peer-dtype f32``, the
+default, keeps the f32 rows above). ``--batch``, ``--seq-len``,
+``--sample-seqs`` and ``--new-tokens`` set the shapes of both sides
+(``scripts/bench_laptop.py`` uses all of these).
+
 Attention uses transformers' default "sdpa" implementation (what a user gets).
 The temper binary is run first as ``temper bench model --json --threads N
 --iters K``, then the PyTorch half in this process (so torch's worker threads
@@ -60,6 +69,7 @@ CONFIG = {
     "batch": 8,
     "seq_len": 128,
     "prompt_len": 16,
+    "sample_seqs": 8,
     "new_tokens": 128,
 }
 LORA_ALPHA = 32
@@ -80,8 +90,9 @@ ROWS = [
     ("train peak RSS MB", "train_peak_rss_mb", "train_peak_rss_mb"),
     ("train peak RSS MB vs torch bf16", "train_peak_rss_mb", "bf16_train_peak_rss_mb"),
     ("sample peak RSS MB", "sample_peak_rss_mb", "sample_peak_rss_mb"),
+    ("peak RSS MB (train, sample)", "peak_rss_mb", "peak_rss_mb"),
 ]
-LOWER_IS_BETTER = {"train_peak_rss_mb", "sample_peak_rss_mb"}
+LOWER_IS_BETTER = {"train_peak_rss_mb", "sample_peak_rss_mb", "peak_rss_mb"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -100,19 +111,33 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="a Hugging Face model directory instead of the tiny random Llama")
     p.add_argument("--no-bf16", action="store_true", help="with --model: skip the bf16 training run")
     p.add_argument(
-        "--dtype", choices=["f32", "bf16", "auto"], default="f32",
+        "--dtype", choices=["f32", "bf16", "auto", "gguf"], default="f32",
         help="temper's weight precision (`temper --dtype`); compare bf16 against the torch bf16 row",
     )
+    p.add_argument("--temper-model", type=Path, help="with --model: the file temper runs (default: --model)")
+    p.add_argument(
+        "--peer-dtype", choices=["f32", "bf16"], default="f32",
+        help="bf16: torch loads --model in bf16 and trains and samples (through the adapter) in bf16 only",
+    )
+    p.add_argument("--batch", type=int, default=CONFIG["batch"], help="sequences per training step")
+    p.add_argument("--seq-len", type=int, default=CONFIG["seq_len"], help="tokens per training sequence")
+    p.add_argument("--sample-seqs", type=int, default=CONFIG["batch"], help="sequences sampled at once")
+    p.add_argument("--new-tokens", type=int, default=CONFIG["new_tokens"], help="new tokens per sampled sequence")
     p.add_argument(
         "--train-only", action="store_true",
         help="skip sampling on both sides (with --threads 1, the CPU-second row is robust on a busy machine)",
     )
     args = p.parse_args()
-    for name in ("threads", "iters", "sample_runs"):
+    for name in ("threads", "iters", "sample_runs", "batch", "seq_len", "sample_seqs", "new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if (args.temper_model or args.peer_dtype != "f32") and not args.model:
+        p.error("--temper-model and --peer-dtype need --model")
+    CONFIG.update(
+        batch=args.batch, seq_len=args.seq_len, sample_seqs=args.sample_seqs, new_tokens=args.new_tokens
+    )
     return args
 
 
@@ -130,9 +155,11 @@ def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
     cmd = [
         str(exe), "--dtype", args.dtype, "bench", "model", "--json",
         "--threads", str(args.threads), "--iters", str(args.iters),
+        "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+        "--sample-seqs", str(args.sample_seqs), "--new-tokens", str(args.new_tokens),
     ]
     if args.model:
-        cmd += ["--model", str(args.model)]
+        cmd += ["--model", str(args.temper_model or args.model)]
     if args.train_only:
         cmd += ["--train-only"]
     print("running:", " ".join(cmd), file=sys.stderr, flush=True)
@@ -164,6 +191,7 @@ def run_temper(args: argparse.Namespace) -> tuple[dict | None, str | None]:
         result["train_peak_rss_mb"] = rss["train_peak"]
     if rss.get("sample_peak") is not None:
         result["sample_peak_rss_mb"] = rss["sample_peak"]
+    result["peak_rss_mb"] = max_peak(result)
     missing = [k for k in ("train_tokens_per_s", "sample_tokens_per_s") if k not in result]
     if args.train_only:
         missing = [k for k in missing if k != "sample_tokens_per_s"]
@@ -211,6 +239,13 @@ def rss_mb() -> float | None:
     return _status_mb("VmRSS")
 
 
+def max_peak(result: dict) -> float | None:
+    """The larger of the training and sampling peaks (each includes the loaded model)."""
+    peaks = [result.get(k) for k in ("train_peak_rss_mb", "sample_peak_rss_mb")]
+    peaks = [v for v in peaks if v is not None]
+    return max(peaks) if peaks else None
+
+
 # ----------------------------------------------------------------------------- torch
 
 
@@ -235,9 +270,9 @@ def build_model(torch, transformers):
     return model
 
 
-def load_model(torch, transformers, path: Path):
+def load_model(torch, transformers, path: Path, dtype=None):
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
+        path, dtype=dtype or torch.float32, attn_implementation=ATTN_IMPLEMENTATION
     )
     cfg = model.config
     CONFIG.update(
@@ -251,8 +286,12 @@ def load_model(torch, transformers, path: Path):
     return model
 
 
-def bench_train(torch, peft, base, args, dtype=None) -> dict:
-    """Median time of one LoRA forward+backward over batch x seq_len tokens."""
+def bench_train(torch, peft, base, args, dtype=None, in_place=False) -> tuple[dict, object | None]:
+    """Median time of one LoRA forward+backward over batch x seq_len tokens.
+
+    Trains a copy of `base` cast to `dtype` and returns (results, None); with `in_place`, attaches
+    the adapter to `base` itself (no second copy of the weights) and returns (results, PEFT model).
+    """
     lora_cfg = peft.LoraConfig(
         r=CONFIG["lora_rank"],
         lora_alpha=LORA_ALPHA,
@@ -262,7 +301,7 @@ def bench_train(torch, peft, base, args, dtype=None) -> dict:
         task_type="CAUSAL_LM",
     )
     dtype = dtype or torch.float32
-    model = peft.get_peft_model(copy.deepcopy(base).to(dtype), lora_cfg)
+    model = peft.get_peft_model(base if in_place else copy.deepcopy(base).to(dtype), lora_cfg)
     model.train()
     # PEFT zero-initialises lora_B; give it small values so the adapter path is "live" (cost is the same).
     with torch.no_grad():
@@ -295,7 +334,9 @@ def bench_train(torch, peft, base, args, dtype=None) -> dict:
     med = statistics.median(times)
     peak = peak_rss_mb()
     model.zero_grad(set_to_none=True)
-    del model
+    if not in_place:
+        del model
+        model = None
     return {
         "train_peak_rss_mb": peak,
         "peak_is_per_phase": reset,
@@ -304,13 +345,13 @@ def bench_train(torch, peft, base, args, dtype=None) -> dict:
         "train_step_ms": med * 1e3,
         "train_step_ms_all": [x * 1e3 for x in times],
         "lora_trainable_params": n_trainable,
-    }
+    }, model
 
 
 def bench_sample(torch, transformers, model, args) -> dict:
     """Median wall time of generate() for batch prompts x new_tokens sampled tokens."""
     model.eval()
-    b, p, n = CONFIG["batch"], CONFIG["prompt_len"], CONFIG["new_tokens"]
+    b, p, n = CONFIG["sample_seqs"], CONFIG["prompt_len"], CONFIG["new_tokens"]
     prompts = torch.randint(0, CONFIG["vocab_size"], (b, p))
     gen_cfg = transformers.GenerationConfig(
         do_sample=True,
@@ -355,24 +396,34 @@ def run_torch(args: argparse.Namespace) -> dict:
     transformers.logging.set_verbosity_error()
     # peft 0.21 calls a transformers method that is deprecated in 5.x; harmless noise.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    base = load_model(torch, transformers, args.model) if args.model else build_model(torch, transformers)
+    bf16_only = args.peer_dtype == "bf16"
+    imported = rss_mb()  # torch's and transformers' own libraries, before any model
+    if args.model:
+        base = load_model(torch, transformers, args.model, torch.bfloat16 if bf16_only else None)
+    else:
+        base = build_model(torch, transformers)
     loaded = rss_mb()
-    print(f"torch: train ({args.warmup} warm-up + {args.iters} timed steps) ...", file=sys.stderr, flush=True)
-    train = bench_train(torch, peft, base, args)
-    if args.model and not args.no_bf16:
+    print(
+        f"torch: train in {args.peer_dtype} ({args.warmup} warm-up + {args.iters} timed steps) ...",
+        file=sys.stderr, flush=True,
+    )
+    # bf16 only: the adapter goes on the loaded model and sampling runs through it, as temper's does.
+    train, lora_model = bench_train(torch, peft, base, args, dtype=base.dtype, in_place=bf16_only)
+    if args.model and not args.no_bf16 and not bf16_only:
         print("torch: train in bf16 ...", file=sys.stderr, flush=True)
-        bf = bench_train(torch, peft, base, args, dtype=torch.bfloat16)
+        bf, _ = bench_train(torch, peft, base, args, dtype=torch.bfloat16)
         train["bf16_train_tokens_per_s"] = bf["train_tokens_per_s"]
         train["bf16_train_step_ms"] = bf["train_step_ms"]
         train["bf16_train_peak_rss_mb"] = bf["train_peak_rss_mb"]
     sample = {}
     if not args.train_only:
         print(f"torch: sample (1 warm-up + {args.sample_runs} timed generate calls) ...", file=sys.stderr, flush=True)
-        sample = bench_sample(torch, transformers, base, args)
+        sample = bench_sample(torch, transformers, lora_model or base, args)
+    result = {"rss_before_load_mb": imported, "rss_after_load_mb": loaded, **train, **sample}
+    result["peak_rss_mb"] = max_peak(result)
     return {
-        "rss_after_load_mb": loaded,
-        **train,
-        **sample,
+        **result,
+        "dtype": args.peer_dtype,
         "threads": torch.get_num_threads(),
         "attn_implementation": ATTN_IMPLEMENTATION,
         "versions": {
@@ -387,8 +438,9 @@ def run_torch(args: argparse.Namespace) -> dict:
 # ----------------------------------------------------------------------------- report
 
 
-def print_table(temper: dict | None, peer: dict, ratios: dict) -> None:
-    header = ("metric", "temper", "torch/transformers", "ratio temper/peer")
+def print_table(temper: dict | None, peer: dict, ratios: dict, extra=()) -> None:
+    """The ROWS both sides report, then `extra` rows given as four strings each."""
+    header = ("metric", "temper", f"torch/transformers {peer.get('dtype', 'f32')}", "ratio temper/peer")
     lines = [header]
     for label, tkey, pkey in ROWS:
         if peer.get(pkey) is None or (tkey != pkey and not (temper and tkey in temper)):
@@ -396,6 +448,7 @@ def print_table(temper: dict | None, peer: dict, ratios: dict) -> None:
         t = f"{temper[tkey]:.1f}" if temper and tkey in temper else "-"
         r = f"{ratios[label]:.2f}x" if ratios.get(label) is not None else "-"
         lines.append((label, t, f"{peer[pkey]:.1f}", r))
+    lines.extend(extra)
     widths = [max(len(row[i]) for row in lines) for i in range(4)]
 
     def fmt(row: tuple[str, ...]) -> str:
@@ -437,10 +490,11 @@ def main() -> int:
 
     b, t, n = CONFIG["batch"], CONFIG["seq_len"], CONFIG["new_tokens"]
     print(
-        f"config: {args.model or 'random'} Llama d={CONFIG['hidden_size']} ff={CONFIG['intermediate_size']} layers={CONFIG['num_layers']} "
+        f"config: {args.temper_model or args.model or 'random Llama'} d={CONFIG['hidden_size']} ff={CONFIG['intermediate_size']} layers={CONFIG['num_layers']} "
         f"heads={CONFIG['num_heads']}/{CONFIG['num_kv_heads']}kv vocab={CONFIG['vocab_size']}, "
         f"temper weights {(temper or {}).get('config', {}).get('dtype', args.dtype)}, "
-        f"LoRA r={CONFIG['lora_rank']}; train {b}x{t}, sample {b}x({CONFIG['prompt_len']}+{n}); "
+        f"torch {args.peer_dtype}, LoRA r={CONFIG['lora_rank']}; train {b}x{t}, "
+        f"sample {CONFIG['sample_seqs']}x({CONFIG['prompt_len']}+{n}); "
         f"threads={args.threads}; torch {peer['versions']['torch']}, transformers {peer['versions']['transformers']} "
         f"(attn={ATTN_IMPLEMENTATION})"
     )

@@ -27,6 +27,7 @@ use std::sync::OnceLock;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
+use super::quant::QuantRows;
 use super::{f32_slice, weight_rows, WeightRows};
 
 /// Below this many multiply-adds a call runs on the calling thread.
@@ -38,6 +39,11 @@ const K_BLOCK: usize = 64;
 /// Terms of the `n` sum per pass over a row block: a `N_CHUNK × K_BLOCK`
 /// panel of `W` (64 KiB) stays in L2 while every row tile passes over it.
 const N_CHUNK: usize = 256;
+/// f32 values of a quantized `W` dequantized at once for an input gradient
+/// (8 MiB: a decoder layer's matrix in one or two slabs).
+const QUANT_SLAB_VALUES: usize = 1 << 21;
+/// Rows per task when a slab is dequantized.
+const DEQUANT_ROWS: usize = 64;
 
 /// `g·W` for CPU tensors `g` `[m, n]` (f32) and `w` `[n, k]` (f32 or bf16): a new `[m, k]`
 /// tensor with no autograd graph (callers are backward passes).
@@ -116,10 +122,7 @@ fn nn_rows(
     accumulate: bool,
 ) {
     if let WeightRows::Quant(q) = w {
-        // The input gradient through a quantized weight: its f32 rows, as
-        // the dequantized model holds them (transient, one layer's worth).
-        let dense = q.to_f32();
-        return nn_rows(g, WeightRows::F32(&dense), m, n, k, y, accumulate);
+        return quant_nn_rows(g, q, m, n, k, y, accumulate, QUANT_SLAB_VALUES);
     }
     assert!(g.len() >= m * n && w.len() >= n * k && y.len() >= m * k);
     if m == 0 || k == 0 {
@@ -157,6 +160,59 @@ fn nn_rows(
     } else {
         (0..mb * kb).into_par_iter().for_each(run);
     }
+}
+
+/// The input gradient through a quantized `W`: its f32 rows, as the
+/// dequantized model holds them, `slab_values / k` rows at a time (each slab
+/// dequantized on every thread, then its terms of the `n` sum run through the
+/// f32 kernel, continuing from the stored partial sums, which changes no bit:
+/// see the module doc). So memory is one slab, not the whole f32 matrix: a
+/// 152k-token LM head of width 1024 would be 622 MB.
+#[allow(clippy::too_many_arguments)]
+fn quant_nn_rows(
+    g: &[f32],
+    q: QuantRows<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    y: &mut [f32],
+    accumulate: bool,
+    slab_values: usize,
+) {
+    assert!(g.len() >= m * n && q.cols == k && q.rows() >= n && y.len() >= m * k);
+    let slab = (slab_values / k.max(1)).clamp(1, n.max(1));
+    let mut w = vec![0f32; slab.min(n) * k];
+    if n <= slab {
+        dequantize_rows(q, 0, n, &mut w);
+        return nn_rows(g, WeightRows::F32(&w), m, n, k, y, accumulate);
+    }
+    let mut gs = vec![0f32; m * slab];
+    let mut n0 = 0;
+    while n0 < n {
+        let nc = slab.min(n - n0);
+        dequantize_rows(q, n0, n0 + nc, &mut w[..nc * k]);
+        for (i, row) in gs.chunks_exact_mut(nc).take(m).enumerate() {
+            row.copy_from_slice(&g[i * n + n0..i * n + n0 + nc]);
+        }
+        let (gs, ws) = (&gs[..m * nc], WeightRows::F32(&w[..nc * k]));
+        nn_rows(gs, ws, m, nc, k, y, accumulate || n0 > 0);
+        n0 += nc;
+    }
+}
+
+/// Rows `r0..r1` of `q` as f32 into `out`, `DEQUANT_ROWS` rows per task.
+fn dequantize_rows(q: QuantRows<'_>, r0: usize, r1: usize, out: &mut [f32]) {
+    let k = q.cols;
+    if k == 0 || r1 <= r0 {
+        return;
+    }
+    out[..(r1 - r0) * k]
+        .par_chunks_mut(DEQUANT_ROWS * k)
+        .enumerate()
+        .for_each(|(i, o)| {
+            let a = r0 + i * DEQUANT_ROWS;
+            q.dequantize(a, a + o.len() / k, o);
+        });
 }
 
 fn chunk_kernel() -> Chunk {
@@ -818,6 +874,48 @@ mod tests {
                 a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
                 "{m}x{n}x{k}"
             );
+        }
+    }
+
+    /// A quantized weight's input gradient, slab by slab (slabs of 1, 7 and
+    /// 100 rows, a slab past the end, with and without accumulation) gives
+    /// the bits of the f32 kernel on the whole dequantized matrix.
+    #[test]
+    fn a_quantized_weight_in_slabs_gives_the_f32_result_of_its_dequantized_values() {
+        use super::super::quant::QuantFormat;
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::{Device, Tensor};
+        for (format, ggml, k) in [
+            (QuantFormat::Q8_0, GgmlDType::Q8_0, 96),
+            (QuantFormat::Q4K, GgmlDType::Q4K, 256),
+            (QuantFormat::Q6K, GgmlDType::Q6K, 512),
+        ] {
+            let (m, n) = (9, 300);
+            let t = Tensor::from_vec(rand(n * k, 21), (n, k), &Device::Cpu).unwrap();
+            let q = QTensor::quantize(&t, ggml).unwrap();
+            let bytes = q.data().unwrap().into_owned();
+            let rows = QuantRows {
+                format,
+                bytes: &bytes,
+                cols: k,
+            };
+            let dense = rows.to_f32();
+            let g = rand(m * n, 22);
+            for accumulate in [false, true] {
+                let start = rand(m * k, 23);
+                let mut want = start.clone();
+                nn_rows(&g, WeightRows::F32(&dense), m, n, k, &mut want, accumulate);
+                for slab_rows in [1, 7, 100, n + 5] {
+                    let mut got = start.clone();
+                    quant_nn_rows(&g, rows, m, n, k, &mut got, accumulate, slab_rows * k);
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{format:?}, slabs of {slab_rows} rows, accumulate {accumulate}"
+                    );
+                }
+            }
         }
     }
 }

@@ -606,11 +606,12 @@ impl CustomOp1 for QuantMatmul {
     ) -> candle_core::Result<Option<Tensor>> {
         let (m, n) = grad.dims2()?;
         let k = self.w.cols;
-        let w = self.w.with_rows(|w| Ok(w.to_f32()))?;
-        let dx = super::with_f32("quant_matmul", grad, |g| {
-            let mut dx = vec![0f32; m * k];
-            super::matmul_nn::matmul_nn_rows(g, super::WeightRows::F32(&w), m, n, k, &mut dx);
-            Ok(dx)
+        let dx = self.w.with_rows(|w| {
+            super::with_f32("quant_matmul", grad, |g| {
+                let mut dx = vec![0f32; m * k];
+                super::matmul_nn::matmul_nn_rows(g, super::WeightRows::Quant(w), m, n, k, &mut dx);
+                Ok(dx)
+            })
         })?;
         Ok(Some(Tensor::from_vec(dx, (m, k), &Device::Cpu)?))
     }
