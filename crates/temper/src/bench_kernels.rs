@@ -3,6 +3,10 @@
 //! the input gradient (`g·W`), at the row counts of decode, prefill and
 //! training, with the weight in f32 and in bf16 (`--dtype bf16`). `scripts/bench_kernels_torch.py` runs the same shapes in
 //! PyTorch and prints the ratio.
+//!
+//! First it measures the CPU's peak multiply-add rate (register-only loops
+//! of `vdpbf16ps` and of f32 FMAs, one per thread), and each bf16 row says
+//! what fraction of the bf16 peak it reaches.
 
 use std::time::Instant;
 
@@ -10,7 +14,8 @@ use anyhow::{Context, Result};
 use clap::Args;
 use temper_model::candle_core::{DType, Device, Tensor};
 use temper_model::kernels::{
-    grad_times_packed, matmul_nn, matmul_nn_isa, matmul_nt, matmul_nt_packed, PackedBf16,
+    grad_times_packed, matmul_nn, matmul_nn_isa, matmul_nt, matmul_nt_packed, peak_gflops,
+    PackedBf16, PeakInstr,
 };
 
 /// Arguments of `temper bench kernels`.
@@ -81,14 +86,52 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
     // (name, out, in) of the linear layers a decoder runs.
     let shapes = [("qo", h, h), ("gate_up", i, h), ("down", h, i)];
     let mut rows_out = Vec::new();
+    // The peak, measured in this run: per core and on `threads` cores at once.
+    let mut peaks = serde_json::Map::new();
+    let mut bf16_peak = None;
     if !args.json {
         println!(
             "temper bench kernels: GFLOP/s ({} time), {threads} threads, matmul_nn on {}",
             args.clock,
             matmul_nn_isa()
         );
+    }
+    for instr in [
+        PeakInstr::Bf16Zmm,
+        PeakInstr::F32FmaYmm,
+        PeakInstr::F32FmaZmm,
+    ] {
+        let one = peak_gflops(instr, 1, args.seconds);
+        let all = if threads > 1 {
+            peak_gflops(instr, threads, args.seconds)
+        } else {
+            one
+        };
+        if instr == PeakInstr::Bf16Zmm {
+            // Kernel rows run on `threads` threads: compare with that peak.
+            bf16_peak = all;
+        }
+        if !args.json {
+            match (one, all) {
+                (Some(one), Some(all)) => println!(
+                    "peak {:<20} {one:>8.1} GFLOP/s per core, {all:>8.1} on {threads} threads",
+                    instr.name()
+                ),
+                _ => println!(
+                    "peak {:<20} not measured: this CPU lacks the instruction",
+                    instr.name()
+                ),
+            }
+        }
+        peaks.insert(
+            instr.name().to_string(),
+            serde_json::json!({ "per_core_gflops": one, "threads_gflops": all }),
+        );
+    }
+    let of_peak = |g: f64| bf16_peak.map(|p| g / p);
+    if !args.json {
         println!(
-            "{:<8} {:>6} {:>6} {:>5} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>9}",
+            "{:<8} {:>6} {:>6} {:>5} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>11}",
             "layer",
             "out",
             "in",
@@ -100,7 +143,8 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
             "bwd gemm",
             "ratio",
             "fwd bf16",
-            "bwd bf16"
+            "bwd bf16",
+            "bf16 % peak"
         );
     }
     for &(name, n, k) in &shapes {
@@ -138,9 +182,13 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
                 std::hint::black_box(grad_times_packed(&g, &wp)?);
                 Ok(())
             })?;
+            let pct = match (of_peak(gf(fwd_bf16)), of_peak(gf(bwd_bf16))) {
+                (Some(f), Some(b)) => format!("{:>4.0}/{:<4.0}", f * 100.0, b * 100.0),
+                _ => "-".to_string(),
+            };
             if !args.json {
                 println!(
-                    "{name:<8} {n:>6} {k:>6} {m:>5} | {:>9.1} {:>9.1} {:>5.2}x | {:>9.1} {:>9.1} {:>5.2}x | {:>9.1} {:>9.1}",
+                    "{name:<8} {n:>6} {k:>6} {m:>5} | {:>9.1} {:>9.1} {:>5.2}x | {:>9.1} {:>9.1} {:>5.2}x | {:>9.1} {:>9.1} {pct:>11}",
                     gf(fwd_nt),
                     gf(fwd_gemm),
                     fwd_gemm / fwd_nt,
@@ -156,6 +204,8 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
                 "fwd_nt_gflops": gf(fwd_nt), "fwd_candle_gflops": gf(fwd_gemm),
                 "bwd_nn_gflops": gf(bwd_nn), "bwd_candle_gflops": gf(bwd_gemm),
                 "fwd_bf16_gflops": gf(fwd_bf16), "bwd_bf16_gflops": gf(bwd_bf16),
+                "fwd_bf16_of_peak": of_peak(gf(fwd_bf16)),
+                "bwd_bf16_of_peak": of_peak(gf(bwd_bf16)),
             }));
         }
     }
@@ -165,6 +215,7 @@ pub fn run(args: KernelBenchArgs) -> Result<()> {
             serde_json::json!({
                 "threads": threads, "clock": args.clock,
                 "isa": matmul_nn_isa(),
+                "peak": peaks,
                 "results": rows_out,
             })
         );

@@ -51,6 +51,7 @@ mod matmul;
 mod matmul_bf16;
 mod matmul_nn;
 mod packed_attention;
+mod peak;
 mod quant;
 #[cfg(target_arch = "x86_64")]
 mod quant_avx2;
@@ -73,6 +74,8 @@ pub use lora_linear::{lora_linear, lora_linear_quant, lora_linear_supported};
 pub use matmul_bf16::{bf16_dot_available, PackedBf16};
 
 pub use matmul_nn::{matmul_nn, matmul_nn_isa};
+
+pub use peak::{peak_gflops, PeakInstr};
 
 pub use quant::{matmul_nt_quant_op, QuantFormat, QuantWeight};
 
