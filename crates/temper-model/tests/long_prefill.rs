@@ -4,6 +4,9 @@
 //! process's peak RSS is this test's.
 #![cfg(target_os = "linux")]
 
+mod rss;
+use rss::status_mb;
+
 use std::collections::HashMap;
 
 use temper_model::candle_core::{DType, Device, Tensor};
@@ -12,16 +15,6 @@ use temper_model::{Checkpoint, HfConfig, Model, Segment, Target};
 const T: usize = 16_384;
 const HIDDEN: usize = 32;
 const VOCAB: usize = 64;
-
-fn status_mb(field: &str) -> f64 {
-    let s = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    let line = s
-        .lines()
-        .find(|l| l.starts_with(field))
-        .expect("status field");
-    let kb: f64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kb / 1024.0
-}
 
 fn tiny_model() -> Model {
     let hf: HfConfig = serde_json::from_value(serde_json::json!({

@@ -5,6 +5,9 @@
 //! test's.
 #![cfg(target_os = "linux")]
 
+mod rss;
+use rss::status_mb;
+
 use temper_model::candle_core::{Device, Tensor, Var};
 use temper_model::kernels::{
     lm_head_logprobs, matmul_nt_quant_op, HeadKernel, QuantFormat, QuantWeight,
@@ -16,16 +19,6 @@ const ROWS: usize = 65_536;
 const COLS: usize = 512;
 /// Tokens through it.
 const N: usize = 8;
-
-fn status_mb(field: &str) -> f64 {
-    let s = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    let line = s
-        .lines()
-        .find(|l| l.starts_with(field))
-        .expect("status field");
-    let kb: f64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kb / 1024.0
-}
 
 /// `block_q8_0` rows (f16 scale, 32 signed bytes) with varied values.
 fn q8_weight() -> QuantWeight {
