@@ -78,7 +78,9 @@ pub fn peak_gflops(instr: PeakInstr, threads: usize, seconds: f64) -> Option<f64
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or(0.0))
+            // A probe thread that panicked re-raises here: a lost thread
+            // must not read as a lower peak.
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
             .collect()
     });
     Some(per_thread.iter().sum())
@@ -169,10 +171,8 @@ mod x86 {
         for r in acc {
             s = _mm256_add_ps(s, r);
         }
-        let hi = _mm256_extractf128_ps(s, 1);
-        let q = _mm_add_ps(_mm256_castps256_ps128(s), hi);
-        let q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-        _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)))
+        // SAFETY: AVX2 is this function's own contract.
+        unsafe { super::super::matmul::hsum_avx2(s) }
     }
 
     /// # Safety

@@ -182,11 +182,9 @@ impl QuantRows<'_> {
     /// [`QuantRows::dequantize`] with a chosen decoder (the same values).
     pub(crate) fn dequantize_with(&self, decoder: Decoder, r0: usize, r1: usize, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if decoder == Decoder::Registers
-            && super::quant_avx2::available()
-            && super::quant_avx2::decodes(self.format)
-        {
-            // SAFETY: the CPU and the format qualify (checked just above).
+        if decoder == Decoder::Registers && super::quant_avx2::available() {
+            // SAFETY: the CPU qualifies (checked just above); every format
+            // has a register decoder.
             unsafe { super::quant_avx2::dequantize(*self, r0, r1, out) };
             return;
         }
@@ -399,7 +397,7 @@ impl Decoder {
             static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
             let off =
                 *OFF.get_or_init(|| std::env::var("TEMPER_QUANT_SIMD").is_ok_and(|v| v == "0"));
-            if !off && super::quant_avx2::available() && super::quant_avx2::decodes(format) {
+            if !off && super::quant_avx2::available() {
                 return Self::Registers;
             }
         }
@@ -437,9 +435,7 @@ pub(crate) fn matmul_nt_quant_with(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    let registers = decoder == Decoder::Registers
-        && super::quant_avx2::available()
-        && super::quant_avx2::decodes(w.format);
+    let registers = decoder == Decoder::Registers && super::quant_avx2::available();
     let kernel = super::matmul::kernel();
     let out = SendPtr(y.as_mut_ptr());
     let run = |b: usize| {

@@ -55,21 +55,6 @@ pub(super) fn available() -> bool {
     })
 }
 
-/// Whether `format` has a register decoder.
-pub(super) fn decodes(format: QuantFormat) -> bool {
-    matches!(
-        format,
-        QuantFormat::Q8_0
-            | QuantFormat::Q4_0
-            | QuantFormat::Q4_1
-            | QuantFormat::Q5_0
-            | QuantFormat::Q5_1
-            | QuantFormat::Q4K
-            | QuantFormat::Q5K
-            | QuantFormat::Q6K
-    )
-}
-
 /// The little-endian f16 at `p` as f32 (exact), with one `vcvtph2ps`: the
 /// `half` crate's portable conversion would cost more than the 32 values
 /// it scales.
@@ -120,90 +105,74 @@ unsafe fn group<const F: u8>(row: *const u8, g: usize) -> [__m256; 4] {
                     *w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
                 }
             }
-            Q4_0 | Q4_1 => {
-                let (blk, qs) = if F == Q4_0 {
-                    (row.add(18 * g), 2)
-                } else {
-                    (row.add(20 * g), 4)
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 => {
+                // Q4_0 and Q5_0 store values around 8 / 16 (subtracted from
+                // the integer, then converted: exact) and no `m`; Q4_1 and
+                // Q5_1 multiply, then add `m`. The Q5s add a fifth bit.
+                let five = F == Q5_0 || F == Q5_1;
+                let centred = F == Q4_0 || F == Q5_0;
+                let (size, qh, qs) = match F {
+                    Q4_0 => (18, 0, 2),
+                    Q4_1 => (20, 0, 4),
+                    Q5_0 => (22, 2, 6),
+                    _ => (24, 4, 8),
                 };
+                let blk = row.add(size * g);
                 let d = _mm256_set1_ps(f16_at(blk));
-                let m = _mm256_set1_ps(if F == Q4_1 { f16_at(blk.add(2)) } else { 0.0 });
-                let eight = _mm256_set1_epi32(8);
-                for c in 0..2 {
-                    let b = bytes8(blk.add(qs + 8 * c));
-                    let lo = _mm256_and_si256(b, nib);
-                    let hi = _mm256_srli_epi32(b, 4);
-                    for (i, q) in [(c, lo), (c + 2, hi)] {
-                        w[i] = if F == Q4_0 {
-                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, eight)), d)
-                        } else {
-                            _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), d), m)
-                        };
-                    }
-                }
-            }
-            Q5_0 | Q5_1 => {
-                let (blk, qh, qs) = if F == Q5_0 {
-                    (row.add(22 * g), 2, 6)
-                } else {
-                    (row.add(24 * g), 4, 8)
-                };
-                let d = _mm256_set1_ps(f16_at(blk));
-                let m = _mm256_set1_ps(if F == Q5_1 { f16_at(blk.add(2)) } else { 0.0 });
+                let m = _mm256_set1_ps(if centred { 0.0 } else { f16_at(blk.add(2)) });
+                let bias = _mm256_set1_epi32(if five { 16 } else { 8 });
                 // Value `v`'s fifth bit is bit `v` of the little-endian
                 // `u32` `qh`: every lane holds all 32 and shifts its own
                 // down (`vpsrlvd`), lane `l` of vector `i` being value `8i + l`.
-                let bits = _mm256_set1_epi32((blk.add(qh) as *const i32).read_unaligned());
+                let bits = if five {
+                    _mm256_set1_epi32((blk.add(qh) as *const i32).read_unaligned())
+                } else {
+                    _mm256_setzero_si256()
+                };
                 let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                let (one, sixteen) = (_mm256_set1_epi32(1), _mm256_set1_epi32(16));
+                let one = _mm256_set1_epi32(1);
                 for c in 0..2 {
                     let b = bytes8(blk.add(qs + 8 * c));
                     let lo = _mm256_and_si256(b, nib);
                     let hi = _mm256_srli_epi32(b, 4);
                     for (i, q) in [(c, lo), (c + 2, hi)] {
-                        let at = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * i as i32));
-                        let h = _mm256_and_si256(_mm256_srlv_epi32(bits, at), one);
-                        let q = _mm256_or_si256(q, _mm256_slli_epi32(h, 4));
-                        // Q5_0 subtracts 16 from the integer, then converts
-                        // (exact); Q5_1 multiplies, then adds `m`.
-                        w[i] = if F == Q5_0 {
-                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, sixteen)), d)
+                        let q = if five {
+                            let at = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * i as i32));
+                            let h = _mm256_and_si256(_mm256_srlv_epi32(bits, at), one);
+                            _mm256_or_si256(q, _mm256_slli_epi32(h, 4))
+                        } else {
+                            q
+                        };
+                        w[i] = if centred {
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias)), d)
                         } else {
                             _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), d), m)
                         };
                     }
                 }
             }
-            Q4K => {
-                let (blk, s) = (row.add(144 * (g / 8)), g % 8);
+            Q4K | Q5K => {
+                // Q5_K is Q4_K's nibbles plus bit `s` of `qh[l]` as the fifth.
+                let five = F == Q5K;
+                let (blk, s) = (row.add(if five { 176 } else { 144 } * (g / 8)), g % 8);
                 let (d, dmin) = (f16_at(blk), f16_at(blk.add(2)));
                 let scales = std::slice::from_raw_parts(blk.add(4), 12);
                 let (sc, mn) = super::quant::scale_min_k4(s, scales);
                 let d1 = _mm256_set1_ps(d * sc as f32);
                 let m1 = _mm256_set1_ps(dmin * mn as f32);
-                let qs = blk.add(16 + 32 * (s / 2));
-                let shift = _mm_cvtsi32_si128(4 * (s % 2) as i32);
-                for (c, w) in w.iter_mut().enumerate() {
-                    let q = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * c)), shift), nib);
-                    *w = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(q)), m1);
-                }
-            }
-            Q5K => {
-                let (blk, s) = (row.add(176 * (g / 8)), g % 8);
-                let (d, dmin) = (f16_at(blk), f16_at(blk.add(2)));
-                let scales = std::slice::from_raw_parts(blk.add(4), 12);
-                let (sc, mn) = super::quant::scale_min_k4(s, scales);
-                let d1 = _mm256_set1_ps(d * sc as f32);
-                let m1 = _mm256_set1_ps(dmin * mn as f32);
-                // Q4_K's nibbles, plus bit `s` of `qh[l]` as the fifth.
-                let (qh, qs) = (blk.add(16), blk.add(48 + 32 * (s / 2)));
+                let qh = blk.add(16);
+                let qs = blk.add(if five { 48 } else { 16 } + 32 * (s / 2));
                 let shift = _mm_cvtsi32_si128(4 * (s % 2) as i32);
                 let hshift = _mm_cvtsi32_si128(s as i32);
                 let one = _mm256_set1_epi32(1);
                 for (c, w) in w.iter_mut().enumerate() {
-                    let lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * c)), shift), nib);
-                    let hi = _mm256_and_si256(_mm256_srl_epi32(bytes8(qh.add(8 * c)), hshift), one);
-                    let q = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4));
+                    let mut q =
+                        _mm256_and_si256(_mm256_srl_epi32(bytes8(qs.add(8 * c)), shift), nib);
+                    if five {
+                        let h =
+                            _mm256_and_si256(_mm256_srl_epi32(bytes8(qh.add(8 * c)), hshift), one);
+                        q = _mm256_or_si256(q, _mm256_slli_epi32(h, 4));
+                    }
                     *w = _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(q)), m1);
                 }
             }
@@ -369,8 +338,7 @@ unsafe fn fused_block<const F: u8>(
 /// registers.
 ///
 /// # Safety
-/// As [`fused_block`]; `w.format` must be one [`decodes`] accepts and the
-/// CPU must pass [`available`].
+/// As [`fused_block`]; the CPU must pass [`available`].
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn fused(
     x: &[f32],
@@ -400,8 +368,7 @@ pub(super) unsafe fn fused(
 /// Rows `r0..r1` as f32 into `out` with the register decoders.
 ///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C; `w.format` one [`decodes`] accepts;
-/// `out` must hold `(r1 − r0)·cols` floats.
+/// The CPU must have AVX2, FMA and F16C; `out` must hold `(r1 − r0)·cols` floats.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dequantize_rows<const F: u8>(w: QuantRows<'_>, r0: usize, r1: usize, out: &mut [f32]) {
     let (k, rb) = (w.cols, w.format.row_bytes(w.cols));
@@ -424,8 +391,7 @@ unsafe fn dequantize_rows<const F: u8>(w: QuantRows<'_>, r0: usize, r1: usize, o
 /// Rows `r0..r1` of `w` as f32 into `out` (`(r1 − r0)·cols` floats).
 ///
 /// # Safety
-/// The CPU must pass [`available`] and `w.format` be one [`decodes`]
-/// accepts.
+/// The CPU must pass [`available`].
 pub(super) unsafe fn dequantize(w: QuantRows<'_>, r0: usize, r1: usize, out: &mut [f32]) {
     // SAFETY: forwarded contract.
     unsafe {
