@@ -56,6 +56,30 @@ see /opt/pyref's packages, and pip would then pull a CUDA torch, hence the
         --model /tmp/qsb/sft/model --rl-config /tmp/qsb/rl/config.toml \\
         --target 0.6 --max-steps 60 --threads 2
 
+Held-out mode (``--heldout-target P``): the time for the *held-out* pass@1 of
+an environment directory's recipe to reach P, e.g. the SmolLM2 recipe
+(``examples/smollm2-rl``: SmolLM2-135M-Instruct, one-digit addition in
+``<answer>`` tags with the env's system prompt and few-shot turn, reward
+numeric_match 1.0 + format 0.5, 4 prompts x 4 completions, lr 5e-4, LoRA r=8)::
+
+    target/release/temper export "$(scripts/fetch_smollm2.sh)" --format hf --out /tmp/smollm2-hf
+    .venv-trl/bin/python scripts/bench_rl_trl.py --model /tmp/smollm2-hf \
+        --rl-config examples/smollm2-rl/rl.toml --heldout-target 0.7 --max-steps 24 --threads 2
+
+Both sides train every one of ``--max-steps`` steps (no early stop) and the
+held-out pass@1 after each step is measured outside the training clock by
+the same evaluator, on the config's ``[eval]`` rows (greedy, its
+``num_examples``): temper's in-run evaluation (``--eval.interval 1``) for
+temper, and ``temper eval`` against ``temper serve --lora`` of the adapter
+TRL saved after each step (the clock paused while it saves) for TRL. The
+same ``temper eval`` scores temper's final adapter too, which must give the
+in-run evaluation's pass@1 (the two evaluators agree). temper's clock comes
+from a second run of the same config without the per-step evaluations
+(``--eval.interval 0``; its rewards must equal the first run's step for
+step): in-run evaluations would overlap the next step's sampling. A side's
+time-to-target is its training clock at the first step whose held-out
+pass@1 is >= P.
+
 Measured with trl 1.16.0, torch 2.15.0 (CPU), transformers 5.23.0, peft 0.21.2.
 temper runs first, then TRL in this process (torch is imported only after
 temper exits so the two never compete for cores). Run on an idle machine: with
@@ -108,6 +132,105 @@ def arithmetic_reward(text: str, answer: int) -> float:
     return 1.0 if got is not None and abs(got - answer) < 1e-9 else 0.0
 
 
+def last_element(text: str, name: str) -> str | None:
+    """temper's xml parser: the inner text of the last <name>...</name>."""
+    end = text.rfind(f"</{name}>")
+    if end < 0:
+        return None
+    start = text.rfind(f"<{name}>", 0, end)
+    if start < 0:
+        return None
+    return text[start + len(name) + 2:end]
+
+
+def parse_number_literal(s: str) -> float | None:
+    """temper's ``math::parse_number_literal`` (thousands commas allowed)."""
+    t = s.strip()
+    t = t[1:] if t.startswith("+") else t
+    if "," in t:
+        int_part = t.split(".", 1)[0].lstrip("-")
+        groups = int_part.split(",")
+        if not (groups[0] and len(groups[0]) <= 3 and all(len(g) == 3 for g in groups[1:])
+                and all(g.isdigit() for g in groups)):
+            return None
+        t = t.replace(",", "")
+    body = t[1:] if t.startswith("-") else t
+    if (not body or not all(c.isdigit() or c == "." for c in body) or body.count(".") > 1
+            or body.startswith(".") or body.endswith(".")):
+        return None
+    return float(t)
+
+
+def build_task(rl_cfg: dict) -> dict:
+    """The prompt prefix and reward of the config's first environment:
+    temper's built-in ``arithmetic`` (1-digit +, no system prompt, reward 1
+    for a correct last <answer>), or an environment directory whose env.toml
+    uses the arithmetic generator (1-digit +), the xml parser and the
+    numeric_match / format rubric (the SmolLM2 recipe's env)."""
+    env = (rl_cfg.get("env") or [{}])[0]
+    env_id, env_args = env.get("id", "arithmetic"), env.get("args", {})
+    if env_id == "arithmetic":
+        if env_args.get("digits", 1) != 1 or env_args.get("ops", ["+"]) != ["+"] or env_args.get(
+            "system_prompt", ""
+        ):
+            raise SystemExit(
+                "this benchmark builds only temper's arithmetic task with digits=1, ops=['+'], "
+                f"no system prompt; the config has {env_args}"
+            )
+        return {"prefix": [], "reward": arithmetic_reward, "env_dir": None}
+    env_dir = Path(env_id)
+    spec_path = env_dir / "env.toml"
+    if not spec_path.is_file():
+        raise SystemExit(f"env {env_id!r}: neither 'arithmetic' nor a directory with env.toml")
+    spec = tomllib.loads(spec_path.read_text())
+    data = spec.get("dataset", {})
+    dargs = {**data.get("args", {}), **env_args}
+    parser = spec.get("parser", {})
+    weights = {r["function"]: float(r.get("weight", 1.0)) for r in spec.get("rubric", [])}
+    if (data.get("generator") != "arithmetic" or dargs.get("digits") != 1
+            or dargs.get("ops") != ["+"] or parser.get("type") != "xml"
+            or not set(weights) <= {"numeric_match", "format"}
+            or spec.get("harness", {}).get("type", "single-turn") != "single-turn"):
+        raise SystemExit(
+            f"{spec_path}: this benchmark mirrors only single-turn 1-digit '+' arithmetic with "
+            "the xml parser and the numeric_match / format rubric"
+        )
+    fields = parser.get("fields", [])
+    if not all(isinstance(f, str) for f in fields):
+        raise SystemExit(f"{spec_path}: xml fields with alternative names are not mirrored")
+    answer_field = parser.get("answer_field", fields[-1] if fields else "answer")
+    prefix = []
+    if spec.get("system_prompt"):
+        prefix.append({"role": "system", "content": spec["system_prompt"]})
+    for shot in spec.get("few_shot", []):
+        prefix.append({"role": "user", "content": shot["question"]})
+        prefix.append({"role": "assistant", "content": shot["answer"]})
+
+    def reward(text: str, answer: int) -> float:
+        total = 0.0
+        if "numeric_match" in weights:
+            inner = last_element(text, answer_field)
+            got = parse_number_literal(inner) if inner is not None else None
+            ok = got is not None and abs(got - answer) < 1e-9
+            total += weights["numeric_match"] * float(ok)
+        if "format" in weights:
+            if not fields:
+                score = 1.0
+            else:
+                rest, present = text, 0
+                for name in fields:
+                    inner = last_element(text, name)
+                    if inner is not None:
+                        present += 1
+                        rest = rest.replace(f"<{name}>{inner}</{name}>", "")
+                presence = present / len(fields)
+                score = 0.8 * presence + 0.2 * float(not rest.strip()) * presence
+            total += weights["format"] * score
+        return total
+
+    return {"prefix": prefix, "reward": reward, "env_dir": env_dir}
+
+
 def time_to_target(steps: list[tuple[int, float, float]], target: float, window: int):
     """steps: (step, reward, elapsed_s) in order. Returns (step, elapsed, rolling) or None."""
     rewards: list[float] = []
@@ -154,21 +277,25 @@ def summarise(name: str, steps, load_s: float, args) -> dict:
 # ---------------------------------------------------------------------- temper
 
 
-def run_temper(args, workdir: Path) -> dict:
-    log_dir = workdir / "temper-run"
+def run_temper(args, workdir: Path, name: str = "temper-run",
+               eval_args: tuple[str, ...] = ("--eval.num_examples", "0")) -> dict:
+    """One `temper train rl` run in WORKDIR/NAME; EVAL_ARGS set its held-out
+    evaluations (none by default)."""
+    log_dir = workdir / name
+    early_stop = not args.no_early_stop and args.heldout_target is None
     cmd = [
         str(args.temper), "--threads", str(args.threads), "train", "rl", str(args.rl_config),
         "--model.path", str(args.model),
         "--log.dir", str(log_dir),
         "--trainer.max_steps", str(args.max_steps),
-        "--eval.num_examples", "0",
+        *eval_args,
         "--ckpt.interval", "0",
         "--log.progress", "false",
         "--seed", str(args.seed),
     ]
     print("temper:", " ".join(cmd), flush=True)
     metrics = log_dir / "metrics.jsonl"
-    log_path = workdir / "temper.log"
+    log_path = workdir / f"{name}.log"
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -179,7 +306,7 @@ def run_temper(args, workdir: Path) -> dict:
             steps = read_temper_metrics(metrics)
             if (
                 rc is None
-                and not args.no_early_stop
+                and early_stop
                 and time_to_target(steps, args.target, args.window) is not None
             ):
                 proc.send_signal(signal.SIGTERM)
@@ -210,6 +337,7 @@ def run_temper(args, workdir: Path) -> dict:
     # CPU seconds of the whole process (start-up included) per step run.
     out["cpu_s_per_step"] = cpu_s / len(steps)
     out["stopped_early"] = stopped_early
+    out["log_dir"] = str(log_dir)
     out["version"] = subprocess.run(
         [str(args.temper), "--version"], capture_output=True, text=True
     ).stdout.strip()
@@ -227,6 +355,50 @@ def read_temper_metrics(path: Path) -> list[tuple[int, float, float]]:
             break  # a line being written
         rows.append((int(m["step"]), float(m["reward/mean"]), float(m["time/elapsed"])))
     return rows
+
+
+def read_metric_rows(path: Path) -> list[dict]:
+    """Every complete line of a run's metrics.jsonl."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def run_temper_heldout(args, workdir: Path) -> dict:
+    """temper's side of the held-out mode: run A evaluates after every step
+    (the held-out curve), run B does not (the training clock)."""
+    a = run_temper(args, workdir, "temper-eval-every-step", ("--eval.interval", "1"))
+    b = run_temper(args, workdir, "temper-run", ("--eval.interval", "0"))
+    rows_a = read_metric_rows(Path(a["log_dir"]) / "metrics.jsonl")
+    rows_b = read_metric_rows(Path(b["log_dir"]) / "metrics.jsonl")
+    rewards_a = [r["reward/mean"] for r in rows_a]
+    rewards_b = [r["reward/mean"] for r in rows_b]
+    if rewards_a != rewards_b:
+        raise SystemExit(
+            "temper's two runs diverged (the held-out curve would not be the timed run's): "
+            f"rewards {rewards_a} vs {rewards_b}"
+        )
+    curve = []
+    for ra, rb in zip(rows_a, rows_b):
+        # The last step of run B includes its final evaluation; nothing else does.
+        clock = rb["time/elapsed"] - rb.get("time/eval", 0.0)
+        curve.append({"step": ra["step"], "heldout": ra["eval/pass@1"], "train_s": clock,
+                      "reward": ra["reward/mean"]})
+    b["heldout_curve"] = curve
+    # Seconds per step on the training clock (run B's last step ran an evaluation).
+    n = len(curve)
+    b["loop_s"] = curve[-1]["train_s"]
+    b["s_per_step_incl_first"] = curve[-1]["train_s"] / n
+    b["s_per_step"] = ((curve[-1]["train_s"] - curve[0]["train_s"]) / (n - 1) if n >= 3
+                       else b["s_per_step_incl_first"])
+    b["final_inrun_pass1"] = rows_b[-1].get("eval/pass@1")
+    b["final_adapter"] = str(Path(b["log_dir"]) / "adapter")
+    b["heldout_steps_checked_equal"] = len(rewards_a)
+    return b
 
 
 # ------------------------------------------------------------------------- TRL
@@ -262,14 +434,7 @@ def run_trl(args, rl_cfg: dict, workdir: Path) -> dict:
     sampling = rl_cfg.get("sampling", {})
     trainer_cfg = rl_cfg.get("trainer", {})
     lora_cfg = rl_cfg.get("lora", {})
-    env_args = (rl_cfg.get("env") or [{}])[0].get("args", {})
-    if env_args.get("digits", 1) != 1 or env_args.get("ops", ["+"]) != ["+"] or env_args.get(
-        "system_prompt", ""
-    ):
-        raise SystemExit(
-            "this benchmark builds only temper's arithmetic task with digits=1, ops=['+'], "
-            f"no system prompt; the config has {env_args}"
-        )
+    task = build_task(rl_cfg)
     group = int(sampling.get("group_size", 8))
     prompts_per_step = int(trainer_cfg.get("batch_size", 16))
     max_tokens = int(sampling.get("max_tokens", 24))
@@ -284,21 +449,20 @@ def run_trl(args, rl_cfg: dict, workdir: Path) -> dict:
     if trainer_cfg.get("warmup_steps", 0):
         raise SystemExit("trainer.warmup_steps > 0 is not mirrored on the TRL side")
 
-    # Prompts: like temper's arithmetic env, a and b uniform in 0..=9.
+    # Prompts: like temper's arithmetic generator, a and b uniform in 0..=9.
     rng = random.Random(args.seed)
     rows = []
     for _ in range(prompts_per_step * args.max_steps):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append(
-            {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": a + b}
-        )
+        question = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        rows.append({"prompt": task["prefix"] + question, "answer": a + b})
     dataset = Dataset.from_list(rows)
 
     def correct(prompts, completions, answer, **kwargs):
         out = []
         for c, ans in zip(completions, answer):
             text = c[-1]["content"] if isinstance(c, list) else c
-            out.append(arithmetic_reward(text, int(ans)))
+            out.append(task["reward"](text, int(ans)))
         return out
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -352,17 +516,31 @@ def run_trl(args, rl_cfg: dict, workdir: Path) -> dict:
 
     steps: list[tuple[int, float, float]] = []
     state = {"t0": None}
-    target, window, early = args.target, args.window, not args.no_early_stop
+    target, window = args.target, args.window
+    early = not args.no_early_stop and args.heldout_target is None
+    # Held-out mode: the adapter after every step, saved with the clock paused.
+    save_dir = workdir / "trl-adapters" if args.heldout_target is not None else None
+    state["paused"] = 0.0
+    adapters: dict[int, Path] = {}
 
     class Timer(TrainerCallback):
         def on_train_begin(self, a, s, control, **kw):
             state["t0"] = time.perf_counter()
             state["cpu0"] = time.process_time()
 
+        def on_step_end(self, a, s, control, model=None, **kw):
+            if save_dir is None or model is None:
+                return
+            t = time.perf_counter()
+            out = save_dir / f"step-{s.global_step:04d}"
+            model.save_pretrained(str(out))
+            adapters[s.global_step] = out
+            state["paused"] += time.perf_counter() - t
+
         def on_log(self, a, s, control, logs=None, **kw):
             if logs is None or "reward" not in logs or state["t0"] is None:
                 return
-            elapsed = time.perf_counter() - state["t0"]
+            elapsed = time.perf_counter() - state["t0"] - state["paused"]
             steps.append((s.global_step, float(logs["reward"]), elapsed))
             if args.verbose:
                 print(
@@ -397,7 +575,136 @@ def run_trl(args, rl_cfg: dict, workdir: Path) -> dict:
         "peft": peft.__version__,
     }
     out["torch_threads"] = torch.get_num_threads()
+    out["adapters"] = {str(k): str(v) for k, v in sorted(adapters.items())}
+    out["task_env_dir"] = str(task["env_dir"]) if task["env_dir"] else None
     return out
+
+
+# ------------------------------------------------------------- held-out eval
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def eval_adapters(args, env_dir: Path, adapters: dict[str, str], rl_cfg: dict,
+                  pass_threshold: float, workdir: Path) -> dict[str, float]:
+    """Held-out pass@1 of each adapter (NAME -> PEFT dir) on the base model:
+    one `temper serve --lora` for all of them, one `temper eval` each, with
+    the RL config's [eval] rows and settings (greedy unless it says)."""
+    import urllib.request
+
+    ev = rl_cfg.get("eval", {})
+    num = int(ev.get("num_examples", 100))
+    temperature = float(ev.get("temperature", 0.0))
+    max_tokens = int(rl_cfg.get("sampling", {}).get("max_tokens", 24))
+    port = free_port()
+    cmd = [str(args.temper), "serve", "--model", str(args.model), "--port", str(port)]
+    for name, d in adapters.items():
+        cmd += ["--lora", f"{name}={d}"]
+    log = open(workdir / "eval-serve.log", "w")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if server.poll() is not None:
+                raise SystemExit(f"temper serve exited (log: {workdir / 'eval-serve.log'})")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise SystemExit("temper serve did not come up in 5 minutes")
+        out = {}
+        for name in adapters:
+            save = workdir / "evals" / name
+            subprocess.run(
+                [str(args.temper), "eval", str(env_dir), "-b", base + "/v1", "-m", name,
+                 "-n", str(num), "-T", str(temperature), "-t", str(max_tokens),
+                 "--pass-threshold", str(pass_threshold), "--seed", "0",
+                 "--save-dir", str(save), "--quiet"],
+                check=True, stdout=subprocess.DEVNULL,
+            )
+            meta = sorted(save.rglob("metadata.json"))
+            if len(meta) != 1:
+                raise SystemExit(f"expected one metadata.json under {save}, found {len(meta)}")
+            out[name] = float(json.loads(meta[0].read_text())["pass_at_k"]["1"])
+            print(f"  held-out pass@1 of {name}: {out[name]:.3f}", flush=True)
+        return out
+    finally:
+        server.terminate()
+        server.wait()
+        log.close()
+
+
+def heldout(t: dict, r: dict, rl_cfg: dict, args, workdir: Path) -> None:
+    """Fill r["heldout_curve"] (TRL's held-out pass@1 after each step) and
+    check the evaluator against temper's in-run evaluation."""
+    inrun = sorted((Path(t["log_dir"]) / "evals").glob("step-*/metadata.json"))[-1]
+    inrun_meta = json.loads(inrun.read_text())
+    threshold = float(inrun_meta["pass_threshold"])
+    env_dir = Path(r["task_env_dir"])
+    adapters = {"temper-final": t["final_adapter"]}
+    adapters.update({f"trl-step-{int(k):04d}": v for k, v in r["adapters"].items()})
+    print(f"evaluating {len(adapters)} adapters on the held-out rows...", flush=True)
+    scores = eval_adapters(args, env_dir, adapters, rl_cfg, threshold, workdir)
+    t["final_served_pass1"] = scores["temper-final"]
+    if abs(scores["temper-final"] - t["final_inrun_pass1"]) > 1e-9:
+        raise SystemExit(
+            f"the evaluators disagree: temper's final adapter served scores "
+            f"{scores['temper-final']:.3f}, its in-run evaluation {t['final_inrun_pass1']:.3f}"
+        )
+    clock = {d["step"]: d["elapsed_s"] for d in r["per_step"]}
+    r["heldout_curve"] = [
+        {"step": int(k), "heldout": scores[f"trl-step-{int(k):04d}"], "train_s": clock[int(k)],
+         "reward": next(d["reward"] for d in r["per_step"] if d["step"] == int(k))}
+        for k in sorted(r["adapters"], key=int) if int(k) in clock
+    ]
+
+
+def heldout_hit(curve: list[dict], target: float):
+    return next((c for c in curve if c["heldout"] >= target - 1e-12), None)
+
+
+def report_heldout(t: dict, r: dict | None, args) -> None:
+    print()
+    print(f"RL time-to-target on held-out pass@1 (target {args.heldout_target}), "
+          f"{args.threads} threads, {args.max_steps} steps each")
+    print(f"temper's final adapter: in-run pass@1 {t['final_inrun_pass1']:.3f}, "
+          f"served {fmt(t.get('final_served_pass1'), '.3f')} (the same evaluator)")
+    print(f"{'step':>4} | {'temper s':>9} {'reward':>6} {'held-out':>8} | "
+          f"{'TRL s':>9} {'reward':>6} {'held-out':>8}")
+    tc = {c["step"]: c for c in t["heldout_curve"]}
+    rc = {c["step"]: c for c in (r["heldout_curve"] if r else [])}
+    for step in sorted(set(tc) | set(rc)):
+        a, b = tc.get(step), rc.get(step)
+        left = f"{a['train_s']:9.1f} {a['reward']:6.3f} {a['heldout']:8.3f}" if a else " " * 25
+        right = f"{b['train_s']:9.1f} {b['reward']:6.3f} {b['heldout']:8.3f}" if b else ""
+        print(f"{step:4d} | {left} | {right}")
+    print(f"s/step: temper {t['s_per_step']:.2f}, TRL {fmt(r['s_per_step'] if r else None, '.2f')}"
+          + (f"  (per-step speedup {r['s_per_step'] / t['s_per_step']:.1f}x)" if r else ""))
+    targets = [args.heldout_target] + sorted(
+        {float(x) for x in args.heldout_also.split(",") if x.strip()} - {args.heldout_target})
+    for tgt in targets:
+        a = heldout_hit(t["heldout_curve"], tgt)
+        b = heldout_hit(r["heldout_curve"], tgt) if r else None
+        cell = lambda h, side: (f"{h['train_s']:.1f}s (step {h['step']})" if h else
+                                f"not reached in {len(side['heldout_curve'])} steps")
+        line = f"held-out pass@1 >= {tgt}: temper {cell(a, t)}"
+        if r:
+            line += f", TRL {cell(b, r)}"
+            if a and b:
+                line += f"  -> time-to-target speedup {b['train_s'] / a['train_s']:.1f}x"
+            elif a:
+                line += (f"  -> speedup > {r['heldout_curve'][-1]['train_s'] / a['train_s']:.1f}x"
+                         " (TRL's whole run)")
+        print(line)
 
 
 # ----------------------------------------------------------------------- report
@@ -483,6 +790,10 @@ def main() -> int:
                    help="comma-separated extra targets reported from the same runs (no early stop on them)")
     p.add_argument("--from-json", type=Path, default=None,
                    help="re-print the report of an earlier --json-out file without running anything")
+    p.add_argument("--heldout-target", type=float, default=None,
+                   help="held-out mode: time for the config's held-out pass@1 to reach this")
+    p.add_argument("--heldout-also", default="0.5,0.6",
+                   help="held-out mode: other pass@1 targets reported from the same runs")
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -496,7 +807,10 @@ def main() -> int:
 
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
-        report(saved["temper"], saved["trl"], args)
+        if saved["temper"] and "heldout_curve" in saved["temper"]:
+            report_heldout(saved["temper"], saved["trl"], args)
+        else:
+            report(saved["temper"], saved["trl"], args)
         return 0
     if args.model is None or args.rl_config is None:
         p.error("--model and --rl-config are required")
@@ -506,7 +820,12 @@ def main() -> int:
     print(f"workdir: {workdir}")
     print(f"load average before: {os.getloadavg()}", flush=True)
 
-    t = None if args.skip_temper else run_temper(args, workdir)
+    if args.heldout_target is not None and args.skip_temper:
+        p.error("the held-out mode needs temper's runs (its evaluator is checked on them)")
+    if args.heldout_target is not None:
+        t = run_temper_heldout(args, workdir)
+    else:
+        t = None if args.skip_temper else run_temper(args, workdir)
     if t:
         print(
             f"temper: {t['steps_run']} steps in {t['loop_s']:.1f}s "
@@ -514,7 +833,12 @@ def main() -> int:
             flush=True,
         )
     r = None if args.skip_trl else run_trl(args, rl_cfg, workdir)
-    report(t, r, args)
+    if args.heldout_target is not None:
+        if r:
+            heldout(t, r, rl_cfg, args, workdir)
+        report_heldout(t, r, args)
+    else:
+        report(t, r, args)
     print(f"\nload average after: {os.getloadavg()}")
     if r:
         print("versions:", ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
