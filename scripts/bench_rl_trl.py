@@ -73,7 +73,9 @@ the same evaluator, on the config's ``[eval]`` rows (greedy, its
 temper, and ``temper eval`` against ``temper serve --lora`` of the adapter
 TRL saved after each step (the clock paused while it saves) for TRL. The
 same ``temper eval`` scores temper's final adapter too, which must give the
-in-run evaluation's pass@1 (the two evaluators agree). temper's clock comes
+in-run evaluation's pass@1 (the two evaluators agree), and TRL's Python
+copy of the rubric must give temper's reward, from temper's prompt, on
+every rollout temper's evaluations scored. temper's clock comes
 from a second run of the same config without the per-step evaluations
 (``--eval.interval 0``; its rewards must equal the first run's step for
 step): in-run evaluations would overlap the next step's sampling. A side's
@@ -368,6 +370,27 @@ def read_metric_rows(path: Path) -> list[dict]:
     return rows
 
 
+def check_reward_mirror(args, run_dir: Path) -> int:
+    """TRL is rewarded by a Python copy of the environment's rubric: it must
+    give temper's reward on every rollout temper's evaluations scored."""
+    task = build_task(tomllib.loads(args.rl_config.read_text()))
+    checked = 0
+    for results in sorted((run_dir / "evals").glob("step-*/results.jsonl")):
+        for line in results.read_text().splitlines():
+            r = json.loads(line)
+            prompt = r["prompt"]
+            if prompt[:-1] != task["prefix"]:
+                raise SystemExit(f"{results}: temper's prompt {prompt[:-1]} is not the mirror's "
+                                 f"{task['prefix']}")
+            got = task["reward"](r["completion"][-1]["content"], int(r["answer"]))
+            if abs(got - r["reward"]) > 1e-9:
+                raise SystemExit(f"{results}: the Python reward {got} != temper's {r['reward']} "
+                                 f"for {r['completion'][-1]['content']!r}")
+            checked += 1
+    print(f"reward mirror: equal to temper's on all {checked} evaluated rollouts", flush=True)
+    return checked
+
+
 def run_temper_heldout(args, workdir: Path) -> dict:
     """temper's side of the held-out mode: run A evaluates after every step
     (the held-out curve), run B does not (the training clock)."""
@@ -389,6 +412,7 @@ def run_temper_heldout(args, workdir: Path) -> dict:
         curve.append({"step": ra["step"], "heldout": ra["eval/pass@1"], "train_s": clock,
                       "reward": ra["reward/mean"]})
     b["heldout_curve"] = curve
+    b["reward_mirror_checked"] = check_reward_mirror(args, Path(a["log_dir"]))
     # Seconds per step on the training clock (run B's last step ran an evaluation).
     n = len(curve)
     b["loop_s"] = curve[-1]["train_s"]
