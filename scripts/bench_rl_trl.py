@@ -38,21 +38,17 @@ many steps between seeds; the seconds-per-step ratio is the steadier number.
 ``--also-targets`` reports other thresholds from the same runs, ``--json-out``
 saves every step, ``--from-json FILE`` re-prints a saved report.
 
-Setup (torch / transformers / peft from /opt/pyref are reused, only TRL and
-its small deps are added; see ``scripts/requirements-bench-rl.txt``; a
-``--system-site-packages`` venv made from /opt/pyref's venv python would NOT
-see /opt/pyref's packages, and pip would then pull a CUDA torch, hence the
-.pth file)::
+Setup (a venv with TRL and its torch stack from PyPI; the versions the
+published numbers were measured with are pinned in
+``scripts/requirements-bench-rl.txt``)::
 
-    /opt/pyref/bin/python -m venv /tmp/trlvenv
-    echo /opt/pyref/lib/python3.11/site-packages \\
-        > /tmp/trlvenv/lib/python3.11/site-packages/pyref.pth
-    /tmp/trlvenv/bin/pip install trl==1.16.0
+    python3 -m venv .venv-trl
+    .venv-trl/bin/pip install -r scripts/requirements-bench-rl.txt
 
     # an SFT-warmed model + its RL config (~3 min on 2 cores)
     target/release/temper quickstart --dir /tmp/qsb --sft-steps 200 --rl-steps 2 --eval-examples 20
 
-    /tmp/trlvenv/bin/python scripts/bench_rl_trl.py --temper target/release/temper \\
+    .venv-trl/bin/python scripts/bench_rl_trl.py --temper target/release/temper \\
         --model /tmp/qsb/sft/model --rl-config /tmp/qsb/rl/config.toml \\
         --target 0.6 --max-steps 60 --threads 2
 
@@ -82,7 +78,8 @@ step): in-run evaluations would overlap the next step's sampling. A side's
 time-to-target is its training clock at the first step whose held-out
 pass@1 is >= P.
 
-Measured with trl 1.16.0, torch 2.15.0 (CPU), transformers 5.23.0, peft 0.21.2.
+Measured with trl 1.16.0, torch 2.15.0, peft 0.21.2 and transformers 5.23.0
+(training-reward mode) or 5.24.0 (held-out mode).
 temper runs first, then TRL in this process (torch is imported only after
 temper exits so the two never compete for cores). Run on an idle machine: with
 2+ threads, PyTorch's OpenMP pool on a model this small (thousands of tiny ops
