@@ -419,8 +419,8 @@ pub(crate) fn matmul_nt_quant(
     matmul_nt_quant_with(Decoder::best(w.format), x, w, m, n, k, y)
 }
 
-/// [`matmul_nt_quant`] with a chosen decoder (`Registers` only where
-/// [`Decoder::best`] would pick it).
+/// [`matmul_nt_quant`] with a chosen decoder (`Registers` runs only on a
+/// CPU that has it; elsewhere the portable decoder runs).
 pub(crate) fn matmul_nt_quant_with(
     decoder: Decoder,
     x: &[f32],
@@ -669,10 +669,14 @@ mod tests {
         }
     }
 
-    /// The decoders to check: the register one only where this CPU runs it.
+    /// The decoders to check: the register one wherever this CPU can run
+    /// it, even when `TEMPER_QUANT_SIMD=0` makes the portable one the
+    /// default.
     fn decoders(f: QuantFormat) -> Vec<Decoder> {
+        let _ = f;
         let mut d = vec![Decoder::Portable];
-        if Decoder::best(f) == Decoder::Registers {
+        #[cfg(target_arch = "x86_64")]
+        if super::super::quant_avx2::available() {
             d.push(Decoder::Registers);
         }
         d
@@ -686,9 +690,17 @@ mod tests {
             && std::arch::is_x86_feature_detected!("f16c")
         {
             // The register path must actually be under test on such a CPU,
-            // for every format.
+            // for every format, and be the default unless the benchmarking
+            // switch turned it off.
+            let off = std::env::var("TEMPER_QUANT_SIMD").is_ok_and(|v| v == "0");
             for f in QuantFormat::ALL {
-                assert_eq!(Decoder::best(f), Decoder::Registers, "{f:?}");
+                assert!(decoders(f).contains(&Decoder::Registers), "{f:?}");
+                let want = if off {
+                    Decoder::Portable
+                } else {
+                    Decoder::Registers
+                };
+                assert_eq!(Decoder::best(f), want, "{f:?}");
             }
         }
         for f in QuantFormat::ALL {
