@@ -74,15 +74,17 @@ def last_assistant_text(messages):
     return ""
 
 
-def parse_tag(text, tag):
-    """The content of the last <tag>...</tag> in text, or None."""
+def parse_tag(text, tag, strip=True):
+    """The content of the last <tag>...</tag> in text (whitespace stripped
+    unless strip=False), or None."""
     close = text.rfind(f"</{tag}>")
     if close < 0:
         return None
     start = text.rfind(f"<{tag}>", 0, close)
     if start < 0:
         return None
-    return text[start + len(tag) + 2 : close].strip()
+    inner = text[start + len(tag) + 2 : close]
+    return inner.strip() if strip else inner
 
 
 def _handle(env, req):

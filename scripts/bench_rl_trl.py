@@ -106,6 +106,9 @@ import time
 import tomllib
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+from temper_env import parse_tag  # noqa: E402  (temper's xml parser's last-element rule)
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
 NUMBER_RE = re.compile(r"[+-]?\d+(\.\d+)?")
@@ -129,17 +132,6 @@ def arithmetic_reward(text: str, answer: int) -> float:
         return 0.0
     got = parse_number(found[-1])
     return 1.0 if got is not None and abs(got - answer) < 1e-9 else 0.0
-
-
-def last_element(text: str, name: str) -> str | None:
-    """temper's xml parser: the inner text of the last <name>...</name>."""
-    end = text.rfind(f"</{name}>")
-    if end < 0:
-        return None
-    start = text.rfind(f"<{name}>", 0, end)
-    if start < 0:
-        return None
-    return text[start + len(name) + 2:end]
 
 
 def parse_number_literal(s: str) -> float | None:
@@ -208,7 +200,7 @@ def build_task(rl_cfg: dict) -> dict:
     def reward(text: str, answer: int) -> float:
         total = 0.0
         if "numeric_match" in weights:
-            inner = last_element(text, answer_field)
+            inner = parse_tag(text, answer_field)
             got = parse_number_literal(inner) if inner is not None else None
             ok = got is not None and abs(got - answer) < 1e-9
             total += weights["numeric_match"] * float(ok)
@@ -218,7 +210,7 @@ def build_task(rl_cfg: dict) -> dict:
             else:
                 rest, present = text, 0
                 for name in fields:
-                    inner = last_element(text, name)
+                    inner = parse_tag(text, name, strip=False)
                     if inner is not None:
                         present += 1
                         rest = rest.replace(f"<{name}>{inner}</{name}>", "")
