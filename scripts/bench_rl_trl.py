@@ -76,7 +76,10 @@ from a second run of the same config without the per-step evaluations
 (``--eval.interval 0``; its rewards must equal the first run's step for
 step): in-run evaluations would overlap the next step's sampling. A side's
 time-to-target is its training clock at the first step whose held-out
-pass@1 is >= P.
+pass@1 is >= P. ``--temper-checkpoints`` replaces temper's two runs by one
+that saves its adapter after every step (its clock includes those writes),
+each scored like TRL's: for runs that are not reproducible, such as
+``--temper-set async.max_off_policy_steps=1``.
 
 Measured with trl 1.16.0, torch 2.15.0, peft 0.21.2 and transformers 5.23.0
 (training-reward mode) or 5.24.0 (held-out mode).
@@ -98,6 +101,7 @@ import platform
 import random
 import resource
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -271,7 +275,7 @@ def summarise(name: str, steps, load_s: float, args) -> dict:
 def run_temper(args, workdir: Path, name: str = "temper-run",
                eval_args: tuple[str, ...] = ("--eval.num_examples", "0")) -> dict:
     """One `temper train rl` run in WORKDIR/NAME; EVAL_ARGS set its held-out
-    evaluations (none by default)."""
+    evaluations (none by default) and checkpoints (none unless they say)."""
     log_dir = workdir / name
     early_stop = not args.no_early_stop and args.heldout_target is None
     cmd = [
@@ -280,10 +284,15 @@ def run_temper(args, workdir: Path, name: str = "temper-run",
         "--log.dir", str(log_dir),
         "--trainer.max_steps", str(args.max_steps),
         *eval_args,
-        "--ckpt.interval", "0",
+        *(() if "--ckpt.interval" in eval_args else ("--ckpt.interval", "0")),
         "--log.progress", "false",
         "--seed", str(args.seed),
     ]
+    for kv in args.temper_set:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--temper-set {kv!r}: expected KEY=VALUE (e.g. async.max_off_policy_steps=1)")
+        cmd += [f"--{key}", value]
     print("temper:", " ".join(cmd), flush=True)
     metrics = log_dir / "metrics.jsonl"
     log_path = workdir / f"{name}.log"
@@ -382,7 +391,11 @@ def check_reward_mirror(args, run_dir: Path) -> int:
 
 def run_temper_heldout(args, workdir: Path) -> dict:
     """temper's side of the held-out mode: run A evaluates after every step
-    (the held-out curve), run B does not (the training clock)."""
+    (the held-out curve), run B does not (the training clock). With
+    --temper-checkpoints, one run saves its adapter after every step
+    instead, scored later by the evaluator TRL's adapters get."""
+    if args.temper_checkpoints:
+        return run_temper_checkpoints(args, workdir)
     a = run_temper(args, workdir, "temper-eval-every-step", ("--eval.interval", "1"))
     b = run_temper(args, workdir, "temper-run", ("--eval.interval", "0"))
     rows_a = read_metric_rows(Path(a["log_dir"]) / "metrics.jsonl")
@@ -411,6 +424,43 @@ def run_temper_heldout(args, workdir: Path) -> dict:
     b["final_inrun_pass1"] = rows_b[-1].get("eval/pass@1")
     b["final_adapter"] = str(Path(b["log_dir"]) / "adapter")
     b["heldout_steps_checked_equal"] = len(rewards_a)
+    return b
+
+
+def run_temper_checkpoints(args, workdir: Path) -> dict:
+    """One temper run checkpointing every step (the clock includes those
+    writes); its per-step adapters, as PEFT directories, for `heldout`."""
+    keep = ("--ckpt.interval", "1", "--ckpt.keep", str(args.max_steps + 1))
+    b = run_temper(args, workdir, "temper-run", ("--eval.interval", "0", *keep))
+    run_dir = Path(b["log_dir"])
+    rows = read_metric_rows(run_dir / "metrics.jsonl")
+    config = run_dir / "adapter" / "adapter_config.json"
+    adapters = {}
+    for weights in sorted(run_dir.glob("checkpoints/*/step-*/weights.safetensors")):
+        step = int(weights.parent.name.removeprefix("step-"))
+        out = workdir / "temper-adapters" / f"step-{step:04d}"
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(config, out / "adapter_config.json")
+        shutil.copyfile(weights, out / "adapter_model.safetensors")
+        adapters[step] = str(out)
+    if sorted(adapters) != [r["step"] for r in rows]:
+        raise SystemExit(f"checkpoints of steps {sorted(adapters)}, metrics of "
+                         f"{[r['step'] for r in rows]} (ckpt.interval 1 expected)")
+    b["checkpoint_adapters"] = {str(k): v for k, v in adapters.items()}
+    b["heldout_curve"] = [
+        {"step": r["step"], "heldout": None,
+         "train_s": r["time/elapsed"] - r.get("time/eval", 0.0), "reward": r["reward/mean"]}
+        for r in rows
+    ]
+    b["reward_mirror_checked"] = check_reward_mirror(args, run_dir)
+    n = len(rows)
+    curve = b["heldout_curve"]
+    b["loop_s"] = curve[-1]["train_s"]
+    b["s_per_step_incl_first"] = curve[-1]["train_s"] / n
+    b["s_per_step"] = ((curve[-1]["train_s"] - curve[0]["train_s"]) / (n - 1) if n >= 3
+                       else b["s_per_step_incl_first"])
+    b["final_inrun_pass1"] = rows[-1].get("eval/pass@1")
+    b["final_adapter"] = str(run_dir / "adapter")
     return b
 
 
@@ -656,15 +706,19 @@ def eval_adapters(args, env_dir: Path, adapters: dict[str, str], rl_cfg: dict,
         log.close()
 
 
-def heldout(t: dict, r: dict, rl_cfg: dict, args, workdir: Path) -> None:
-    """Fill r["heldout_curve"] (TRL's held-out pass@1 after each step) and
-    check the evaluator against temper's in-run evaluation."""
+def heldout(t: dict, r: dict | None, rl_cfg: dict, args, workdir: Path) -> None:
+    """Score the saved adapters on the held-out rows: TRL's (r["heldout_curve"])
+    and, with --temper-checkpoints, temper's; and check the evaluator against
+    temper's in-run evaluation of its final adapter."""
     inrun = sorted((Path(t["log_dir"]) / "evals").glob("step-*/metadata.json"))[-1]
     inrun_meta = json.loads(inrun.read_text())
     threshold = float(inrun_meta["pass_threshold"])
-    env_dir = Path(r["task_env_dir"])
+    env_dir = build_task(rl_cfg)["env_dir"]
     adapters = {"temper-final": t["final_adapter"]}
-    adapters.update({f"trl-step-{int(k):04d}": v for k, v in r["adapters"].items()})
+    for k, v in t.get("checkpoint_adapters", {}).items():
+        adapters[f"temper-step-{int(k):04d}"] = v
+    for k, v in (r["adapters"] if r else {}).items():
+        adapters[f"trl-step-{int(k):04d}"] = v
     print(f"evaluating {len(adapters)} adapters on the held-out rows...", flush=True)
     scores = eval_adapters(args, env_dir, adapters, rl_cfg, threshold, workdir)
     t["final_served_pass1"] = scores["temper-final"]
@@ -673,6 +727,11 @@ def heldout(t: dict, r: dict, rl_cfg: dict, args, workdir: Path) -> None:
             f"the evaluators disagree: temper's final adapter served scores "
             f"{scores['temper-final']:.3f}, its in-run evaluation {t['final_inrun_pass1']:.3f}"
         )
+    for c in t["heldout_curve"]:
+        if c["heldout"] is None:
+            c["heldout"] = scores[f"temper-step-{c['step']:04d}"]
+    if r is None:
+        return
     clock = {d["step"]: d["elapsed_s"] for d in r["per_step"]}
     r["heldout_curve"] = [
         {"step": int(k), "heldout": scores[f"trl-step-{int(k):04d}"], "train_s": clock[int(k)],
@@ -807,6 +866,13 @@ def main() -> int:
                    help="held-out mode: time for the config's held-out pass@1 to reach this")
     p.add_argument("--heldout-also", default="0.5,0.6",
                    help="held-out mode: other pass@1 targets reported from the same runs")
+    p.add_argument("--temper-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for temper's runs (repeatable), e.g. "
+                        "async.max_off_policy_steps=1")
+    p.add_argument("--temper-checkpoints", action="store_true",
+                   help="held-out mode: one temper run saving its adapter every step, scored "
+                        "by the evaluator TRL's adapters get (for runs that are not "
+                        "reproducible, e.g. asynchronous ones)")
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -847,8 +913,7 @@ def main() -> int:
         )
     r = None if args.skip_trl else run_trl(args, rl_cfg, workdir)
     if args.heldout_target is not None:
-        if r:
-            heldout(t, r, rl_cfg, args, workdir)
+        heldout(t, r, rl_cfg, args, workdir)
         report_heldout(t, r, args)
     else:
         report(t, r, args)
