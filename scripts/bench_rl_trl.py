@@ -368,10 +368,9 @@ def read_metric_rows(path: Path) -> list[dict]:
     return rows
 
 
-def check_reward_mirror(args, run_dir: Path) -> int:
+def check_reward_mirror(task: dict, run_dir: Path) -> int:
     """TRL is rewarded by a Python copy of the environment's rubric: it must
     give temper's reward on every rollout temper's evaluations scored."""
-    task = build_task(tomllib.loads(args.rl_config.read_text()))
     checked = 0
     for results in sorted((run_dir / "evals").glob("step-*/results.jsonl")):
         for line in results.read_text().splitlines():
@@ -389,13 +388,30 @@ def check_reward_mirror(args, run_dir: Path) -> int:
     return checked
 
 
-def run_temper_heldout(args, workdir: Path) -> dict:
+def on_training_clock(b: dict, rows: list[dict], heldout: list, args) -> None:
+    """Put `b`, run_temper's summary of the timed run, on the training clock
+    (its last step's `time/elapsed` includes the final evaluation; no other
+    step's does) with the held-out curve (`heldout`: pass@1 after each step,
+    None where `heldout` scores it later)."""
+    curve = [
+        {"step": r["step"], "heldout": h, "train_s": r["time/elapsed"] - r.get("time/eval", 0.0),
+         "reward": r["reward/mean"]}
+        for r, h in zip(rows, heldout)
+    ]
+    steps = [(c["step"], c["reward"], c["train_s"]) for c in curve]
+    b.update(summarise("temper", steps, b["load_s"], args))
+    b["heldout_curve"] = curve
+    b["final_inrun_pass1"] = rows[-1].get("eval/pass@1")
+    b["final_adapter"] = str(Path(b["log_dir"]) / "adapter")
+
+
+def run_temper_heldout(args, task: dict, workdir: Path) -> dict:
     """temper's side of the held-out mode: run A evaluates after every step
     (the held-out curve), run B does not (the training clock). With
     --temper-checkpoints, one run saves its adapter after every step
     instead, scored later by the evaluator TRL's adapters get."""
     if args.temper_checkpoints:
-        return run_temper_checkpoints(args, workdir)
+        return run_temper_checkpoints(args, task, workdir)
     a = run_temper(args, workdir, "temper-eval-every-step", ("--eval.interval", "1"))
     b = run_temper(args, workdir, "temper-run", ("--eval.interval", "0"))
     rows_a = read_metric_rows(Path(a["log_dir"]) / "metrics.jsonl")
@@ -407,27 +423,13 @@ def run_temper_heldout(args, workdir: Path) -> dict:
             "temper's two runs diverged (the held-out curve would not be the timed run's): "
             f"rewards {rewards_a} vs {rewards_b}"
         )
-    curve = []
-    for ra, rb in zip(rows_a, rows_b):
-        # The last step of run B includes its final evaluation; nothing else does.
-        clock = rb["time/elapsed"] - rb.get("time/eval", 0.0)
-        curve.append({"step": ra["step"], "heldout": ra["eval/pass@1"], "train_s": clock,
-                      "reward": ra["reward/mean"]})
-    b["heldout_curve"] = curve
-    b["reward_mirror_checked"] = check_reward_mirror(args, Path(a["log_dir"]))
-    # Seconds per step on the training clock (run B's last step ran an evaluation).
-    n = len(curve)
-    b["loop_s"] = curve[-1]["train_s"]
-    b["s_per_step_incl_first"] = curve[-1]["train_s"] / n
-    b["s_per_step"] = ((curve[-1]["train_s"] - curve[0]["train_s"]) / (n - 1) if n >= 3
-                       else b["s_per_step_incl_first"])
-    b["final_inrun_pass1"] = rows_b[-1].get("eval/pass@1")
-    b["final_adapter"] = str(Path(b["log_dir"]) / "adapter")
+    on_training_clock(b, rows_b, [r["eval/pass@1"] for r in rows_a], args)
+    b["reward_mirror_checked"] = check_reward_mirror(task, Path(a["log_dir"]))
     b["heldout_steps_checked_equal"] = len(rewards_a)
     return b
 
 
-def run_temper_checkpoints(args, workdir: Path) -> dict:
+def run_temper_checkpoints(args, task: dict, workdir: Path) -> dict:
     """One temper run checkpointing every step (the clock includes those
     writes); its per-step adapters, as PEFT directories, for `heldout`."""
     keep = ("--ckpt.interval", "1", "--ckpt.keep", str(args.max_steps + 1))
@@ -447,27 +449,15 @@ def run_temper_checkpoints(args, workdir: Path) -> dict:
         raise SystemExit(f"checkpoints of steps {sorted(adapters)}, metrics of "
                          f"{[r['step'] for r in rows]} (ckpt.interval 1 expected)")
     b["checkpoint_adapters"] = {str(k): v for k, v in adapters.items()}
-    b["heldout_curve"] = [
-        {"step": r["step"], "heldout": None,
-         "train_s": r["time/elapsed"] - r.get("time/eval", 0.0), "reward": r["reward/mean"]}
-        for r in rows
-    ]
-    b["reward_mirror_checked"] = check_reward_mirror(args, run_dir)
-    n = len(rows)
-    curve = b["heldout_curve"]
-    b["loop_s"] = curve[-1]["train_s"]
-    b["s_per_step_incl_first"] = curve[-1]["train_s"] / n
-    b["s_per_step"] = ((curve[-1]["train_s"] - curve[0]["train_s"]) / (n - 1) if n >= 3
-                       else b["s_per_step_incl_first"])
-    b["final_inrun_pass1"] = rows[-1].get("eval/pass@1")
-    b["final_adapter"] = str(run_dir / "adapter")
+    on_training_clock(b, rows, [None] * len(rows), args)
+    b["reward_mirror_checked"] = check_reward_mirror(task, run_dir)
     return b
 
 
 # ------------------------------------------------------------------------- TRL
 
 
-def run_trl(args, rl_cfg: dict, workdir: Path) -> dict:
+def run_trl(args, rl_cfg: dict, task: dict, workdir: Path) -> dict:
     # Thread settings before torch is imported.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
@@ -497,7 +487,6 @@ def run_trl(args, rl_cfg: dict, workdir: Path) -> dict:
     sampling = rl_cfg.get("sampling", {})
     trainer_cfg = rl_cfg.get("trainer", {})
     lora_cfg = rl_cfg.get("lora", {})
-    task = build_task(rl_cfg)
     group = int(sampling.get("group_size", 8))
     prompts_per_step = int(trainer_cfg.get("batch_size", 16))
     max_tokens = int(sampling.get("max_tokens", 24))
@@ -639,7 +628,6 @@ def run_trl(args, rl_cfg: dict, workdir: Path) -> dict:
     }
     out["torch_threads"] = torch.get_num_threads()
     out["adapters"] = {str(k): str(v) for k, v in sorted(adapters.items())}
-    out["task_env_dir"] = str(task["env_dir"]) if task["env_dir"] else None
     return out
 
 
@@ -706,14 +694,14 @@ def eval_adapters(args, env_dir: Path, adapters: dict[str, str], rl_cfg: dict,
         log.close()
 
 
-def heldout(t: dict, r: dict | None, rl_cfg: dict, args, workdir: Path) -> None:
+def heldout(t: dict, r: dict | None, rl_cfg: dict, task: dict, args, workdir: Path) -> None:
     """Score the saved adapters on the held-out rows: TRL's (r["heldout_curve"])
     and, with --temper-checkpoints, temper's; and check the evaluator against
     temper's in-run evaluation of its final adapter."""
     inrun = sorted((Path(t["log_dir"]) / "evals").glob("step-*/metadata.json"))[-1]
     inrun_meta = json.loads(inrun.read_text())
     threshold = float(inrun_meta["pass_threshold"])
-    env_dir = build_task(rl_cfg)["env_dir"]
+    env_dir = task["env_dir"]
     adapters = {"temper-final": t["final_adapter"]}
     for k, v in t.get("checkpoint_adapters", {}).items():
         adapters[f"temper-step-{int(k):04d}"] = v
@@ -732,11 +720,11 @@ def heldout(t: dict, r: dict | None, rl_cfg: dict, args, workdir: Path) -> None:
             c["heldout"] = scores[f"temper-step-{c['step']:04d}"]
     if r is None:
         return
-    clock = {d["step"]: d["elapsed_s"] for d in r["per_step"]}
+    logged = {d["step"]: d for d in r["per_step"]}
     r["heldout_curve"] = [
-        {"step": int(k), "heldout": scores[f"trl-step-{int(k):04d}"], "train_s": clock[int(k)],
-         "reward": next(d["reward"] for d in r["per_step"] if d["step"] == int(k))}
-        for k in sorted(r["adapters"], key=int) if int(k) in clock
+        {"step": k, "heldout": scores[f"trl-step-{k:04d}"], "train_s": logged[k]["elapsed_s"],
+         "reward": logged[k]["reward"]}
+        for k in sorted(map(int, r["adapters"])) if k in logged
     ]
 
 
@@ -894,6 +882,8 @@ def main() -> int:
     if args.model is None or args.rl_config is None:
         p.error("--model and --rl-config are required")
     rl_cfg = tomllib.loads(args.rl_config.read_text())
+    # Before anything runs: an environment TRL's side cannot mirror fails here.
+    task = None if args.skip_trl and args.heldout_target is None else build_task(rl_cfg)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_rl_trl_"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"workdir: {workdir}")
@@ -902,7 +892,7 @@ def main() -> int:
     if args.heldout_target is not None and args.skip_temper:
         p.error("the held-out mode needs temper's runs (its evaluator is checked on them)")
     if args.heldout_target is not None:
-        t = run_temper_heldout(args, workdir)
+        t = run_temper_heldout(args, task, workdir)
     else:
         t = None if args.skip_temper else run_temper(args, workdir)
     if t:
@@ -911,9 +901,9 @@ def main() -> int:
             f"(process {t['process_wall_s']:.1f}s)",
             flush=True,
         )
-    r = None if args.skip_trl else run_trl(args, rl_cfg, workdir)
+    r = None if args.skip_trl else run_trl(args, rl_cfg, task, workdir)
     if args.heldout_target is not None:
-        heldout(t, r, rl_cfg, args, workdir)
+        heldout(t, r, rl_cfg, task, args, workdir)
         report_heldout(t, r, args)
     else:
         report(t, r, args)
